@@ -1,0 +1,71 @@
+"""The flashdapo command line: `flashdapo train | config | eval`.
+
+`train` and `config` take `--preset NAME` and `--config FILE`, then overrides of any config field
+(`--trainer.total-steps 10`); tyro derives those flags and their help from `flashdapo.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import tyro
+
+from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, load_file, preset
+
+USAGE = """usage: flashdapo {train,config,eval} [options]
+
+  train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
+  config   print the resolved config (YAML; reusable with --config)
+  eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [--k 32]
+
+presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field."
+
+
+def resolve_config(argv: list[str], prog: str) -> Config:
+    """Preset, then config file, then command-line overrides (tyro) -> a validated Config."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default=DEFAULT_PRESET)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(argv)
+    base = preset(known.preset)
+    if known.config:
+        base = load_file(known.config, base)
+    description = (
+        f"{Config.__doc__}\n\nStarting point: preset '{known.preset}'"
+        + (f" + {known.config}" if known.config else "")
+        + f" (presets: {', '.join(PRESETS)}; --preset NAME, --config FILE). Defaults below are that start."
+    )
+    return tyro.cli(Config, default=base, args=rest, prog=prog, description=description,
+                    config=(tyro.conf.FlagConversionOff,))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "train":
+            config = resolve_config(rest, "flashdapo train")
+            from .trainer.loop import train
+
+            train(config)
+        elif command == "config":
+            print(resolve_config(rest, "flashdapo config").to_yaml(), end="")
+        elif command == "eval":
+            from .evaluate import eval_main
+
+            eval_main(rest)
+        else:
+            print(f"flashdapo: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+            return 2
+    except ConfigError as err:
+        print(f"flashdapo: config error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
