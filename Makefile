@@ -1,0 +1,47 @@
+# The README's commands. Each target creates/updates the local virtualenv first, so that on a fresh
+# machine `make demo` and `make test` are one command each.
+#
+# torch: on a machine without an NVIDIA GPU we install the CPU build (torch==2.13.0; on the dev/CI
+# machines it lies on disk). With a GPU (nvidia-smi present) pip's default CUDA build is used.
+# Override with e.g. `make setup TORCH_SPEC='torch==2.11.0'`.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.11,torch==2.13.0)
+EXTRAS ?= dev
+STAMP := $(VENV)/.installed-$(EXTRAS)
+
+.PHONY: setup demo test test-fast bench gpu-check lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+demo: setup  ## the main job on the built-in default: DAPO on the toy task, a few minutes on a laptop CPU
+	$(VENV)/bin/flashdapo train
+
+test: setup  ## the whole suite (GPU/vLLM cases skip with a reason where they cannot run)
+	$(VENV)/bin/pytest
+
+test-fast: setup
+	$(VENV)/bin/pytest -m "not slow and not distributed"
+
+bench: setup  ## CPU benchmark suites; writes a table under bench/results/
+	$(PY) -m bench.bench_kernels
+
+gpu-check: setup
+	bash bench/gpu_check.sh
+
+lint: setup
+	$(VENV)/bin/ruff check flashdapo tests bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,258 @@
+"""Rule-based verifiers: the DAPO "Answer:" rule (default) and an optional math-verify backend.
+
+The DAPO rule, exactly as released (verl `utils/reward_score/math_dapo.py`, `compute_score` with
+`strict_box_verify=False`; see DAPO.md section 4):
+
+1. Keep only the last 300 characters of the decoded response.
+2. Take the LAST case-insensitive match of `Answer\\s*:\\s*([^\\n]+)` in that window (the rest of the
+   line after the colon). No match -> invalid: score -1, acc False, pred "".
+3. Normalize the extraction AND the ground truth with the Minerva / lm-eval `normalize_final_answer`
+   (hendrycks_math / minerva_math harness): text after the last "="; fixed substitutions (articles,
+   "\\$", "\\ ", spaces, "mbox" -> "text", "\\text{and}" -> ","); removal of unit words and TeX noise;
+   keep the inside of the first $...$; unwrap \\text{}, \\textbf{}, \\overline{}, \\boxed{}; repair
+   "\\fracab" -> "\\frac{a}{b}" and "\\sqrta" -> "\\sqrt{a}"; delete "$"; drop commas from pure digit
+   strings; strip.
+4. Correct iff the two normalized strings are exactly equal: score +1.0, else -1.0.
+
+So "Answer: $540$", "answer:540", "Answer: x = 540" and "Answer: 540 degrees" match "540", while
+"Answer: 540.", "Answer: **540**", "Answer: 540.0" and a bare "\\boxed{540}" do not. `Verdict.pred`
+is the normalized extraction (what was compared against the normalized ground truth).
+
+The substitution and removal lists are data from EleutherAI's lm-evaluation-harness (Apache-2.0),
+reproduced entry for entry, quirks included ("sue", "\\text{<newline>s}"), because the rule is
+defined by them.
+
+`math_verify` (optional extra `math`) instead parses both sides into sympy and checks equivalence.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "REMOVED_EXPRESSIONS",
+    "SUBSTITUTIONS",
+    "VERIFIERS",
+    "Verdict",
+    "Verifier",
+    "dapo_verify",
+    "extract_answer",
+    "get_verifier",
+    "math_verify_verify",
+    "normalize_final_answer",
+    "score_responses",
+]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's judgement of one response."""
+
+    score: float
+    """Reward: +1.0 if correct, -1.0 otherwise (overlong shaping is added elsewhere)."""
+    acc: bool
+    """Correctness; dynamic sampling filters groups on this, not on the shaped score."""
+    pred: str
+    """The prediction as compared: the normalized extraction; "" when nothing was extracted."""
+
+
+class Verifier(Protocol):
+    """Anything that judges a decoded response against a ground-truth answer string."""
+
+    def __call__(self, response: str, ground_truth: str) -> Verdict: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# The DAPO rule
+# ---------------------------------------------------------------------------------------------
+
+WINDOW_CHARS = 300
+"""Only this many trailing characters of a response are searched (verl: `solution_str[-300:]`)."""
+
+ANSWER_PATTERN = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+"""The answer line; the last match in the window wins."""
+
+# (before, after) pairs applied in order with str.replace.
+SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+
+# Deleted in order with str.replace (substring match anywhere, not whole words).
+REMOVED_EXPRESSIONS: tuple[str, ...] = (
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",  # a real newline, as in the harness
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",  # a real newline, as in the harness
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
+)
+
+# (pattern, replacement) pairs applied in order with re.sub; `.` never crosses a newline.
+_TEX_REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), r"$\3$"),  # keep the inside of the first $...$
+    (re.compile(r"(\\text\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\textbf\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\overline\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\boxed\{)(.*)(\})"), r"\2"),  # greedy: up to the last "}"
+    (re.compile(r"(frac)([^{])(.)"), r"frac{\2}{\3}"),  # \fracab -> \frac{a}{b}
+    (re.compile(r"(sqrt)([^{])"), r"sqrt{\2}"),  # \sqrta -> \sqrt{a}
+)
+
+
+def normalize_final_answer(final_answer: str) -> str:
+    """Normalize an answer string the Minerva / lm-eval way (see the module docstring).
+
+    Applied to both the extracted prediction and the ground truth before exact comparison.
+    """
+    text = final_answer.split("=")[-1]
+    for before, after in SUBSTITUTIONS:
+        text = text.replace(before, after)
+    for expr in REMOVED_EXPRESSIONS:
+        text = text.replace(expr, "")
+    for pattern, replacement in _TEX_REWRITES:
+        text = pattern.sub(replacement, text)
+    text = text.replace("$", "")
+    if text.replace(",", "").isdigit():
+        text = text.replace(",", "")
+    return text.strip()
+
+
+def extract_answer(response: str) -> str | None:
+    """The raw text after the last "Answer:" in the response's last 300 characters, or None."""
+    matches = ANSWER_PATTERN.findall(response[-WINDOW_CHARS:])
+    return matches[-1] if matches else None
+
+
+def dapo_verify(response: str, ground_truth: str) -> Verdict:
+    """Judge `response` against `ground_truth` with the DAPO rule as released (+1 / -1)."""
+    extracted = extract_answer(response)
+    if extracted is None:
+        return Verdict(score=-1.0, acc=False, pred="")
+    pred = normalize_final_answer(extracted)
+    correct = pred == normalize_final_answer(ground_truth)
+    return Verdict(score=1.0 if correct else -1.0, acc=correct, pred=pred)
+
+
+# ---------------------------------------------------------------------------------------------
+# math-verify (optional extra)
+# ---------------------------------------------------------------------------------------------
+
+_MATH_HINT = "the 'math_verify' verifier needs the math-verify package: pip install 'flashdapo[math]'"
+
+
+def _require_math_verify() -> None:
+    try:
+        found = importlib.util.find_spec("math_verify") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ImportError(_MATH_HINT)
+
+
+def math_verify_verify(response: str, ground_truth: str) -> Verdict:
+    """Judge by equivalence with the math-verify package (+1 / -1).
+
+    The ground truth is parsed as `\\boxed{ground_truth}` (unless it already holds a \\boxed{});
+    the whole response is parsed with math-verify's default extraction (boxed, LaTeX and plain
+    expressions; the last answer found wins). `pred` is math-verify's string form of the parsed
+    prediction, "" when nothing parsed. Parse or comparison errors count as wrong.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as err:
+        raise ImportError(_MATH_HINT) from err
+    # math-verify's timeouts use SIGALRM, which only the main thread may install.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold_text = ground_truth if "\\boxed" in ground_truth else f"\\boxed{{{ground_truth}}}"
+    try:
+        gold = parse(gold_text, parsing_timeout=timeout)
+        answer = parse(response, parsing_timeout=timeout)
+        correct = bool(gold) and bool(answer) and bool(verify(gold, answer, timeout_seconds=timeout))
+    except Exception:  # math-verify raises assorted sympy/ANTLR/timeout errors on odd input
+        return Verdict(score=-1.0, acc=False, pred="")
+    pred = str(answer[-1]) if answer else ""
+    return Verdict(score=1.0 if correct else -1.0, acc=correct, pred=pred)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and batch scoring
+# ---------------------------------------------------------------------------------------------
+
+VERIFIERS: dict[str, Callable[[str, str], Verdict]] = {
+    "dapo": dapo_verify,
+    "math_verify": math_verify_verify,
+}
+"""Verifier names accepted by `get_verifier` (and by the config's `verifier` field)."""
+
+
+def get_verifier(name: str) -> Verifier:
+    """Return the verifier called `name` ("dapo" or "math_verify").
+
+    Raises ValueError for an unknown name, and ImportError (naming the pip extra) when
+    "math_verify" is asked for without the math-verify package installed.
+    """
+    if name not in VERIFIERS:
+        raise ValueError(f"unknown verifier {name!r}; expected one of {sorted(VERIFIERS)}")
+    if name == "math_verify":
+        _require_math_verify()
+    return VERIFIERS[name]
+
+
+def score_responses(
+    responses: Sequence[str], ground_truths: Sequence[str], verifier: Verifier
+) -> list[Verdict]:
+    """Judge each response against its ground truth (same length, paired by position)."""
+    if len(responses) != len(ground_truths):
+        raise ValueError(
+            f"score_responses: {len(responses)} responses but {len(ground_truths)} ground truths"
+        )
+    return [verifier(r, gt) for r, gt in zip(responses, ground_truths, strict=True)]

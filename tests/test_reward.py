@@ -1,0 +1,303 @@
+"""Tests for flashdapo.reward: the DAPO "Answer:" rule as released, and the verifier registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+
+from flashdapo.reward import (
+    REMOVED_EXPRESSIONS,
+    SUBSTITUTIONS,
+    Verdict,
+    dapo_verify,
+    get_verifier,
+    math_verify_verify,
+    normalize_final_answer,
+    score_responses,
+)
+
+PREAMBLE = "Let me think step by step.\nSo the total is computed below.\n"
+
+# ---------------------------------------------------------------------------------------------
+# The consequences DAPO.md section 4 lists
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "last_line, correct",
+    [
+        ("Answer: 540", True),
+        ("Answer: $540$", True),
+        ("Answer: \\boxed{540}", True),
+        ("answer:540", True),
+        ("ANSWER :  540", True),
+        ("Final Answer: 540", True),
+        ("Answer: x = 540", True),
+        ("Answer: 540 degrees", True),
+        ("Answer: 540.", False),
+        ("Answer: **540**", False),
+        ("**Answer:** 540", False),  # extraction is "** 540"
+        ("Answer: 540.0", False),
+        ("\\boxed{540}", False),  # no Answer line at all
+        ("The answer is 540", False),
+    ],
+)
+def test_dapo_md_consequences(last_line: str, correct: bool) -> None:
+    v = dapo_verify(PREAMBLE + last_line, "540")
+    assert v.acc is correct
+    assert v.score == (1.0 if correct else -1.0)
+
+
+def test_invalid_response_has_empty_pred() -> None:
+    assert dapo_verify("no answer line here, \\boxed{540}", "540") == Verdict(-1.0, False, "")
+    assert dapo_verify("", "540") == Verdict(-1.0, False, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Extraction: window, last match, line end
+# ---------------------------------------------------------------------------------------------
+
+
+def test_only_last_300_chars_are_read() -> None:
+    early = "Answer: 540\n" + "x" * 300
+    assert dapo_verify(early, "540").pred == ""
+    assert not dapo_verify(early, "540").acc
+
+
+def test_window_boundary() -> None:
+    line = "Answer: 540\n"
+    inside = line + "y" * (300 - len(line))  # exactly 300 characters: "A" is the first one kept
+    assert len(inside) == 300 and dapo_verify(inside, "540").acc
+    outside = line + "y" * (301 - len(line))  # the "A" falls out: "nswer:" does not match
+    assert dapo_verify(outside, "540") == Verdict(-1.0, False, "")
+
+
+@pytest.mark.parametrize(
+    "response, correct",
+    [
+        ("Answer: 1\nthen I rechecked.\nAnswer: 540", True),
+        ("Answer: 540\nthen I rechecked.\nAnswer: 1", False),
+        ("Answer: 540 Answer: 7", False),  # same line: the greedy first match swallows the rest
+        ("Answer: 540\nThat is all.", True),  # the match stops at the end of its line
+        ("Answer: 540\r\n", True),  # "\r" is kept by [^\n]+ and then stripped
+    ],
+)
+def test_last_match_and_lines(response: str, correct: bool) -> None:
+    assert dapo_verify(response, "540").acc is correct
+
+
+def test_answer_on_next_line() -> None:
+    # `\s*` after the colon matches newlines, so an answer on the following line is still found.
+    assert dapo_verify("Answer:\n540", "540").acc
+    assert dapo_verify("Answer:\n\n  540\n", "540").pred == "540"
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalization, one rule per row
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, normalized",
+    [
+        # text after the last "="
+        ("x = 540", "540"),
+        ("a = b = 7", "7"),
+        # substitutions: articles, escaped dollars, "\ ", spaces, mbox, \text{and}, \text{m}
+        ("an apple", "apple"),
+        ("a dog", "dog"),
+        ("$540.$", "540"),
+        ("\\$540", "540"),
+        ("5\\ 000", "5000"),
+        (" 1 2 3 ", "123"),
+        ("5 \\mbox{ inches}", "5"),
+        ("x \\text{ and } y", "x,y"),
+        ("x, \\text{and} y", "x,y"),
+        ("5\\text{m}", "5"),
+        # removed unit words and TeX noise
+        ("5 square units", "5"),
+        ("10 ways", "10"),
+        ("3 integers", "3"),
+        ("12 dollars", "12"),
+        ("60 mph", "60"),
+        ("7 inches", "7"),
+        ("2 hours", "2"),
+        ("4 km", "4"),
+        ("9 points", "9"),
+        ("8 feet", "8"),
+        ("15 minutes", "15"),
+        ("3 digits", "3"),
+        ("25 cents", "25"),
+        ("540 degrees", "540"),
+        ("5 cm", "5"),
+        ("5 gm", "5"),
+        ("6 pounds", "6"),
+        ("100 meters", "100"),
+        ("3 meals", "3"),
+        ("12 edges", "12"),
+        ("30 students", "30"),
+        ("4 childrentickets", "4"),
+        ("5 multiples", "5"),
+        ("sue5", "5"),  # a harness quirk, kept
+        ("1, 2, \\ldots, n", "1,2,,n"),
+        ("1, 2, \\dots, n", "1,2,,n"),
+        ("90^\\circ", "90"),
+        ("90^{\\circ}", "90"),
+        ("5\\mathrm{th}", "5"),
+        ("5\\text{s}", "5"),
+        ("5\\text{.}", "5"),
+        ("5\\text{}^2", "5"),
+        ("5\\text{}^3", "5"),
+        ("1\\;000", "1000"),
+        ("1,\\!000", "1000"),
+        ("1{,}000", "1000"),
+        ('"540"', "540"),
+        # the inside of the first $...$ (text around it is dropped)
+        ("$540$", "540"),
+        ("so $540$ total", "540"),
+        ("$1$ and $2$", "1"),
+        # unwrapping
+        ("\\text{(A)}", "(A)"),
+        ("\\textbf{(B)}", "(B)"),
+        ("\\overline{AB}", "AB"),
+        ("\\boxed{540}", "540"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # greedy: up to the last "}"
+        # shorthand TeX repair
+        ("\\frac12", "\\frac{1}{2}"),
+        ("\\frac123", "\\frac{1}{2}3"),
+        ("\\frac{12}{5}", "\\frac{12}{5}"),
+        ("\\dfrac12", "\\dfrac{1}{2}"),
+        ("\\sqrt2", "\\sqrt{2}"),
+        ("\\sqrt{2}", "\\sqrt{2}"),
+        ("3\\sqrt23", "3\\sqrt{2}3"),
+        # commas in pure digit strings only
+        ("1,000", "1000"),
+        ("1,000,000", "1000000"),
+        ("1,000.5", "1,000.5"),
+        ("(1,2)", "(1,2)"),
+        ("1, 2", "12"),  # a digit list collapses: a harness quirk, kept
+        ("1 \\text{ and } 2", "12"),
+        # what is NOT normalized
+        ("540.", "540."),
+        ("540.0", "540.0"),
+        ("**540**", "**540**"),
+        ("-540", "-540"),
+    ],
+)
+def test_normalize_final_answer(raw: str, normalized: str) -> None:
+    assert normalize_final_answer(raw) == normalized
+
+
+def test_rule_lists_are_complete() -> None:
+    assert len(SUBSTITUTIONS) == 10
+    assert len(REMOVED_EXPRESSIONS) == 41
+    assert SUBSTITUTIONS[0] == ("an ", "") and SUBSTITUTIONS[-1] == ("\\text{m}", "\\text{}")
+    assert "\\text{\ns}" in REMOVED_EXPRESSIONS and "\\text{\n}" in REMOVED_EXPRESSIONS
+    assert REMOVED_EXPRESSIONS[-1] == "\\dots"
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: prediction vs ground truth, both normalized
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "answer, ground_truth, correct",
+    [
+        ("1,000", "1000", True),
+        ("1000", "1,000", True),
+        ("\\frac12", "\\frac{1}{2}", True),
+        ("\\frac{1}{2}", "1/2", False),
+        ("\\dfrac{1}{2}", "\\frac{1}{2}", False),
+        ("0.5", "\\frac{1}{2}", False),
+        ("\\sqrt2", "\\sqrt{2}", True),
+        ("\\text{(C)}", "(C)", True),
+        ("\\textbf{C}", "C", True),
+        ("$\\boxed{12}$", "12", True),
+        # the ground truth is normalized too
+        ("540", "$540$", True),
+        ("540", "540 degrees", True),
+        ("540", "x = 540", True),
+        ("540", " 540 ", True),
+        ("540", "\\boxed{540}", True),
+    ],
+)
+def test_prediction_against_ground_truth(answer: str, ground_truth: str, correct: bool) -> None:
+    assert dapo_verify(f"{PREAMBLE}Answer: {answer}", ground_truth).acc is correct
+
+
+def test_pred_is_normalized_extraction() -> None:
+    v = dapo_verify(PREAMBLE + "Answer: $x = 1,000$ dollars", "1000")
+    assert v == Verdict(score=1.0, acc=True, pred="1000")
+    assert dapo_verify(PREAMBLE + "Answer: 541 degrees", "540").pred == "541"
+
+
+def test_verdict_is_frozen() -> None:
+    v = Verdict(1.0, True, "1")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        v.score = -1.0  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and batch scoring
+# ---------------------------------------------------------------------------------------------
+
+
+def test_get_verifier_dapo() -> None:
+    assert get_verifier("dapo") is dapo_verify
+
+
+def test_get_verifier_unknown_lists_names() -> None:
+    with pytest.raises(ValueError, match=r"dapo.*math_verify"):
+        get_verifier("sympy")
+
+
+def test_math_verify_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` fail
+    with pytest.raises(ImportError, match=r"pip install 'flashdapo\[math\]'"):
+        get_verifier("math_verify")
+    with pytest.raises(ImportError, match=r"pip install 'flashdapo\[math\]'"):
+        math_verify_verify("Answer: 1", "1")
+
+
+def test_score_responses() -> None:
+    responses = ["Answer: 540", "Answer: 7", "nothing", "Answer: \\frac12"]
+    truths = ["540", "540", "540", "\\frac{1}{2}"]
+    verdicts = score_responses(responses, truths, dapo_verify)
+    assert [v.acc for v in verdicts] == [True, False, False, True]
+    assert [v.score for v in verdicts] == [1.0, -1.0, -1.0, 1.0]
+    assert score_responses([], [], dapo_verify) == []
+    with pytest.raises(ValueError, match="2 responses but 1 ground truths"):
+        score_responses(["a", "b"], ["a"], dapo_verify)
+
+
+# ---------------------------------------------------------------------------------------------
+# math-verify backend (optional extra)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "response, ground_truth, correct",
+    [
+        ("Answer: 540", "540", True),
+        ("so the result is \\boxed{540}", "540", True),
+        ("Answer: $\\frac{1}{2}$", "0.5", True),
+        ("\\boxed{0.5}", "\\frac{1}{2}", True),
+        ("Answer: 541", "540", False),
+        ("I do not know.", "540", False),
+    ],
+)
+def test_math_verify(response: str, ground_truth: str, correct: bool) -> None:
+    pytest.importorskip("math_verify")
+    verifier = get_verifier("math_verify")
+    v = verifier(response, ground_truth)
+    assert v.acc is correct
+    assert v.score == (1.0 if correct else -1.0)
+
+
+def test_math_verify_pred() -> None:
+    pytest.importorskip("math_verify")
+    assert math_verify_verify("Answer: 540", "540").pred == "540"
+    assert math_verify_verify("I do not know.", "540").pred == ""
