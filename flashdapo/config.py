@@ -84,6 +84,24 @@ class ToyTaskConfig:
     """Operands are drawn from 0..max_operand."""
     seed: int = 1234
     """Seed of the problem generator."""
+    ops: str = "+"
+    """Operations drawn from, any of '+', '-', '*' (e.g. "+-"); '-' problems never have a negative answer."""
+    prompt_format: str = "Compute {expr}. End with Answer: N"
+    """The user message; {expr} becomes e.g. '7+12' ({a}, {op}, {b} are also available)."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_train >= 1, "data.toy.num_train", ">= 1", self.num_train)
+        _require(self.num_val >= 0, "data.toy.num_val", ">= 0", self.num_val)
+        _require(self.max_operand >= 1, "data.toy.max_operand", ">= 1", self.max_operand)
+        _require(bool(self.ops) and set(self.ops) <= set("+-*") and len(set(self.ops)) == len(self.ops),
+                 "data.toy.ops", "distinct characters among '+', '-', '*'", self.ops)
+        try:
+            self.prompt_format.format(expr="1+2", a=1, op="+", b=2)
+            ok = "{expr}" in self.prompt_format or ("{a}" in self.prompt_format and "{b}" in self.prompt_format)
+        except (KeyError, IndexError, ValueError):
+            ok = False
+        _require(ok, "data.toy.prompt_format", "a format string using {expr} (or {a} and {b}) and no other fields",
+                 self.prompt_format)
 
 
 @dataclass

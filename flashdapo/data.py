@@ -1,0 +1,407 @@
+"""Prompt datasets: DAPO-Math-17k-schema parquet/jsonl or {problem, answer} jsonl, and the toy task.
+
+Choices, stated first:
+- A file row becomes a `Record` (chat messages + ground truth); the tokenizer's chat template with the
+  generation prompt turns it into a `Prompt` (token ids). Plain {problem, answer} rows are wrapped in
+  the DAPO prompt template as one user message (DAPO.md section 4).
+- Bad input stops with a `DataError` naming the file, the 0-based row and what was expected; no row is
+  ever skipped silently. Prompts over the budget are left-truncated (DAPO), dropped or refused, and
+  counted; exact-duplicate prompts (same messages) are counted and optionally removed (the public
+  DAPO-Math-17k file holds each problem ~100 times). Duplicates are tokenized once and share ids.
+- `PromptSampler` walks a deterministic permutation per epoch; every rank computes the same global
+  batch and takes its contiguous slice, so the state (epoch, global position) resumes at any world size.
+- The toy task poses small-integer arithmetic ("Compute 7+12. End with Answer: N"); its ground truth
+  is the integer as a string, checked by the DAPO "Answer:" verifier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import ConfigError, DataConfig, ToyTaskConfig
+
+DAPO_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+TOY_DATA_SOURCE = "toy_arithmetic"
+
+
+class DataError(ValueError):
+    """A data file is unreadable or malformed; the message names the file, the row and what was expected."""
+
+
+@dataclass
+class Record:
+    """One dataset row before tokenization."""
+
+    messages: list[dict[str, str]]
+    """Chat messages, each {role, content}."""
+    ground_truth: str
+    """Reference answer the verifier compares with."""
+    source: str
+    """'file:row' (0-based row), for error messages and debugging."""
+    data_source: str = ""
+    """The row's `data_source` column (e.g. 'math_dapo'), '' when absent."""
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt. `ids` may be shared between duplicate prompts: do not mutate it."""
+
+    ids: list[int]
+    """Token ids after the chat template with generation prompt (possibly left-truncated)."""
+    ground_truth: str
+    source: str
+    """'file:row' (0-based row)."""
+    data_source: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading files
+
+
+def _where(path: str | Path, row: int) -> str:
+    return f"{path}: row {row} (0-based)"
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    ok = isinstance(value, (list, tuple)) and len(value) > 0
+    if ok:
+        for m in value:
+            ok = ok and isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    if not ok:
+        raise DataError(f"{where}: 'prompt' must be a non-empty list of {{role, content}} messages with string "
+                        f"values, got {str(value)[:120]!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _ground_truth(value: Any, where: str, name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise DataError(f"{where}: {name} must be a non-empty string (or an integer), got {value!r}")
+    text = str(value)
+    if not text.strip():
+        raise DataError(f"{where}: {name} is empty")
+    return text
+
+
+def _dapo_row(row: dict[str, Any], where: str, source: str) -> Record:
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise DataError(f"{where}: expected reward_model.ground_truth, got reward_model={reward_model!r}")
+    return Record(_messages(row.get("prompt"), where),
+                  _ground_truth(reward_model["ground_truth"], where, "reward_model.ground_truth"),
+                  source, str(row.get("data_source") or ""))
+
+
+def _jsonl_row(row: Any, where: str, source: str) -> Record:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "prompt" in row:
+        return _dapo_row(row, where, source)
+    if "problem" in row:
+        if not isinstance(row["problem"], str) or not row["problem"].strip():
+            raise DataError(f"{where}: 'problem' must be a non-empty string, got {row['problem']!r}")
+        if row.get("answer") is None:
+            raise DataError(f"{where}: a {{problem, answer}} row needs an 'answer'")
+        content = DAPO_TEMPLATE.format(problem=row["problem"])
+        return Record([{"role": "user", "content": content}], _ground_truth(row["answer"], where, "'answer'"),
+                      source, str(row.get("data_source") or ""))
+    raise DataError(f"{where}: expected 'prompt' + 'reward_model' (DAPO-Math-17k schema) or 'problem' + "
+                    f"'answer', got keys {sorted(row)}")
+
+
+def _read_jsonl(path: Path) -> list[Record]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: cannot read the file ({err})") from err
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for row, line in enumerate(lines):
+        where = _where(path, row) + f" (line {row + 1})"
+        if not line.strip():
+            raise DataError(f"{where}: empty line; expected one JSON object per line")
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from err
+        records.append(_jsonl_row(obj, where, f"{path}:{row}"))
+    return records
+
+
+def _read_parquet(path: Path) -> list[Record]:
+    try:
+        file = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{path}: cannot read the file as parquet ({err})") from err
+    names = file.schema_arrow.names
+    for column in ("prompt", "reward_model"):
+        if column not in names:
+            raise DataError(f"{path}: column {column!r} is missing (DAPO-Math-17k schema: prompt, reward_model"
+                            f"; the file has {names})")
+    columns = ["prompt", "reward_model"] + (["data_source"] if "data_source" in names else [])
+    records: list[Record] = []
+    shared: dict[tuple, list[dict[str, str]]] = {}  # the public 17k file repeats each prompt ~100x
+    try:
+        for batch in file.iter_batches(batch_size=8192, columns=columns):
+            for item in batch.to_pylist():
+                row = len(records)
+                record = _dapo_row(item, _where(path, row), f"{path}:{row}")
+                key = tuple((m["role"], m["content"]) for m in record.messages)
+                record.messages = shared.setdefault(key, record.messages)
+                records.append(record)
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{path}: cannot read the parquet data after row {len(records)} ({err})") from err
+    return records
+
+
+def read_records(path: str | Path) -> list[Record]:
+    """Read a .parquet or .jsonl file of prompts (DAPO-Math-17k schema, or {problem, answer} jsonl)."""
+    path = Path(path)
+    if path.suffix not in (".parquet", ".jsonl"):
+        raise DataError(f"{path}: unknown extension {path.suffix!r}; expected .parquet or .jsonl")
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    return _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenized datasets
+
+
+@dataclass
+class DatasetReport:
+    """What loading did: counts the trainer prints once."""
+
+    rows: int
+    """Rows read (all files)."""
+    duplicates: int
+    """Rows whose messages equal an earlier row's."""
+    removed: int
+    """Duplicates removed (cfg.dedup)."""
+    truncated: int
+    """Prompts left-truncated to max_prompt_length."""
+    dropped: int
+    """Prompts dropped for exceeding max_prompt_length (truncation='drop')."""
+    files: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line for the console."""
+        names = ", ".join(Path(f).name for f in self.files) or "none"
+        unique = self.rows - self.duplicates
+        return (f"{self.rows} rows from {names}: {unique} unique prompts, {self.duplicates} duplicates "
+                f"({self.removed} removed), {self.truncated} truncated, {self.dropped} dropped")
+
+
+@dataclass
+class PromptDataset:
+    """Tokenized prompts in file order, and the loading report."""
+
+    prompts: list[Prompt]
+    report: DatasetReport
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> Prompt:
+        return self.prompts[index]
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template with the generation prompt."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if hasattr(out, "keys") and "input_ids" in out:  # BatchEncoding / dict (transformers 5 default)
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return [int(i) for i in out]
+
+
+def _fit(ids: list[int], record: Record, cfg: DataConfig) -> tuple[list[int] | None, bool]:
+    """Apply the length policy: (ids, truncated); ids None means drop."""
+    if len(ids) <= cfg.max_prompt_length:
+        return ids, False
+    if cfg.truncation == "left":
+        return ids[-cfg.max_prompt_length:], True
+    if cfg.truncation == "drop":
+        return None, False
+    raise DataError(f"{record.source}: the prompt has {len(ids)} tokens > data.max_prompt_length="
+                    f"{cfg.max_prompt_length} (data.truncation='error'; use 'left' or 'drop')")
+
+
+def prompts_from_records(records: list[Record], tokenizer: Any, cfg: DataConfig,
+                         files: list[str] | None = None) -> PromptDataset:
+    """Tokenize records (each distinct prompt once), count duplicates, dedup and apply the length policy."""
+    if not records:
+        raise DataError(f"{', '.join(files or []) or 'dataset'}: no rows")
+    seen: dict[tuple, tuple[list[int] | None, bool]] = {}
+    prompts, duplicates, truncated, dropped = [], 0, 0, 0
+    for record in records:
+        key = tuple((m["role"], m["content"]) for m in record.messages)
+        if key in seen:
+            duplicates += 1
+            if cfg.dedup:
+                continue
+        else:
+            seen[key] = _fit(chat_ids(tokenizer, record.messages), record, cfg)
+        ids, was_truncated = seen[key]
+        if ids is None:
+            dropped += 1
+            continue
+        truncated += was_truncated
+        prompts.append(Prompt(ids, record.ground_truth, record.source, record.data_source))
+    if not prompts:
+        raise DataError(f"{', '.join(files or []) or 'dataset'}: every prompt was dropped (longer than "
+                        f"data.max_prompt_length={cfg.max_prompt_length})")
+    report = DatasetReport(len(records), duplicates, duplicates if cfg.dedup else 0, truncated, dropped,
+                           list(files or []))
+    return PromptDataset(prompts, report)
+
+
+def load_prompts(files: list[str], tokenizer: Any, cfg: DataConfig) -> PromptDataset:
+    """Read, tokenize and check prompt files (see `read_records`, `prompts_from_records`)."""
+    records = [record for path in files for record in read_records(path)]
+    return prompts_from_records(records, tokenizer, cfg, [str(f) for f in files])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling
+
+
+class PromptSampler:
+    """Deterministic, resumable, rank-sharded batches of prompts.
+
+    Each call draws the next `batch_size` prompts of the global order (a fresh permutation per epoch,
+    seeded by (seed, epoch); batches may span an epoch boundary) and returns rank `rank`'s contiguous
+    slice of `batch_size // world_size` prompts.
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if len(dataset) == 0:
+            raise DataError("PromptSampler: the dataset is empty")
+        if batch_size < 1 or world_size < 1 or batch_size % world_size:
+            raise DataError(f"PromptSampler: batch_size ({batch_size}) must be a positive multiple of the "
+                            f"world size ({world_size})")
+        if not 0 <= rank < world_size:
+            raise DataError(f"PromptSampler: rank {rank} outside 0..{world_size - 1}")
+        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = 0, 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            n = len(self.dataset)
+            perm = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n))
+            self._order = (epoch, perm)
+        return self._order[1]
+
+    def next_indices(self) -> list[int]:
+        """Dataset indices of this rank's share of the next global batch (advances the state)."""
+        picked: list[int] = []
+        while len(picked) < self.batch_size:
+            perm = self._permutation(self.epoch)
+            take = min(self.batch_size - len(picked), len(perm) - self.position)
+            picked += perm[self.position:self.position + take].tolist()
+            self.position += take
+            if self.position == len(perm):
+                self.epoch, self.position = self.epoch + 1, 0
+        per_rank = self.batch_size // self.world_size
+        return picked[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def next_batch(self) -> list[Prompt]:
+        """This rank's prompts of the next global batch."""
+        return [self.dataset[i] for i in self.next_indices()]
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """Position in the global order (independent of rank and world size)."""
+        return {"epoch": self.epoch, "position": self.position, "num_prompts": len(self.dataset),
+                "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`; the dataset, seed and shuffle flag must match."""
+        for key, mine in (("num_prompts", len(self.dataset)), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if key in state and state[key] != mine:
+                raise DataError(f"PromptSampler: cannot resume, the checkpoint's {key} is {state[key]!r} but "
+                                f"this run's is {mine!r} (a resumed run must use the same data and seed)")
+        if not 0 <= int(state["position"]) < len(self.dataset) or int(state["epoch"]) < 0:
+            raise DataError(f"PromptSampler: invalid state {state!r}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The toy task
+
+
+Problem = tuple[int, str, int]
+
+
+def _answer(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def toy_problems(cfg: ToyTaskConfig) -> tuple[list[Problem], list[Problem]]:
+    """(train, val) problems: val takes distinct problems, train cycles through all the others."""
+    every = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)
+             if op != "-" or a >= b]
+    if cfg.num_val >= len(every):
+        raise ConfigError(f"data.toy.num_val: expected fewer than the {len(every)} distinct problems of "
+                          f"max_operand={cfg.max_operand}, ops={cfg.ops!r}, got {cfg.num_val}")
+    random.Random(cfg.seed).shuffle(every)
+    val, pool = every[:cfg.num_val], every[cfg.num_val:]
+    return [pool[i % len(pool)] for i in range(cfg.num_train)], val
+
+
+def _toy_record(problem: Problem, cfg: ToyTaskConfig, source: str) -> Record:
+    a, op, b = problem
+    content = cfg.prompt_format.format(expr=f"{a}{op}{b}", a=a, op=op, b=b)
+    return Record([{"role": "user", "content": content}], str(_answer(a, op, b)), source, TOY_DATA_SOURCE)
+
+
+def toy_records(cfg: ToyTaskConfig, split: Literal["train", "val"]) -> list[Record]:
+    """The toy task's records: train and val are disjoint, both deterministic in cfg.seed."""
+    if split not in ("train", "val"):
+        raise ValueError(f"toy_records: split must be 'train' or 'val', got {split!r}")
+    train, val = toy_problems(cfg)
+    problems = train if split == "train" else val
+    return [_toy_record(p, cfg, f"toy:{split}:{i}") for i, p in enumerate(problems)]
+
+
+def toy_sft_examples(cfg: ToyTaskConfig, n: int, rng: random.Random) -> list[tuple[Record, str]]:
+    """`n` (prompt record, correct response) pairs drawn from the train split, e.g. response 'Answer: 19'."""
+    train, _ = toy_problems(cfg)
+    picks = [train[rng.randrange(len(train))] for _ in range(n)]
+    out = []
+    for i, problem in enumerate(picks):
+        record = _toy_record(problem, cfg, f"toy:sft:{i}")
+        out.append((record, f"Answer: {record.ground_truth}"))
+    return out
+
+
+def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
+    """(train, val) from cfg.train_files / cfg.val_files, or the toy task when train_files is empty."""
+    if not cfg.train_files:
+        train = prompts_from_records(toy_records(cfg.toy, "train"), tokenizer, cfg, ["toy:train"])
+        val = (prompts_from_records(toy_records(cfg.toy, "val"), tokenizer, cfg, ["toy:val"])
+               if cfg.toy.num_val > 0 and not cfg.val_files else None)
+    else:
+        train, val = load_prompts(cfg.train_files, tokenizer, cfg), None
+    if cfg.val_files:
+        # Evaluation sets repeat each problem (AIME-2024: 30 x 32 rows); k samples per unique prompt.
+        val = load_prompts(cfg.val_files, tokenizer, dataclasses.replace(cfg, dedup=True))
+    return train, val
