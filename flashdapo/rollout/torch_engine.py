@@ -1,0 +1,303 @@
+"""A plain-torch rollout engine: gpt-fast style generation for any HF causal LM, on any device.
+
+The choices, before the code:
+
+- **Batching.** `generate` repeats each prompt `n` times (responses of prompt i are adjacent) and runs
+  sub-batches of at most `max_batch` sequences. A sub-batch is LEFT-padded so every row's next token
+  sits in the same column; position ids are `cumsum(mask) - 1`, so RoPE sees each prompt from
+  position 0, exactly as an unpadded forward does.
+- **KV cache.** A transformers `StaticCache` preallocated for `prompt + max_new_tokens` slots (the
+  gpt-fast layout, and the one `torch.compile`/CUDA graphs can capture later). transformers builds the
+  causal mask from cache *slots* and the padding mask from the 2-D attention mask we pass (zero-padded
+  to the cache length), so pad slots are never attended to; position ids only feed RoPE.
+- **Prefill** projects only the last position onto the vocabulary (`logits_to_keep=1`).
+- **Stopping.** A row is finished after its first EOS (kept in the response). Finished rows keep
+  being decoded (their inputs are pads and their outputs are dropped) until every row is finished or
+  `max_new_tokens` is reached; rows are never compacted, so the cache keeps its shape.
+- **Sampling.** logits / temperature, then top-k, then top-p, then an exponential race
+  (argmax p / q with q ~ Exp(1), a multinomial draw without a host sync) from a `torch.Generator`
+  seeded with `sampling.seed` (plus the rank in a process group, so ranks draw independently).
+  Same seed, inputs, `max_batch` and rank -> identical Rollouts.
+- **Log-probs** are `log_softmax(logits.float() / T)` of the sampled token, taken BEFORE top-k/top-p
+  filtering: the quantity the trainer recomputes with `kernels.token_logprobs(..., temperature=T)`.
+  (vLLM's `processed_logprobs` are after filtering; the two agree when top_k/top_p are off, the DAPO
+  default.) They are fp32; in a bf16 model the LM-head matmul itself is bf16.
+- **Distributed.** Under FSDP2 every forward all-gathers parameters, so all ranks of `process_group`
+  must make the same number of forward calls: the number of sub-batches and the "all finished" test
+  are agreed by an all-reduce (MAX); a rank out of prompts decodes a one-token dummy batch. All ranks
+  must pass the same `SamplingParams`. Without a group (or with one rank) there are no collectives.
+- Generation runs under `torch.no_grad` (not `inference_mode`: FSDP2 may keep unsharded parameter
+  buffers across calls, and inference tensors cannot be used by the autograd pass that follows), with
+  the model in eval mode; its training mode is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from transformers import StaticCache
+
+from .base import Rollouts, SamplingParams
+
+__all__ = ["TorchEngine", "left_pad", "sample"]
+
+
+def left_pad(
+    prompts: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into `input_ids`, `attention_mask` (1 = real token) and `position_ids`.
+
+    All three are [B, max_len] int64; a row's position ids count its real tokens from 0 (pads get 0).
+    """
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def _top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Set every logit below the k-th largest of its row to -inf (ties at the k-th value are kept)."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches `top_p` (nucleus)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
+    drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` [B, V]; return (tokens [B] int64, log-probs [B] fp32).
+
+    The log-prob is that of the drawn token under log_softmax(logits / temperature), before the
+    top-k/top-p filters (what the trainer recomputes). top_k <= 0 and top_p >= 1 disable the filters.
+    """
+    scaled = logits.float() / temperature
+    filtered = _top_p_filter(_top_k_filter(scaled, top_k), top_p)
+    probs = torch.softmax(filtered, dim=-1)
+    # Exponential race: argmax_i p_i / q_i with q_i ~ Exp(1) is distributed as Categorical(p), and
+    # unlike torch.multinomial it needs no host sync. The clamp keeps a (vanishingly rare) q = 0 finite.
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-30)
+    tokens = (probs / race).argmax(dim=-1)
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs
+
+
+def _check_request(prompts: list[list[int]], sampling: SamplingParams) -> None:
+    if sampling.n < 1 or sampling.max_new_tokens < 1:
+        raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {sampling}")
+    if sampling.temperature <= 0:
+        raise ValueError("temperature must be > 0 (greedy decoding: use top_k=1)")
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: every prompt needs at least one token")
+
+
+class TorchEngine:
+    """RolloutEngine over an HF causal LM (plain or FSDP2-sharded), prefill + decode on a static KV cache.
+
+    `max_batch` bounds the sequences (prompts x n) decoded together, hence the KV-cache memory.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        device: torch.device | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        max_batch: int | None = None,
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids must name at least one token")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model = model
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.max_batch = max_batch
+        self.process_group = process_group
+        self._distributed = process_group is not None and dist.get_world_size(process_group) > 1
+        self._rank = dist.get_rank(process_group) if self._distributed else 0
+        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
+        # transformers 5.x names the cache argument `cache` (`past_key_values` is deprecated); 4.x only
+        # knows `past_key_values`. inspect.signature follows the decorators' __wrapped__.
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    # ---- the RolloutEngine protocol ------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, max_batch: int | None = None
+    ) -> Rollouts:
+        """Sample `sampling.n` responses per prompt; `max_batch` overrides the constructor's bound."""
+        _check_request(prompts, sampling)
+        owners = [i for i in range(len(prompts)) for _ in range(sampling.n)]
+        size = max_batch or self.max_batch or max(len(owners), 1)
+        chunks = [owners[i : i + size] for i in range(0, len(owners), size)]
+        num_chunks = self._agree_max(len(chunks))
+        generator = torch.Generator(device=self.device)
+        # Ranks sample different prompts: give each its own stream (rank 0 uses the seed as is).
+        generator.manual_seed((sampling.seed + (self._rank << 32)) % (1 << 63))
+
+        responses, logprobs, truncated = [], [], []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for c in range(num_chunks):
+                    if c >= len(chunks):  # out of work: keep FSDP's collectives in step with the others
+                        self._generate_batch([[self.pad_token_id]], sampling, generator, dummy=True)
+                        continue
+                    tokens, logps, lengths, trunc = self._generate_batch(
+                        [prompts[i] for i in chunks[c]], sampling, generator
+                    )
+                    for row, length in enumerate(lengths.tolist()):
+                        responses.append(tokens[row, :length].clone())
+                        logprobs.append(logps[row, :length].clone())
+                    truncated.append(trunc)
+        finally:
+            self.model.train(was_training)
+
+        prompt_tensors = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        return Rollouts(
+            prompt_ids=[prompt_tensors[i] for i in owners],
+            response_ids=responses,
+            group_ids=torch.tensor(owners, dtype=torch.long),
+            truncated=torch.cat(truncated) if truncated else torch.zeros(0, dtype=torch.bool),
+            logprobs=logprobs,
+        )
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full tensors into the model's parameters/buffers by HF name (a standalone engine's copy).
+
+        Tied weights are reachable under every name. Not for an FSDP2-sharded model: an engine that
+        shares the policy's module sees its updates without a copy.
+        """
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in targets:
+                    raise KeyError(f"update_weights: the model has no parameter or buffer {name!r}")
+                targets[name].copy_(tensor)  # copy_ converts device and dtype
+
+    def sleep(self) -> None:
+        """No-op: the static caches live only for the duration of one `generate`."""
+
+    def wake(self) -> None:
+        """No-op (see `sleep`)."""
+
+    # ---- gpt-fast verbs --------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: StaticCache,
+    ) -> torch.Tensor:
+        """Run left-padded prompts [B, P] through the model into `cache`; next-token logits [B, V] fp32."""
+        return self._forward(input_ids, attention_mask, position_ids, cache)
+
+    def decode_one_token(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: StaticCache
+    ) -> torch.Tensor:
+        """Feed one token per row (tokens, positions: [B]); next-token logits [B, V] fp32.
+
+        `attention_mask` [B, slots so far + 1] marks the valid cache slots (left pads are 0).
+        """
+        return self._forward(tokens[:, None], attention_mask, positions[:, None], cache)
+
+    sample = staticmethod(sample)
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,  # only the last position is projected onto the vocabulary
+            **{self._cache_arg: cache},
+        )
+        return out.logits[:, -1].float()
+
+    def _generate_batch(
+        self, prompts: list[list[int]], sampling: SamplingParams, generator: torch.Generator, dummy=False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode one sub-batch: CPU tokens [B, T], log-probs [B, T], lengths [B], truncated [B].
+
+        A `dummy` batch starts finished: it only makes the forward calls the other ranks make.
+        """
+        ids, mask, positions = left_pad(prompts, self.pad_token_id, self.device)
+        batch, width = ids.shape
+        steps = sampling.max_new_tokens
+        cache = StaticCache(config=self.model.config, max_cache_len=width + steps)
+        # Generated tokens always occupy valid slots; only the prompts' left pads are masked.
+        mask = torch.cat([mask, mask.new_ones(batch, steps)], dim=1)
+        next_position = positions[:, -1] + 1  # position of the first generated token, per row
+        tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device)
+        logps = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
+        done = torch.full((batch,), dummy, dtype=torch.bool, device=self.device)
+
+        logits = self.prefill(ids, mask[:, :width], positions, cache)
+        for t in range(steps):
+            if t > 0:
+                if self._all_done(done):
+                    break
+                logits = self.decode_one_token(
+                    tokens[:, t - 1], next_position + (t - 1), mask[:, : width + t], cache
+                )
+            new, new_logp = self.sample(
+                logits, sampling.temperature, sampling.top_p, sampling.top_k, generator
+            )
+            tokens[:, t] = torch.where(done, self.pad_token_id, new)
+            logps[:, t] = torch.where(done, 0.0, new_logp)
+            done |= torch.isin(new, self._eos)
+
+        is_eos = torch.isin(tokens, self._eos)
+        has_eos = is_eos.any(dim=1)
+        # argmax returns the first maximal index: the first EOS of the row.
+        lengths = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, steps)
+        return tokens.cpu(), logps.cpu(), lengths.cpu(), (~has_eos).cpu()
+
+    def _agree_max(self, value: int) -> int:
+        """The maximum of `value` over the process group (the value itself without one)."""
+        if not self._distributed:
+            return value
+        # NCCL reduces only device tensors; gloo and others take CPU ones.
+        on_nccl = dist.get_backend(self.process_group) == "nccl"
+        t = torch.tensor([value], dtype=torch.long, device=self.device if on_nccl else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(t.item())
+
+    def _all_done(self, done: torch.Tensor) -> bool:
+        """Whether every row on every rank is finished (one host sync per decode step)."""
+        return self._agree_max(int((~done).any())) == 0
