@@ -1,0 +1,376 @@
+"""Co-located vLLM rollouts: one `vllm.LLM` per torchrun rank, on the trainer's GPU, asleep while it trains.
+
+Written against vLLM 0.33.0 (read from its wheel; paths below are inside it). Never run here: no GPU.
+
+The choices, before the code:
+
+- **Engine.** `LLM(model_path, distributed_executor_backend="external_launcher", enable_sleep_mode=True,
+  logprobs_mode="processed_logprobs", load_format="dummy", ...)`. external_launcher runs the worker in
+  this process and reuses the trainer's process group: vLLM lays ranks out as ExternalDP x DP x PP x TP
+  with TP innermost (`distributed/parallel_state.py`, `initialize_model_parallel`), so contiguous ranks
+  form a tensor-parallel group and world_size must be a multiple of `tensor_parallel_size`. Every rank
+  builds its engine at the same time (vLLM creates its groups collectively). The engine seed is the same
+  inside a TP group (ranks must sample identical tokens, `config/model.py` `seed`) and differs across
+  groups. vLLM re-seeds the process-global RNGs with it (`v1/worker/gpu_worker.py`), so seed the trainer
+  after building the engine. Dummy weights: the real ones are pushed before the first generate.
+- **Sampling.** Prompts go in as token ids (`{"prompt_token_ids": ...}`), one `SamplingParams` per prompt
+  with n, temperature, top_p, top_k (off = 0), max_tokens, `logprobs=0` (the sampled token's log-prob only),
+  `detokenize=False`, `flat_logprobs=True` and `seed = derive_seed(call seed, dp group, prompt index)`;
+  vLLM gives sample k the seed + k (`v1/engine/parallel_sampling.py`), seeds are < 2**62 so that never
+  overflows. The loop makes the call seed unique per (step, generation round), e.g.
+  `derive_seed(trainer.seed, step, round)`, so samples differ and runs repeat. `processed_logprobs` are
+  log_softmax(logits / T) after top-k/top-p (`v1/sample/sampler.py`): the trainer's log-probs when top-k
+  and top-p are off (the DAPO training setting). Finish reason "length" (max_tokens or max_model_len)
+  means truncated; "stop" (EOS, kept in token_ids) is not; anything else ("abort", "error") raises.
+- **TP groups.** Each rank holds its own prompts. Inside a TP group the prompt lists are all-gathered
+  (gloo subgroup, rank order), every rank submits the identical concatenation with identical seeds, and
+  keeps the slice that answers its own prompts.
+- **Weights.** `LLM.apply_model(fn)` runs `fn(model)` on the in-process worker's raw model
+  (`v1/worker/worker_base.py` `apply_model`; in-process for external_launcher:
+  `v1/executor/uniproc_executor.py`, `v1/engine/core_client.py` `InprocClient`). `fn` calls
+  `model.load_weights([(name, tensor)])` once per tensor as they stream from
+  `trainer.weight_sync.iter_full_state_dict`: HF names go in unchanged, vLLM's Qwen2 loader stacks
+  q/k/v into `qkv_proj` and gate/up into `gate_up_proj` itself (`model_executor/models/qwen2.py`,
+  `hf_to_vllm_mapper`) and slices for TP. A tied `lm_head.weight` is never sent (its alias check
+  would fail on a lone tensor). After the stream, every vLLM parameter must have been loaded and every
+  stacked one must have all its shards, else RuntimeError: after a level-2 sleep an unpushed parameter
+  holds garbage. `collective_rpc("reload_weights")` is never called: without an iterator it reloads
+  the checkpoint from disk (`model_executor/model_loader/reload/inplace.py`; trl#5312).
+- **Memory.** `sleep(level)` after generating: 1 offloads weights to pinned CPU memory, 2 discards them
+  (we push every weight anyway); both free the KV cache. Waking: `wake_up(tags=["weights"])`, push,
+  `reset_prefix_cache()`, `wake_up(tags=["kv_cache"])` (tags: `v1/executor/abstract.py` `SLEEP_TAGS`),
+  so the push never competes with the KV cache. vLLM allocates through its own CuMem pool, which cannot
+  reuse blocks cached by PyTorch's allocator: `torch.cuda.empty_cache()` runs before each wake.
+
+Per step, the loop makes these calls, on every rank together (vLLM calls in the comments):
+
+    engine.wake()                        # wake_up(tags=["weights"]); no-op when awake (first step)
+    engine.update_weights(iter_full_state_dict(policy.hf, dtype=engine.weight_dtype))
+                                         # load_weights per tensor, completeness check, reset_prefix_cache()
+    rollouts = engine.generate(prompts, SamplingParams(..., seed=derive_seed(seed, step, round)))
+                                         # first call wakes tags=["kv_cache"]; one call per sampling round
+    engine.sleep()                       # sleep(level=rollout.sleep_level), before the trainer's passes
+    old_logprobs = ...                   # the trainer's no-grad pass: same weights as were pushed
+    if should_check_logprobs(step, cfg.logprob_check_every, first_step):
+        metrics |= check_logprobs(kept.logprobs, old_logprobs, cfg.logprob_check_threshold)
+    metrics |= engine.metrics()          # {"timing_s/weight_sync": seconds of the gather + load}
+
+`engine.wake_and_sync(named_tensors)` is the first two calls plus the KV-cache wake in one. The push is
+needed before the first generate of the run too (the engine starts on dummy weights), validation included.
+The torch engine shares the policy module: for it, skip the push (its wake/sleep are no-ops).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import struct
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..config import RolloutConfig
+from .base import Rollouts, SamplingParams
+
+__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "LogprobMismatchWarning", "check_logprobs", "derive_seed",
+           "logprob_mismatch", "should_check_logprobs", "tp_layout", "to_rollouts", "vllm_target"]
+
+VLLM_VERSION_READ = "0.33.0"
+"""The vLLM release whose source this module was written against."""
+
+STACKED: tuple[tuple[str, str, str | int], ...] = (
+    (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
+    (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1),
+)
+"""vLLM 0.33 Qwen2Model.hf_to_vllm_mapper `orig_to_new_stacked`: HF substring -> (vLLM substring, shard)."""
+_SHARDS = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}}
+_SEED_BITS = 62
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed in [0, 2**62) from integers (blake2b of their 64-bit encodings): stable across runs."""
+    data = b"".join(struct.pack("<q", int(p)) for p in parts)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> (64 - _SEED_BITS)
+
+
+def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, list[int]]:
+    """(dp group index, rank inside the TP group, ranks of the TP group); contiguous ranks form a group."""
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the world size ({world_size})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    start = rank - rank % tp
+    return rank // tp, rank % tp, list(range(start, start + tp))
+
+
+def vllm_target(name: str) -> tuple[str, str | int | None]:
+    """The vLLM parameter an HF tensor lands in, and its shard of a stacked parameter (None if unstacked)."""
+    shard = None
+    for hf_part, vllm_part, shard_id in STACKED:
+        if hf_part in name:
+            name, shard = name.replace(hf_part, vllm_part, 1), shard_id
+    return name, shard
+
+
+def _import_vllm() -> Any:
+    try:
+        return importlib.import_module("vllm")
+    except ImportError as err:
+        raise ImportError(
+            "rollout.engine='vllm' needs vLLM, which is not installed: install the GPU extra "
+            "(pip install -e '.[gpu]'), or set rollout.engine=torch") from err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Outputs -> Rollouts
+
+
+def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> torch.Tensor:
+    """fp32 log-prob of each sampled token from vLLM's per-position logprobs (FlatLogprobs or dicts)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0)")
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: with logprobs=0, one entry per position
+        if list(logprobs.token_ids) == list(token_ids):
+            return torch.tensor(logprobs.logprobs, dtype=torch.float32)
+        values = []
+        for pos, tok in enumerate(token_ids):
+            span = range(logprobs.start_indices[pos], logprobs.end_indices[pos])
+            values.append(next(logprobs.logprobs[i] for i in span if logprobs.token_ids[i] == tok))
+        return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor([position[tok].logprob for position, tok in zip(logprobs, token_ids, strict=True)],
+                        dtype=torch.float32)
+
+
+def to_rollouts(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int) -> Rollouts:
+    """`Rollouts` from vLLM `RequestOutput`s (one per prompt, in order; `n` completions each)."""
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+    prompt_ids, response_ids, group_ids, truncated, logprobs = [], [], [], [], []
+    for group, (request, prompt) in enumerate(zip(outputs, prompts, strict=True)):
+        completions = sorted(request.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for a prompt, expected n={n}")
+        prompt_tensor = torch.tensor(list(prompt), dtype=torch.long)
+        for completion in completions:
+            if completion.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a request with reason {completion.finish_reason!r}")
+            prompt_ids.append(prompt_tensor)
+            response_ids.append(torch.tensor(list(completion.token_ids), dtype=torch.long))
+            group_ids.append(group)
+            truncated.append(completion.finish_reason == "length")
+            logprobs.append(_sampled_logprobs(completion.token_ids, completion.logprobs))
+    return Rollouts(prompt_ids=prompt_ids, response_ids=response_ids,
+                    group_ids=torch.tensor(group_ids, dtype=torch.long),
+                    truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer-vs-rollout log-prob check
+
+
+class LogprobMismatchWarning(UserWarning):
+    """vLLM's and the trainer's log-probs of the same sampled tokens disagree beyond the threshold."""
+
+
+def _flat_fp32(values: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    parts = [values] if isinstance(values, torch.Tensor) else list(values)
+    return torch.cat([t.reshape(-1).float().cpu() for t in parts]) if parts else torch.zeros(0)
+
+
+def logprob_mismatch(engine_logprobs: Sequence[torch.Tensor] | torch.Tensor,
+                     trainer_logprobs: Sequence[torch.Tensor] | torch.Tensor) -> tuple[float, float]:
+    """(mean, max) of |logp_engine - logp_trainer| over all tokens, in fp32; (0, 0) when there are none."""
+    flat = [_flat_fp32(x) for x in (engine_logprobs, trainer_logprobs)]
+    if flat[0].shape != flat[1].shape:
+        raise ValueError(f"log-prob counts differ: engine {flat[0].numel()}, trainer {flat[1].numel()}")
+    if flat[0].numel() == 0:
+        return 0.0, 0.0
+    diff = (flat[0] - flat[1]).abs()
+    return float(diff.mean()), float(diff.max())
+
+
+def should_check_logprobs(step: int, every: int, first_step: int = 0) -> bool:
+    """True at `first_step` (the run's, or the resumed run's, first step) and every `every` steps after."""
+    return step == first_step or (every > 0 and (step - first_step) % every == 0)
+
+
+def check_logprobs(engine_logprobs: Sequence[torch.Tensor] | torch.Tensor,
+                   trainer_logprobs: Sequence[torch.Tensor] | torch.Tensor,
+                   threshold: float) -> dict[str, float]:
+    """Metrics of the mismatch; warns (LogprobMismatchWarning) when the mean exceeds `threshold`."""
+    mean, worst = logprob_mismatch(engine_logprobs, trainer_logprobs)
+    if not mean <= threshold:  # also catches NaN
+        warnings.warn(
+            f"mean |logp_vllm - logp_trainer| = {mean:.4f} (max {worst:.4f}) exceeds "
+            f"rollout.logprob_check_threshold={threshold}. Usual causes: weights not pushed (or reloaded "
+            "from disk), temperature not applied the same way, top_p/top_k active (vLLM's processed "
+            "log-probs are renormalized), dtype differences (fp32 LM head vs bf16).",
+            LogprobMismatchWarning, stacklevel=2)
+    return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": worst}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine
+
+
+def _tp_gather(tp: int, world_size: int) -> Callable[[Any], list[Any]]:
+    """All-gather of a Python object inside this rank's TP group (a gloo subgroup; collective to build)."""
+    if tp == 1:
+        return lambda obj: [obj]
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("tensor_parallel_size > 1 needs torch.distributed initialized (use torchrun)")
+    groups = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * tp
+        dist.all_gather_object(out, obj, group=mine)
+        return out
+
+    return gather
+
+
+def _cuda_empty_cache() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+class VLLMEngine:
+    """RolloutEngine over a co-located `vllm.LLM` (see the module docstring for the protocol)."""
+
+    def __init__(self, config: RolloutConfig, model_path: str, *, rank: int, world_size: int,
+                 dtype: str = "bfloat16", max_model_len: int | None = None, seed: int = 0,
+                 dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
+                 vllm_module: Any = None, **llm_kwargs: Any) -> None:
+        """Build the engine. `max_model_len` = prompt + response budget; `tp_gather` (tests) replaces the
+        TP-group all-gather; `vllm_module` (tests) stands in for the `vllm` package; `llm_kwargs` go to
+        `vllm.LLM` unchanged."""
+        self.config = config
+        tp = config.tensor_parallel_size
+        self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
+        self.weight_dtype: torch.dtype | None = None if dtype == "auto" else getattr(torch, dtype)
+        self._vllm = vllm_module if vllm_module is not None else _import_vllm()
+        self._gather = tp_gather if tp_gather is not None else _tp_gather(tp, world_size)
+        kwargs = dict(tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
+                      enable_sleep_mode=True, gpu_memory_utilization=config.gpu_memory_utilization,
+                      max_num_batched_tokens=config.max_num_batched_tokens,
+                      logprobs_mode="processed_logprobs", dtype=dtype, enable_prefix_caching=True,
+                      seed=derive_seed(seed, self.dp_group) % 2**31)  # same in a TP group; < 2**31 for NumPy
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if dummy_weights:
+            kwargs["load_format"] = "dummy"
+        kwargs.update(llm_kwargs)
+        self.llm = self._vllm.LLM(model=model_path, **kwargs)
+        self._weights_asleep = self._kv_asleep = False
+        self._weights_valid = not dummy_weights
+        self.last_weight_sync_s = 0.0
+
+    # -- memory ------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """`LLM.sleep(level=rollout.sleep_level)`: free the KV cache and offload (1) or drop (2) weights."""
+        if self._weights_asleep or self._kv_asleep:
+            return
+        self.llm.sleep(level=self.config.sleep_level)
+        self._weights_asleep = self._kv_asleep = True
+        if self.config.sleep_level >= 2:
+            self._weights_valid = False
+
+    def wake(self) -> None:
+        """`wake_up(tags=["weights"])` if asleep; the KV cache wakes after the push (or in `generate`)."""
+        if self._weights_asleep:
+            _cuda_empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+
+    def _wake_kv_cache(self) -> None:
+        if self._kv_asleep:
+            _cuda_empty_cache()
+            fully_awake = self.llm.wake_up(tags=["kv_cache"])
+            self._kv_asleep = False
+            if fully_awake is False:
+                raise RuntimeError("vLLM reports it is not fully awake after waking weights and kv_cache")
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full HF-named tensors into vLLM's model one at a time, check completeness, reset the prefix
+        cache. All ranks call it together (the stream may all-gather FSDP2 shards)."""
+        self.wake()
+        start = time.perf_counter()
+        self._weights_valid = False  # until the whole stream has loaded
+        cast = self.weight_dtype
+        stream = ((name, t.to(cast) if cast is not None and t.is_floating_point() else t)
+                  for name, t in named_tensors)
+        missing, partial = self.llm.apply_model(lambda model: _load_stream(model, stream))[0]
+        if missing or partial:
+            raise RuntimeError(f"weight push left vLLM parameters unloaded: {missing[:8]} "
+                               f"(of {len(missing)}); "
+                               f"stacked parameters missing shards: {partial[:8]}")
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM could not reset its prefix cache after the weight push")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.last_weight_sync_s = time.perf_counter() - start
+        self._weights_valid = True
+
+    def wake_and_sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """The per-step wake: weights up, push, prefix cache reset, KV cache up. Returns the push seconds."""
+        self.wake()
+        self.update_weights(named_tensors)
+        self._wake_kv_cache()
+        return self.last_weight_sync_s
+
+    def metrics(self) -> dict[str, float]:
+        """Timing of the last weight push (gather + load), as `timing_s/weight_sync`."""
+        return {"timing_s/weight_sync": self.last_weight_sync_s}
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
+        return self._vllm.SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
+            logprobs=0, seed=derive_seed(sampling.seed, self.dp_group, prompt_index),
+            detokenize=False, flat_logprobs=True)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
+        """Sample `sampling.n` responses per prompt. Every rank of a TP group must call it together."""
+        if self._weights_asleep:
+            raise RuntimeError("VLLMEngine.generate while asleep: call wake_and_sync(...) first")
+        if not self._weights_valid:
+            raise RuntimeError("VLLMEngine holds dummy, discarded or partly pushed weights: push the policy "
+                               "with wake_and_sync(iter_full_state_dict(...)) before generate")
+        self._wake_kv_cache()
+        mine = [[int(t) for t in p] for p in prompts]
+        group_prompts = self._gather(mine)
+        start = sum(len(p) for p in group_prompts[: self.tp_rank])
+        everyone = [p for part in group_prompts for p in part]
+        params = [self._sampling_params(sampling, i) for i in range(len(everyone))]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], params, use_tqdm=False)
+        return to_rollouts(outputs[start: start + len(mine)], mine, sampling.n)
+
+
+def _load_stream(model: torch.nn.Module, stream: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, list]:
+    """Inside the vLLM worker: load tensors one by one; return (unloaded params, stacked params short of
+    shards). Runs in this process (external_launcher), so `stream` may be a generator."""
+    expected = [name for name, _ in model.named_parameters()]
+    loaded: set[str] = set()
+    shards: dict[str, set] = {}
+    for name, tensor in stream:
+        got = model.load_weights([(name, tensor)])
+        loaded |= set(got) if got is not None else {vllm_target(name)[0]}
+        target, shard = vllm_target(name)
+        if shard is not None:
+            shards.setdefault(target, set()).add(shard)
+        del tensor
+    missing = [name for name in expected if name not in loaded]
+    partial = [t for t, got in shards.items() if any(k in t and got != need for k, need in _SHARDS.items())]
+    return missing, partial

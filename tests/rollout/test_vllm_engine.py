@@ -1,0 +1,444 @@
+"""VLLMEngine orchestration against a recording double of the `vllm.LLM` surface (vLLM 0.33.0).
+
+The double mirrors what the engine relies on: LLM(**kwargs), generate, sleep, wake_up, reset_prefix_cache,
+apply_model, collective_rpc; child seeds seed + k for n > 1; FlatLogprobs / dict log-probs; finish
+reasons; and Qwen2's loader (HF names in, q/k/v and gate/up stacked, tied lm_head an alias). Its
+signatures are compared with the real package's when `vllm` imports. The last test runs real vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import math
+import socket
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from flashdapo.config import RolloutConfig
+from flashdapo.rollout.base import SamplingParams
+from flashdapo.rollout.vllm_engine import (
+    LogprobMismatchWarning,
+    VLLMEngine,
+    check_logprobs,
+    derive_seed,
+    logprob_mismatch,
+    should_check_logprobs,
+    to_rollouts,
+    tp_layout,
+    vllm_target,
+)
+from flashdapo.trainer.weight_sync import iter_full_state_dict
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+EOS = 2
+# Copied from vllm 0.33 model_executor/models/qwen2.py (Qwen2Model.hf_to_vllm_mapper), independently of
+# the engine's own table, so the mapping is checked against vLLM's rather than against itself.
+VLLM_QWEN2_STACKED = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"),
+                      ".v_proj": (".qkv_proj", "v"), ".gate_proj": (".gate_up_proj", 0),
+                      ".up_proj": (".gate_up_proj", 1)}
+
+
+def tiny_qwen2(tied: bool) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=24,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=tied))
+
+
+def vllm_qwen2_param_names(config: Qwen2Config) -> list[str]:
+    """named_parameters() of vLLM 0.33's Qwen2ForCausalLM (qwen2.py: qkv bias on, o_proj bias off)."""
+    per_layer = ["self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.o_proj.weight",
+                 "mlp.gate_up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                 "post_attention_layernorm.weight"]
+    names = ["model.embed_tokens.weight"]
+    names += [f"model.layers.{i}.{s}" for i in range(config.num_hidden_layers) for s in per_layer]
+    return names + ["model.norm.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+
+
+class FakeQwen2:
+    """vLLM's in-worker model: named_parameters and load_weights with vLLM's name handling."""
+
+    def __init__(self, config: Qwen2Config):
+        self.config, self.loads = config, []
+        self.params = vllm_qwen2_param_names(config)
+
+    def named_parameters(self):
+        return [(name, None) for name in self.params]
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, tensor in weights:
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                raise ValueError("'lm_head.weight' was skipped because it is tied to the embedding")
+            target, shard = name, None
+            for hf_part, (vllm_part, shard_id) in VLLM_QWEN2_STACKED.items():
+                if hf_part in target:
+                    target, shard = target.replace(hf_part, vllm_part, 1), shard_id
+            if target not in self.params:
+                raise ValueError(f"There is no module or parameter named {target!r}")
+            self.loads.append((name, target, shard, tensor.clone()))
+            loaded.add(target)
+        return loaded
+
+
+@dataclasses.dataclass
+class FakeSamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    seed: int | None = None
+    detokenize: bool = True
+    flat_logprobs: bool = False
+
+
+@dataclasses.dataclass
+class FakeFlatLogprobs:
+    start_indices: list
+    end_indices: list
+    token_ids: list
+    logprobs: list
+
+    def __len__(self):
+        return len(self.start_indices)
+
+
+class FakeLLM:
+    """Records every call; samples deterministically from per-request seeds (child k: seed + k)."""
+
+    config = tiny_qwen2(tied=False).config
+    flat, extra_entries, finish_override = True, False, None
+
+    def __init__(self, model, **kwargs):
+        self.init_kwargs = {"model": model, **kwargs}
+        self.calls, self.sleeping = [], set()
+        self.model = FakeQwen2(self.config)
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None,
+                 tokenization_kwargs=None, mm_processor_kwargs=None):
+        self.calls.append(("generate", [p["prompt_token_ids"] for p in prompts], list(sampling_params)))
+        if self.sleeping:
+            raise RuntimeError(f"generate while {self.sleeping} asleep: vLLM's scheduler would stay paused")
+        return [SimpleNamespace(outputs=[self._sample(sp, k) for k in reversed(range(sp.n))])
+                for sp in sampling_params]
+
+    def _sample(self, sp, k):
+        g = torch.Generator().manual_seed(sp.seed + k)
+        length = int(torch.randint(1, sp.max_tokens + 1, (1,), generator=g))
+        tokens = torch.randint(3, 40, (length,), generator=g).tolist()
+        reason = "length" if length == sp.max_tokens else "stop"
+        if reason == "stop":
+            tokens[-1] = EOS
+        values = (-torch.rand(length, generator=g) * 5).tolist()
+        if self.flat:
+            ids, lps, starts, ends = [], [], [], []
+            for tok, lp in zip(tokens, values, strict=True):
+                starts.append(len(ids))
+                ids.append(tok), lps.append(lp)
+                if self.extra_entries:
+                    ids.append(tok + 100), lps.append(-0.01)
+                ends.append(len(ids))
+            logprobs = FakeFlatLogprobs(starts, ends, ids, lps)
+        else:
+            logprobs = [{t: SimpleNamespace(logprob=v), t + 100: SimpleNamespace(logprob=-0.01)}
+                        for t, v in zip(tokens, values, strict=True)]
+        return SimpleNamespace(index=k, token_ids=tokens, logprobs=logprobs, expected=values,
+                               finish_reason=self.finish_override or reason)
+
+    def sleep(self, level=1, mode="abort"):
+        self.calls.append(("sleep", level))
+        self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+        assert all(t in self.sleeping for t in tags), f"waking {tags} while {self.sleeping} sleep"
+        self.sleeping -= set(tags)
+        return not self.sleeping
+
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+    def apply_model(self, func):
+        self.calls.append(("apply_model",))
+        assert "weights" not in self.sleeping, "loading weights into a sleeping (offloaded/discarded) model"
+        return [func(self.model)]
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("collective_rpc", method))
+        raise AssertionError("the engine must not call collective_rpc (reload_weights reloads from disk)")
+
+
+FAKE_VLLM = SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams)
+
+
+def make_engine(rank=0, world_size=1, tp_gather=None, vllm_module=FAKE_VLLM, **config):
+    return VLLMEngine(RolloutConfig(engine="vllm", **config), "/ckpt/qwen", rank=rank, world_size=world_size,
+                      max_model_len=64, seed=5, tp_gather=tp_gather, vllm_module=vllm_module)
+
+
+def push(engine, tied=False):
+    return engine.wake_and_sync(iter_full_state_dict(tiny_qwen2(tied)))
+
+
+def names(calls):
+    return [c if c[0] in ("sleep", "wake_up") else c[0] for c in calls]
+
+
+def test_llm_built_with_the_colocated_contract():
+    kw = make_engine(gpu_memory_utilization=0.45, max_num_batched_tokens=4096).llm.init_kwargs
+    assert kw["model"] == "/ckpt/qwen" and kw["distributed_executor_backend"] == "external_launcher"
+    assert kw["enable_sleep_mode"] is True and kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["load_format"] == "dummy" and kw["tensor_parallel_size"] == 1 and kw["max_model_len"] == 64
+    assert kw["gpu_memory_utilization"] == 0.45 and kw["max_num_batched_tokens"] == 4096
+    seeds = [make_engine(rank=r, world_size=4, tp_gather=lambda o: [o, o], tensor_parallel_size=2)
+             .llm.init_kwargs["seed"] for r in range(4)]
+    assert seeds[0] == seeds[1] and seeds[2] == seeds[3] and seeds[0] != seeds[2] and 0 <= min(seeds) < 2**31
+
+
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("helper", [True, False])
+def test_per_step_call_order(level, helper):
+    engine = make_engine(sleep_level=level)
+    prompts, sampling = [[5, 6, 7]], SamplingParams(n=2, max_new_tokens=4, seed=1)
+    for _ in range(2):
+        if helper:
+            push(engine)
+        else:  # the RolloutEngine protocol's calls
+            engine.wake()
+            engine.update_weights(iter_full_state_dict(tiny_qwen2(False)))
+        engine.generate(prompts, sampling)
+        engine.sleep()
+    assert names(engine.llm.calls) == [
+        "apply_model", "reset_prefix_cache", "generate", ("sleep", level),
+        ("wake_up", ["weights"]), "apply_model", "reset_prefix_cache", ("wake_up", ["kv_cache"]), "generate",
+        ("sleep", level)]
+    assert engine.metrics()["timing_s/weight_sync"] >= 0
+
+
+def test_generate_refuses_dummy_or_discarded_weights():
+    engine = make_engine(sleep_level=2)
+    with pytest.raises(RuntimeError, match="dummy, discarded"):
+        engine.generate([[1]], SamplingParams())
+    push(engine)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate([[1]], SamplingParams())
+    engine.wake()  # level 2: the woken weights are garbage until pushed
+    with pytest.raises(RuntimeError, match="dummy, discarded"):
+        engine.generate([[1]], SamplingParams())
+    level1 = make_engine(sleep_level=1)
+    push(level1)
+    level1.sleep()
+    level1.wake()  # level 1: weights come back from CPU; the KV cache wakes inside generate
+    level1.generate([[1]], SamplingParams(max_new_tokens=2))
+    assert names(level1.llm.calls)[-2:] == [("wake_up", ["kv_cache"]), "generate"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_qwen2_parameter_maps_and_loads(tied):
+    hf = tiny_qwen2(tied)
+    llm_class = type("Qwen2LLM", (FakeLLM,), {"config": hf.config})
+    engine = make_engine(vllm_module=SimpleNamespace(LLM=llm_class, SamplingParams=FakeSamplingParams))
+    push(engine, tied)
+    loads = engine.llm.model.loads
+    hf_names = [n for n in hf.state_dict() if not (tied and n == "lm_head.weight")]
+    assert sorted(name for name, *_ in loads) == sorted(hf_names)
+    assert {target for _, target, _, _ in loads} == set(vllm_qwen2_param_names(hf.config))
+    for name, target, shard, tensor in loads:
+        assert vllm_target(name) == (target, shard)
+        assert tensor.dtype == torch.bfloat16  # cast to the engine's dtype on the way
+        torch.testing.assert_close(tensor, hf.state_dict()[name].to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("drop, culprit", [("model.layers.0.self_attn.v_proj.weight", "qkv_proj.weight"),
+                                           ("model.norm.weight", "model.norm.weight")])
+def test_incomplete_push_raises(drop, culprit):
+    engine = make_engine()
+    stream = ((n, t) for n, t in iter_full_state_dict(tiny_qwen2(False)) if n != drop)
+    with pytest.raises(RuntimeError, match=culprit):
+        engine.update_weights(stream)
+    with pytest.raises(RuntimeError, match="partly pushed"):
+        engine.generate([[1]], SamplingParams())
+
+
+def test_tp_group_submits_identical_inputs_and_keeps_its_slice():
+    mine = {2: [[10, 11], [12]], 3: [[13, 14, 15]]}  # ranks 2, 3 form TP group 1 of a world of 4
+
+    def gather_for(rank):
+        def gather(obj):
+            assert obj == mine[rank]
+            return [mine[2], mine[3]]
+        return gather
+
+    sampling = SamplingParams(n=3, max_new_tokens=5, seed=9)
+    engines = {r: make_engine(rank=r, world_size=4, tp_gather=gather_for(r), tensor_parallel_size=2)
+               for r in (2, 3)}
+    results = {}
+    for rank, engine in engines.items():
+        push(engine)
+        results[rank] = engine.generate(mine[rank], sampling)
+    submitted = [e.llm.calls[-1] for e in engines.values()]
+    assert submitted[0][1] == submitted[1][1] == mine[2] + mine[3]
+    assert [p.seed for p in submitted[0][2]] == [p.seed for p in submitted[1][2]]
+    for rank, rollouts in results.items():
+        assert len(rollouts) == 3 * len(mine[rank])
+        assert [p.tolist() for p in rollouts.prompt_ids] == [p for p in mine[rank] for _ in range(3)]
+        assert rollouts.group_ids.tolist() == [g for g in range(len(mine[rank])) for _ in range(3)]
+    assert results[2].response_ids[3].tolist() != results[3].response_ids[0].tolist()
+
+
+def test_seed_derivation():
+    assert derive_seed(1, 2, 3) == derive_seed(1, 2, 3) and 0 <= derive_seed(1, 2, 3) < 2**62
+    assert len({derive_seed(s, g, i) for s in range(5) for g in range(5) for i in range(50)}) == 1250
+    assert derive_seed(-1) >= 0
+    sampling = SamplingParams(n=4, max_new_tokens=8, seed=3)
+    a, b, c = (make_engine(rank=r, world_size=2) for r in (0, 0, 1))
+    for e in (a, b, c):
+        push(e)
+    prompts = [[4, 5], [4, 5]]
+    ra, rb, rc = (e.generate(prompts, sampling) for e in (a, b, c))
+    assert [r.tolist() for r in ra.response_ids] == [r.tolist() for r in rb.response_ids]  # runs repeat
+    seeds = [p.seed for p in a.llm.calls[-1][2]]
+    assert seeds == [derive_seed(3, 0, 0), derive_seed(3, 0, 1)]
+    assert seeds != [p.seed for p in c.llm.calls[-1][2]]  # another DP group draws other seeds
+    responses = [r.tolist() for r in ra.response_ids]
+    assert len({tuple(r) for r in responses}) > 1  # same prompt, different samples
+    rd = a.generate(prompts, dataclasses.replace(sampling, seed=4))
+    assert [r.tolist() for r in rd.response_ids] != responses
+
+
+@pytest.mark.parametrize("flat, extra", [(True, False), (True, True), (False, True)])
+def test_outputs_convert_to_rollouts(flat, extra):
+    llm = FakeLLM("m")
+    llm.flat, llm.extra_entries = flat, extra
+    params = [FakeSamplingParams(n=3, max_tokens=4, seed=s) for s in (11, 12, 13)]
+    outputs = llm.generate([{"prompt_token_ids": [1]}] * 3, params)
+    rollouts = to_rollouts(outputs, [[1], [2, 3], [4]], n=3)
+    assert rollouts.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert rollouts.prompt_ids[3] is rollouts.prompt_ids[5] and rollouts.prompt_ids[3].tolist() == [2, 3]
+    completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+    assert {c.finish_reason for c in completions} == {"stop", "length"}  # both cases covered
+    for i, c in enumerate(completions):
+        assert rollouts.response_ids[i].tolist() == c.token_ids
+        assert bool(rollouts.truncated[i]) == (c.finish_reason == "length")
+        assert (rollouts.response_ids[i][-1] == EOS) == (c.finish_reason == "stop")  # EOS kept
+        assert rollouts.logprobs[i].dtype == torch.float32
+        torch.testing.assert_close(rollouts.logprobs[i], torch.tensor(c.expected))
+
+
+def test_bad_outputs_raise():
+    llm = FakeLLM("m")
+    outputs = llm.generate([{"prompt_token_ids": [1]}], [FakeSamplingParams(n=2, max_tokens=3, seed=1)])
+    with pytest.raises(RuntimeError, match="expected n=3"):
+        to_rollouts(outputs, [[1]], n=3)
+    llm.finish_override = "abort"
+    outputs = llm.generate([{"prompt_token_ids": [1]}], [FakeSamplingParams(n=2, max_tokens=3, seed=1)])
+    with pytest.raises(RuntimeError, match="'abort'"):
+        to_rollouts(outputs, [[1]], n=2)
+
+
+def test_logprob_mismatch_and_warning():
+    engine = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    trainer = [torch.tensor([-1.1, -2.0]), torch.tensor([-0.2], dtype=torch.bfloat16)]
+    mean, worst = logprob_mismatch(engine, trainer)
+    assert mean == pytest.approx(0.4 / 3, abs=1e-3) and worst == pytest.approx(0.3, abs=1e-3)
+    assert logprob_mismatch([], []) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="counts differ"):
+        logprob_mismatch(engine, [torch.zeros(2)])
+    with pytest.warns(LogprobMismatchWarning, match="exceeds"):
+        metrics = check_logprobs(engine, trainer, threshold=0.05)
+    assert metrics["rollout/logprob_abs_diff_max"] == pytest.approx(0.3, abs=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_logprobs(engine, engine, threshold=0.05)  # equal: no warning
+    assert [s for s in range(12) if should_check_logprobs(s, 5)] == [0, 5, 10]
+    assert [s for s in range(12) if should_check_logprobs(s, 0)] == [0]
+    assert [s for s in range(3, 12) if should_check_logprobs(s, 4, first_step=3)] == [3, 7, 11]
+
+
+def test_tp_layout_and_missing_vllm(monkeypatch):
+    assert tp_layout(5, 8, 4) == (1, 1, [4, 5, 6, 7])
+    with pytest.raises(ValueError, match="must divide the world size"):
+        tp_layout(0, 6, 4)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import fails as if not installed
+    with pytest.raises(ImportError, match=r"\[gpu\]"):
+        VLLMEngine(RolloutConfig(engine="vllm"), "/ckpt", rank=0, world_size=1)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_double_matches_the_installed_vllm():
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    def shape(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    for method in ("generate", "sleep", "wake_up", "reset_prefix_cache", "apply_model", "collective_rpc"):
+        assert shape(getattr(FakeLLM, method)) == shape(getattr(vllm.LLM, method)), method
+    accepted = set(inspect.signature(vllm.LLM.__init__).parameters)
+    accepted |= {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(make_engine().llm.init_kwargs) <= accepted
+    fields = {f.name: f.default for f in dataclasses.fields(FakeSamplingParams)}
+    vllm.SamplingParams(**{**fields, "logprobs": 0, "seed": derive_seed(1, 2, 3), "top_k": 0})
+    from vllm.v1.executor.abstract import SLEEP_TAGS
+    assert SLEEP_TAGS == {"weights", "kv_cache"}
+
+
+@pytest.mark.vllm
+@pytest.mark.cuda
+@pytest.mark.skipif(not (HAS_VLLM and torch.cuda.is_available()), reason="needs vllm and a CUDA GPU")
+def test_real_vllm_end_to_end(tmp_path, monkeypatch):
+    """One rank: push weights, generate, compare log-probs with HF, sleep level 2, re-push, repeat."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    hf = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    hf = hf.cuda().eval()
+    engine = VLLMEngine(RolloutConfig(engine="vllm", gpu_memory_utilization=0.3, max_num_batched_tokens=2048,
+                                      sleep_level=2), str(tmp_path), rank=0, world_size=1, max_model_len=256,
+                        skip_tokenizer_init=True, enforce_eager=True)
+    prompts, sampling = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(n=4, max_new_tokens=16, seed=7)
+    engine.wake_and_sync(iter_full_state_dict(hf, dtype=torch.bfloat16))
+    first = engine.generate(prompts, sampling)
+    assert len(first) == 8
+    assert [len(r) for r in first.response_ids] == [len(lp) for lp in first.logprobs]
+    with torch.no_grad():
+        trainer = []
+        for p, r in zip(first.prompt_ids, first.response_ids, strict=True):
+            ids = torch.cat([p, r]).cuda()[None]
+            logp = torch.log_softmax(hf(ids).logits[0, len(p) - 1: -1].float(), -1)
+            trainer.append(logp.gather(-1, r.cuda()[:, None])[:, 0].cpu())
+    mean, worst = logprob_mismatch(first.logprobs, trainer)
+    assert mean < 0.05, (mean, worst)
+    engine.sleep()
+    engine.wake_and_sync(iter_full_state_dict(hf, dtype=torch.bfloat16))
+    again = engine.generate(prompts, sampling)
+    assert [r.tolist() for r in again.response_ids] == [r.tolist() for r in first.response_ids]
+    engine.sleep()
+    with torch.no_grad():
+        hf.lm_head.weight.zero_()  # a pushed (not reloaded) head gives uniform log-probs
+    engine.wake_and_sync(iter_full_state_dict(hf, dtype=torch.bfloat16))
+    flat = torch.cat(engine.generate(prompts, sampling).logprobs)
+    torch.testing.assert_close(flat, torch.full_like(flat, -math.log(512)), atol=1e-3, rtol=0)
