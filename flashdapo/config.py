@@ -79,7 +79,17 @@ class ToyTaskConfig:
     num_train: int = 2000
     """Training problems generated."""
     num_val: int = 64
-    """Validation problems generated (disjoint from training)."""
+    """Validation problems (each distinct)."""
+    held_out_val: bool = True
+    """Validation problems never appear in training (tests generalization). False: validation samples
+    the task's own problem set, i.e. measures how many of the task's facts the policy gets right."""
+    verbose_fraction: float = 0.0
+    """Fraction of warm-up responses that first restate the sum ('7+5=12' then 'Answer: 12'): with a
+    short max response length they run into the limit, which gives overlong shaping something to do."""
+    wrong_fraction: float = 0.0
+    """Fraction of warm-up responses whose answer is a near miss (off by 1 or 2): the warmed-up model
+    then knows the candidates but samples the right one only about 1 - wrong_fraction of the time,
+    which is what RL sharpens."""
     max_operand: int = 20
     """Operands are drawn from 0..max_operand."""
     seed: int = 1234
@@ -93,6 +103,10 @@ class ToyTaskConfig:
         _require(self.num_train >= 1, "data.toy.num_train", ">= 1", self.num_train)
         _require(self.num_val >= 0, "data.toy.num_val", ">= 0", self.num_val)
         _require(self.max_operand >= 1, "data.toy.max_operand", ">= 1", self.max_operand)
+        _require(0 <= self.wrong_fraction <= 1, "data.toy.wrong_fraction", "a value in [0, 1]",
+                 self.wrong_fraction)
+        _require(0 <= self.verbose_fraction <= 1, "data.toy.verbose_fraction", "a value in [0, 1]",
+                 self.verbose_fraction)
         _require(bool(self.ops) and set(self.ops) <= set("+-*") and len(set(self.ops)) == len(self.ops),
                  "data.toy.ops", "distinct characters among '+', '-', '*'", self.ops)
         try:

@@ -356,14 +356,18 @@ def _answer(a: int, op: str, b: int) -> int:
 
 
 def toy_problems(cfg: ToyTaskConfig) -> tuple[list[Problem], list[Problem]]:
-    """(train, val) problems: val takes distinct problems, train cycles through all the others."""
+    """(train, val) problems. held_out_val: val takes distinct problems and train cycles through all the
+    others; otherwise train cycles through every problem and val is a distinct sample of them."""
     every = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)
              if op != "-" or a >= b]
-    if cfg.num_val >= len(every):
-        raise ConfigError(f"data.toy.num_val: expected fewer than the {len(every)} distinct problems of "
-                          f"max_operand={cfg.max_operand}, ops={cfg.ops!r}, got {cfg.num_val}")
+    limit = len(every) - 1 if cfg.held_out_val else len(every)
+    if cfg.num_val > limit:
+        raise ConfigError(f"data.toy.num_val: expected at most {limit} for the {len(every)} distinct problems of "
+                          f"max_operand={cfg.max_operand}, ops={cfg.ops!r} (held_out_val={cfg.held_out_val}), "
+                          f"got {cfg.num_val}")
     random.Random(cfg.seed).shuffle(every)
-    val, pool = every[:cfg.num_val], every[cfg.num_val:]
+    val = every[:cfg.num_val]
+    pool = every[cfg.num_val:] if cfg.held_out_val else every
     return [pool[i % len(pool)] for i in range(cfg.num_train)], val
 
 
@@ -383,13 +387,23 @@ def toy_records(cfg: ToyTaskConfig, split: Literal["train", "val"]) -> list[Reco
 
 
 def toy_sft_examples(cfg: ToyTaskConfig, n: int, rng: random.Random) -> list[tuple[Record, str]]:
-    """`n` (prompt record, correct response) pairs drawn from the train split, e.g. response 'Answer: 19'."""
+    """`n` (prompt record, response) pairs drawn from the train split: 'Answer: 19', or with probability
+    cfg.verbose_fraction the verbose '7+12=19' newline 'Answer: 19'; with probability cfg.wrong_fraction
+    the answer is a near miss."""
     train, _ = toy_problems(cfg)
     picks = [train[rng.randrange(len(train))] for _ in range(n)]
     out = []
     for i, problem in enumerate(picks):
         record = _toy_record(problem, cfg, f"toy:sft:{i}")
-        out.append((record, f"Answer: {record.ground_truth}"))
+        value = int(record.ground_truth)
+        if rng.random() < cfg.wrong_fraction:
+            value = abs(value + rng.choice((-2, -1, 1, 2)))  # a near miss, never negative
+            value = value if value != int(record.ground_truth) else value + 1
+        answer = f"Answer: {value}"
+        if rng.random() < cfg.verbose_fraction:
+            a, op, b = problem
+            answer = f"{a}{op}{b}={value}\n{answer}"
+        out.append((record, answer))
     return out
 
 

@@ -1,0 +1,102 @@
+"""The torchrun environment, read in one place, and the few collectives the loop needs.
+
+One code path for 1 and N ranks: a plain `flashdapo train` (no torchrun) starts a single-rank gloo
+group, so FSDP2 and every collective below run the same way at any world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Who this process is: torchrun's RANK / LOCAL_RANK / WORLD_SIZE and the device it drives."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
+    """Read the torchrun environment, pick the device, start the process group and the 1-D mesh.
+
+    NCCL on CUDA, gloo on CPU (with a CPU device mesh). Without torchrun: one rank, a local store.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but torch.cuda.is_available() is False")
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=dev if use_cuda else None)
+        else:
+            if world_size != 1:
+                raise RuntimeError(f"WORLD_SIZE={world_size} but MASTER_ADDR is unset: launch with torchrun")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    mesh = init_device_mesh(dev.type, (world_size,), mesh_dim_names=("dp",))
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, mesh=mesh)
+
+
+def shutdown() -> None:
+    """Destroy the process group if one is up."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _comm_device(tensor: torch.Tensor) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else tensor.device
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """A reduced copy of `tensor` over all ranks (sum / max / min); identity at world size 1."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor.clone()
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    work = tensor.detach().to(_comm_device(tensor), copy=True)
+    dist.all_reduce(work, op=ops[op])
+    return work.to(tensor.device)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (pickled; for small host-side data only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,153 @@
+"""`flashdapo train`: the DAPO loop. The only module that knows every stage.
+
+One step (DESIGN.md "One training step"), each stage timed:
+
+    gen + reward   roll out gen_batch prompts x n, verify, add the overlong penalty   (sampling.py)
+    filter         dynamic sampling: refill until train_batch informative groups     (sampling.py)
+    old_log_prob   log-probs of the kept responses under the policy before updating (update.py)
+    adv            group advantages; overlong filtering of the loss mask             (algorithm.py)
+    update_actor   mini-batches x micro-batches, global token-mean, clip, AdamW      (update.py)
+    weight_sync    push the new weights into the rollout engine                      (vLLM only)
+
+then validation, metrics, plot and checkpoint on their intervals, and an HF export at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from ..algorithm import group_advantages
+from ..evaluate import evaluate
+from .batch import TrainBatch
+from .checkpoint import TrainerState, export_hf, save_checkpoint
+from .distributed import all_reduce, shutdown
+from .metrics import StageTimer, describe, plot_dynamics
+from .run import Run, setup_run
+from .sampling import collect_groups
+from .update import compute_old_logprobs, update_actor
+
+
+def train(cfg) -> Run:
+    """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks."""
+    run = setup_run(cfg)
+    try:
+        if run.start_step == 0 and cfg.trainer.val_before_train:
+            run.logger.log({"step": 0, **validate(run, 0)})
+        for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
+            metrics = train_step(run, step)
+            last = step == cfg.trainer.total_steps
+            if last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
+                metrics.update(validate(run, step))
+            run.logger.log(metrics)
+            if run.env.is_main and cfg.logging.plot:
+                plot_dynamics(run.logger.history, run.run_dir / "training_dynamics.png", f"flashdapo: {run.run_dir.name}")
+            if last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0):
+                save_checkpoint(run.run_dir, run.env, run.policy, run.optimizer, run.trainer_state(step),
+                                cfg.checkpoint.keep_last)
+        if cfg.checkpoint.export_hf:
+            export_hf(run.full_state_dict(), run.policy.config, run.tokenizer, run.run_dir / "export", run.env.is_main)
+            run.log(f"exported the final policy to {run.run_dir / 'export'}")
+    finally:
+        run.logger.close()
+        shutdown()
+    return run
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """One DAPO step, stage by stage; returns its metrics (already reduced over ranks)."""
+    cfg, env = run.cfg, run.env
+    timer = StageTimer(env.device)
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    with timer("step"):
+        run.engine_wake(timer)
+        collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer)
+        run.engine_sleep()
+        batch = TrainBatch(collected.groups)
+        with timer("old_log_prob"):
+            batch.old_logprobs = compute_old_logprobs(run.policy, batch, cfg, run.pad_id, env.device)
+        rollout_check = logprob_agreement(run, step, batch)
+        with timer("adv"):
+            batch.advantages = group_advantages(batch.scores, batch.group_ids, cfg.algorithm.advantage_eps)
+            keep = ~batch.truncated if cfg.algorithm.overlong_filter else torch.ones(len(batch.responses), dtype=torch.bool)
+            batch.loss_mask = keep
+        with timer("update_actor"):
+            update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
+            run.scheduler.step()
+    return {**step_metrics(run, step, batch, collected, update, timer), **rollout_check}
+
+
+def logprob_agreement(run: Run, step: int, batch: TrainBatch) -> dict[str, float]:
+    """Trainer vs rollout-engine log-probs on the same sampled tokens (mean / max |delta|, global), at the
+    first step and every rollout.logprob_check_every steps; warns above rollout.logprob_check_threshold."""
+    from ..rollout.vllm_engine import check_logprobs, should_check_logprobs
+
+    rc = run.cfg.rollout
+    sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
+    if len(sampled) != len(batch.responses) or not should_check_logprobs(step, rc.logprob_check_every,
+                                                                         run.start_step + 1):
+        return {}
+    local = torch.cat([(s.float() - o.float()).abs() for s, o in zip(sampled, batch.old_logprobs)] or
+                      [torch.zeros(0)])
+    stats = all_reduce(torch.tensor([local.sum().item(), float(local.numel())], dtype=torch.float64))
+    peak = all_reduce(torch.tensor([local.max().item() if local.numel() else 0.0]), "max")
+    mean = stats[0].item() / max(stats[1].item(), 1.0)
+    if run.env.is_main:
+        check_logprobs(torch.tensor([mean]), torch.zeros(1), rc.logprob_check_threshold)
+    return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": peak.item()}
+
+
+def validate(run: Run, step: int) -> dict[str, float]:
+    """mean@k / pass@k / maj@k on the validation prompts (k = rollout.val_n, top_p = rollout.val_top_p)."""
+    if not run.val_prompts:
+        return {}
+    rc = run.cfg.rollout
+    start = time.perf_counter()
+    run.engine_wake(None)
+    result = evaluate(run.engine, run.val_prompts, run.tokenizer, run.verifier, rc.val_n, rc.val_temperature,
+                      rc.val_top_p, rc.max_response_length, seed=run.cfg.trainer.seed * 7919 + step)
+    run.engine_sleep()
+    return {**result.metrics("val"), "timing_s/val": time.perf_counter() - start}
+
+
+def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, timer: StageTimer) -> dict[str, float]:
+    """verl-named metrics of one step (DAPO.md section 8), global over ranks."""
+    from .distributed import all_gather_objects
+
+    env = run.env
+    local = (batch.scores, batch.advantages, batch.responses_lengths_tensor(), batch.prompt_lengths_tensor(),
+             batch.truncated.float())
+    scores, adv, resp_len, prompt_len, trunc = (torch.cat(parts) for parts in zip(*all_gather_objects(local)))
+    means = update.stats.means()
+    tokens = (resp_len.sum() + prompt_len.sum()).item()
+    seconds = timer.seconds["step"]
+    m = {"step": step, **describe("critic/score", scores), "critic/rewards/mean": scores.mean().item() if len(scores) else 0.0,
+         **describe("critic/advantages", adv), **describe("response_length", resp_len),
+         "response_length/clip_ratio": trunc.mean().item() if len(trunc) else 0.0,
+         "prompt_length/mean": prompt_len.float().mean().item() if len(prompt_len) else 0.0,
+         "prompt_length/max": prompt_len.float().max().item() if len(prompt_len) else 0.0,
+         "actor/pg_loss": sum(update.pg_losses) / max(len(update.pg_losses), 1),
+         "actor/entropy": means["entropy"], "actor/pg_clipfrac": means["pg_clipfrac"],
+         "actor/pg_clipfrac_lower": means["pg_clipfrac_lower"], "actor/ppo_kl": means["ppo_kl"],
+         "actor/token_prob": means["token_prob"], "actor/ratio": means["ratio"],
+         "actor/grad_norm": sum(update.grad_norms) / max(len(update.grad_norms), 1),
+         "actor/lr": run.scheduler.get_last_lr()[0],
+         "train/num_gen_batches": collected.num_gen_batches,
+         "train/kept_fraction": collected.groups_informative / max(collected.groups_generated, 1),
+         "train/kept_groups": float(len(scores) and len(scores) // run.cfg.rollout.n),
+         "train/gen_acc": collected.gen_acc, "train/gen_score": collected.gen_score,
+         "train/gen_truncated": collected.gen_truncated,
+         **timer.metrics(),
+         "perf/throughput": tokens / max(seconds, 1e-9) / env.world_size,
+         "perf/max_memory_allocated_gb": (torch.cuda.max_memory_allocated(env.device) / 2**30
+                                          if env.device.type == "cuda" else 0.0)}
+    return m
+
+
+def main() -> None:  # pragma: no cover - convenience for `python -m flashdapo.trainer.loop`
+    from ..__main__ import main as cli
+
+    sys.exit(cli(["train", *sys.argv[1:]]))

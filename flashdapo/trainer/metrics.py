@@ -1,0 +1,190 @@
+"""Metrics: stage timers, sinks (metrics.jsonl, console line, TensorBoard, W&B), the dynamics plot.
+
+Metric names follow verl (DAPO.md section 8) so users can compare curves. Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+REQUIRED_KEYS = (
+    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
+    "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
+    "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
+    "prompt_length/mean", "prompt_length/max", "actor/pg_loss", "actor/entropy", "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/token_prob",
+    "train/num_gen_batches", "train/kept_fraction",
+    "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
+    "timing_s/step", "perf/throughput", "perf/max_memory_allocated_gb",
+)
+
+
+class StageTimer:
+    """Wall time per named stage, accumulated over a step (a stage may run several times: refills)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # deliberate: stage times must include queued GPU work
+            self.seconds[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def describe(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """mean / max / min of a tensor under `prefix/` (0 for an empty tensor)."""
+    v = values.double()
+    if v.numel() == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
+
+
+class MetricsLogger:
+    """Writes one JSON object per step to metrics.jsonl and to the optional sinks; prints a line."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: bool, wandb_project: str,
+                 progress: bool, total_steps: int, config_dict: dict):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.progress = progress and enabled
+        self.total_steps = total_steps
+        self.history: list[dict] = []
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        if self.path.exists():
+            self.history = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        if tensorboard:
+            self._tb = _optional_tensorboard(run_dir)
+        if wandb:
+            self._wandb = _optional_wandb(wandb_project, run_dir, config_dict)
+
+    def truncate_after(self, step: int) -> None:
+        """Forget steps after `step` (resume from a checkpoint taken at `step`)."""
+        if not self.enabled:
+            return
+        self.history = [m for m in self.history if m["step"] <= step]
+        self.path.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+
+    def log(self, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                 for k, v in metrics.items()}
+        self.history.append(clean)
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+            f.flush()
+        step = int(clean["step"])
+        if self._tb is not None:
+            for k, v in clean.items():
+                if k != "step" and isinstance(v, float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if self.progress:
+            print(format_line(clean, self.total_steps), flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def format_line(m: dict, total_steps: int) -> str:
+    """The one line per step: progress, learning signals, speed, and time per stage."""
+    if "actor/pg_loss" not in m:  # a validation-only record (before training)
+        return f"step {int(m['step']):>4}/{total_steps} | " + _val_part(m)
+    stages = " ".join(f"{k.split('/')[1]} {v:.1f}" for k, v in m.items()
+                      if k.startswith("timing_s/") and k != "timing_s/step")
+    line = (
+        f"step {int(m['step']):>4}/{total_steps} | score {m['critic/score/mean']:+.3f} "
+        f"acc {m.get('train/gen_acc', float('nan')):.3f} | ent {m['actor/entropy']:.3f} "
+        f"len {m['response_length/mean']:.1f} clip {m['response_length/clip_ratio']:.2f} | "
+        f"kept {m['train/kept_fraction']:.2f} rounds {int(m['train/num_gen_batches'])} | "
+        f"{m['perf/throughput']:.0f} tok/s | {m['timing_s/step']:.1f}s ({stages})"
+    )
+    val = _val_part(m)
+    return line + (" | " + val if val else "")
+
+
+def _val_part(m: dict) -> str:
+    keys = [k for k in m if k.startswith("val/")]
+    return " ".join(f"{k[4:]} {m[k]:.3f}" for k in sorted(keys))
+
+
+def _optional_tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("flashdapo: logging.tensorboard=true but tensorboard is not installed; skipping it")
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def _optional_wandb(project: str, run_dir: Path, config_dict: dict):
+    try:
+        import wandb
+    except ImportError:
+        print("flashdapo: logging.wandb=true but wandb is not installed; skipping it")
+        return None
+    return wandb.init(project=project, dir=str(run_dir), config=config_dict, name=run_dir.name)
+
+
+PLOT_PANELS = (
+    ("reward", ["critic/score/mean"]),
+    ("accuracy", ["train/gen_acc", "val/acc/mean@k"]),
+    ("response length", ["response_length/mean"]),
+    ("entropy", ["actor/entropy"]),
+    ("clip fraction", ["actor/pg_clipfrac", "actor/pg_clipfrac_lower", "response_length/clip_ratio"]),
+    ("dynamic sampling", ["train/kept_fraction"]),
+    ("mean token probability", ["actor/token_prob"]),
+    ("gen rounds", ["train/num_gen_batches"]),
+)
+
+
+def plot_dynamics(history: list[dict], path: Path, title: str) -> None:
+    """The training dynamics of the paper's Fig. 7, one panel per quantity, over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, (name, keys) in zip(axes.flat, PLOT_PANELS):
+        for key in keys:
+            points = [(m["step"], m[key]) for m in history if key in m]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if key.startswith("val/") else None, markersize=3,
+                        label=key.split("/", 1)[1] if "/" in key else key)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)

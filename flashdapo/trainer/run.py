@@ -1,0 +1,176 @@
+"""Setting up a run: process group, run directory, tokenizer, data, model (and the toy warm-up),
+FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from ..config import Config
+from ..data import Prompt, PromptSampler, build_datasets
+from ..reward import Verifier, get_verifier
+from ..rollout import RolloutEngine
+from ..tokenizer import build_toy_tokenizer, eos_token_ids, load_tokenizer
+from .checkpoint import TrainerState, load_checkpoint, resolve_resume
+from .distributed import DistEnv, init_distributed
+from .metrics import MetricsLogger, StageTimer
+from .policy import PolicyModel, parallelize
+from .warmup import build_toy_model, load_model, supervised_warmup
+from .weight_sync import iter_full_state_dict
+
+
+@dataclass
+class Run:
+    """Everything a running job holds; built by `setup_run`."""
+
+    cfg: Config
+    env: DistEnv
+    run_dir: Path
+    tokenizer: Any
+    policy: PolicyModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    engine: RolloutEngine
+    verifier: Verifier
+    sampler: PromptSampler
+    val_prompts: list[Prompt]
+    logger: MetricsLogger
+    pad_id: int
+    start_step: int
+
+    def log(self, message: str) -> None:
+        if self.env.is_main:
+            print(f"flashdapo: {message}", flush=True)
+
+    def trainer_state(self, step: int) -> TrainerState:
+        return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict())
+
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors, gathered from the FSDP2 shards one at a time."""
+        return iter_full_state_dict(self.policy.hf)
+
+    def engine_wake(self, timer: StageTimer | None) -> None:
+        """Before generating. torch engine: gather every FSDP2 shard once for the whole generation (not
+        once per decoded token). vLLM: wake weights, push them, reset the prefix cache, wake the KV cache."""
+        if self.cfg.rollout.engine == "torch":
+            gather_for_generation(self.policy, True, self.cfg.trainer.reshard_after_forward)
+            return
+        with timer("weight_sync") if timer else nullcontext():
+            self.engine.wake_and_sync(iter_full_state_dict(self.policy.hf, dtype=self.engine.weight_dtype))
+
+    def engine_sleep(self) -> None:
+        """After generating: release what generation held."""
+        if self.cfg.rollout.engine == "torch":
+            gather_for_generation(self.policy, False, self.cfg.trainer.reshard_after_forward)
+        else:
+            self.engine.sleep()
+
+
+def gather_for_generation(policy: PolicyModel, gather: bool, reshard_after_forward: bool) -> None:
+    """Unshard every FSDP2 unit and keep it so through generation (gather=True), or reshard them and
+    restore the training setting (the root never reshards after forward: backward needs it at once)."""
+    for unit in (m for m in policy.modules() if isinstance(m, FSDPModule)):
+        if gather:
+            unit.unshard()
+        unit.set_reshard_after_forward(not gather and reshard_after_forward and unit is not policy, recurse=False)
+        if not gather:
+            unit.reshard()
+
+
+def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> PolicyModel:
+    if cfg.model.path:
+        hf_model = load_model(cfg.model)
+    else:
+        max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
+        hf_model = build_toy_model(cfg.model, len(tokenizer), max_positions, cfg.trainer.seed)
+    policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
+    if not cfg.model.path and not resuming:
+        # Same seed, same data, same arithmetic on every rank: every rank gets the same base model.
+        supervised_warmup(policy, tokenizer, cfg, log=log if env.is_main else (lambda _m: None))
+    return parallelize(policy, env, cfg.model, cfg.trainer)
+
+
+def _build_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer) -> RolloutEngine:
+    if cfg.rollout.engine == "vllm":
+        from ..rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(cfg.rollout, cfg.model.path, rank=env.rank, world_size=env.world_size,
+                            dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+        torch.manual_seed(cfg.trainer.seed + env.rank)  # vLLM re-seeds the global RNGs when it starts
+        return engine
+    from ..rollout.torch_engine import TorchEngine
+
+    group = dist.group.WORLD if env.world_size > 1 else None
+    return TorchEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, process_group=group)
+
+
+def _optimizer(cfg: Config, policy: PolicyModel):
+    oc = cfg.optim
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=oc.lr, betas=oc.betas, eps=oc.eps,
+                                  weight_decay=oc.weight_decay)
+    # Linear warmup over `warmup_steps` training steps (the first step already uses lr/warmup), then constant.
+    warmup = max(oc.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    return optimizer, scheduler
+
+
+def setup_run(cfg: Config) -> Run:
+    """Build every piece of a run; resume from a checkpoint when configured."""
+    env = init_distributed(cfg.trainer.device)
+    _check_world(cfg, env)
+    run_dir = Path(cfg.logging.run_dir)
+    log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
+    resume_path = resolve_resume(cfg.checkpoint.resume, run_dir)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    torch.manual_seed(cfg.trainer.seed + env.rank)
+    tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_toy_tokenizer(cfg.data.toy)
+    train_set, val_set = build_datasets(cfg.data, tokenizer)
+    log(f"train data: {train_set.report.summary()}")
+    if val_set is not None:
+        log(f"val data: {val_set.report.summary()}")
+    policy = _build_policy(cfg, env, tokenizer, resume_path is not None, log)
+    optimizer, scheduler = _optimizer(cfg, policy)
+    sampler = PromptSampler(train_set, cfg.trainer.gen_batch, cfg.trainer.seed, cfg.data.shuffle, env.rank,
+                            env.world_size)
+    logger = MetricsLogger(run_dir, env.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
+                           cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict())
+    start_step = 0
+    if resume_path is not None:
+        state = load_checkpoint(resume_path, env, policy, optimizer)
+        scheduler.load_state_dict(state.scheduler)
+        sampler.load_state_dict(state.sampler)
+        start_step = state.step
+        logger.truncate_after(start_step)
+        log(f"resumed from {resume_path} at step {start_step}")
+    elif env.is_main:
+        logger.truncate_after(-1)  # a fresh run in an old directory starts a fresh metrics file
+    engine = _build_engine(cfg, env, policy, tokenizer)
+    log(f"world size {env.world_size} on {env.device}; {sum(p.numel() for p in policy.parameters()):,} "
+        f"parameters (sharded count on this rank); run dir {run_dir}")
+    return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
+               scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
+               val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
+               pad_id=tokenizer.pad_token_id, start_step=start_step)
+
+
+def _check_world(cfg: Config, env: DistEnv) -> None:
+    tc = cfg.trainer
+    for name in ("train_batch", "gen_batch", "mini_batch"):
+        if getattr(tc, name) % env.world_size:
+            raise ValueError(f"trainer.{name}={getattr(tc, name)} must be divisible by the world size {env.world_size}")
+    if cfg.rollout.engine == "vllm" and env.world_size % cfg.rollout.tensor_parallel_size:
+        raise ValueError(f"world size {env.world_size} must be divisible by rollout.tensor_parallel_size="
+                         f"{cfg.rollout.tensor_parallel_size}")
+
+
+__all__ = ["Run", "gather_for_generation", "setup_run"]

@@ -1,0 +1,135 @@
+"""Steps 1-4 of the DAPO walk: sample prompts, roll out, score, and dynamic sampling.
+
+Dynamic sampling is decided globally: every rank generates for its shard of `gen_batch` prompts,
+keeps its informative groups (accuracies not all equal), and the kept counts are summed over ranks;
+rounds repeat until `train_batch` groups are kept in total (bounded by `max_gen_batches`). The kept
+groups are then ordered (round, rank, position), truncated to exactly `train_batch`, and dealt out
+in equal contiguous shares, so a group never splits across ranks and every rank trains on as many
+groups as the others.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..algorithm import informative_groups, overlong_penalty
+from ..config import Config
+from ..data import Prompt, PromptSampler
+from ..reward import Verifier
+from ..rollout import RolloutEngine, Rollouts, SamplingParams
+from .batch import Group
+from .distributed import DistEnv, all_gather_objects, all_reduce
+from .metrics import StageTimer
+
+
+class DynamicSamplingError(RuntimeError):
+    """max_gen_batches rounds did not find train_batch informative groups (on_max_gen_batches=error)."""
+
+
+@dataclass
+class Collected:
+    """This rank's share of the step's kept groups, and what the search cost (global figures)."""
+
+    groups: list[Group]
+    num_gen_batches: int
+    groups_generated: int
+    groups_informative: int
+    gen_acc: float
+    gen_score: float
+    gen_truncated: float
+    """Fraction of all generated responses that hit the max length."""
+
+
+def rollout_seed(seed: int, step: int, round_index: int) -> int:
+    """A distinct, reproducible sampling seed per (run seed, step, generation round)."""
+    return (seed * 1_000_003 + step * 10_007 + round_index) % (1 << 62)
+
+
+def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier: Verifier, cfg: Config) -> list[Group]:
+    """Verify every response, add the overlong penalty, and bundle responses per prompt."""
+    texts = tokenizer.batch_decode([r.tolist() for r in rollouts.response_ids], skip_special_tokens=True)
+    truths = [prompts[int(g)].ground_truth for g in rollouts.group_ids]
+    verdicts = [verifier(text, truth) for text, truth in zip(texts, truths)]
+    scores = torch.tensor([v.score for v in verdicts], dtype=torch.float32)
+    acc = torch.tensor([v.acc for v in verdicts], dtype=torch.bool)
+    algo = cfg.algorithm
+    if algo.overlong_buffer:
+        scores = scores + overlong_penalty(rollouts.response_lengths, cfg.rollout.max_response_length,
+                                           algo.overlong_buffer_len, algo.overlong_penalty_factor)
+    groups = []
+    for p in range(len(prompts)):
+        idx = (rollouts.group_ids == p).nonzero().flatten().tolist()
+        groups.append(Group(
+            prompt=rollouts.prompt_ids[idx[0]],
+            responses=[rollouts.response_ids[i] for i in idx],
+            scores=scores[idx],
+            acc=acc[idx],
+            truncated=rollouts.truncated[idx],
+            sampler_logprobs=None if rollouts.logprobs is None else [rollouts.logprobs[i] for i in idx],
+        ))
+    return groups
+
+
+def _is_informative(group: Group) -> bool:
+    return bool(informative_groups(group.acc, torch.zeros(group.size, dtype=torch.long)).all())
+
+
+def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tokenizer, verifier: Verifier,
+                   cfg: Config, env: DistEnv, timer: StageTimer) -> Collected:
+    """Generate rounds until train_batch informative groups are kept (globally), then deal them out."""
+    tc, algo = cfg.trainer, cfg.algorithm
+    kept_per_round: list[list[Group]] = []
+    total_kept = rounds = 0
+    # Sums over all generated responses (this rank): correct, score, truncated, count.
+    gen_sums = torch.zeros(4, dtype=torch.float64)
+    while True:
+        rounds += 1
+        prompts = sampler.next_batch()
+        sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_response_length,
+                                  seed=rollout_seed(tc.seed, step, rounds))
+        with timer("gen"):
+            rollouts = engine.generate([p.ids for p in prompts], sampling)
+        with timer("reward"):
+            groups = score_groups(rollouts, prompts, tokenizer, verifier, cfg)
+        for g in groups:
+            gen_sums += torch.tensor([g.acc.sum().item(), g.scores.sum().item(), g.truncated.sum().item(), g.size],
+                                     dtype=torch.float64)
+        kept = [g for g in groups if _is_informative(g)] if algo.dynamic_sampling else groups
+        kept_per_round.append(kept)
+        total_kept += int(all_reduce(torch.tensor([len(kept)])).item())
+        if total_kept >= tc.train_batch or not algo.dynamic_sampling:
+            break
+        if 0 < algo.max_gen_batches <= rounds:
+            message = (f"step {step}: dynamic sampling found {total_kept} informative groups in {rounds} "
+                       f"generation rounds ({rounds * tc.gen_batch} prompts); train_batch needs {tc.train_batch}")
+            if algo.on_max_gen_batches == "error":
+                raise DynamicSamplingError(message + ". The data may be too easy or too hard for the model: raise "
+                                           "algorithm.max_gen_batches, or set algorithm.on_max_gen_batches=continue")
+            if env.is_main:
+                warnings.warn(message + "; training on what was found (on_max_gen_batches=continue)", stacklevel=2)
+            break
+    totals = all_reduce(gen_sums)
+    count = max(totals[3].item(), 1.0)
+    return Collected(
+        groups=_deal_out(kept_per_round, tc.train_batch, env),
+        num_gen_batches=rounds,
+        groups_generated=rounds * tc.gen_batch,
+        groups_informative=total_kept,
+        gen_acc=totals[0].item() / count,
+        gen_score=totals[1].item() / count,
+        gen_truncated=totals[2].item() / count,
+    )
+
+
+def _deal_out(kept_per_round: list[list[Group]], train_batch: int, env: DistEnv) -> list[Group]:
+    """Order kept groups by (round, rank, position), keep the first train_batch (or, when short, the
+    largest multiple of the world size), and give rank r the r-th contiguous share."""
+    everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
+    ordered = [g for r in range(len(kept_per_round)) for rank_rounds in everyone for g in rank_rounds[r]]
+    usable = min(len(ordered), train_batch) // env.world_size * env.world_size
+    share = usable // env.world_size
+    return ordered[env.rank * share:(env.rank + 1) * share]

@@ -1,0 +1,122 @@
+"""Steps 5 and 7 of the DAPO walk: old log-probs, and the actor update over mini- and micro-batches.
+
+Each mini-batch is one optimizer step. Its loss is the sum of the clipped surrogate over every valid
+response token of the mini-batch divided by the GLOBAL number of those tokens (all micro-batches, all
+ranks), counted by one all-reduce before the first micro-batch; FSDP2 sums (does not average) the
+gradients over ranks. So 1 rank and N ranks, and any micro-batch split, give the same gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..algorithm import global_token_count
+from ..config import Config
+from ..kernels import LossStats
+from .batch import TrainBatch, mini_batch_slices, plan_micro_batches
+from .distributed import DistEnv, all_reduce
+from .policy import LossInputs, PolicyModel, pack_sequences, per_token_split
+
+
+def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int):
+    """(indices, prompts, responses) per micro-batch; empty micro-batches carry one masked dummy token."""
+    counts = [len(p) + max(len(r) - 1, 0) for p, r in zip(prompts, responses)]
+    for indices in plan_micro_batches(counts, budget):
+        if indices:
+            yield indices, [prompts[i] for i in indices], [responses[i] for i in indices]
+        else:  # keeps this rank's FSDP2 collectives in step with ranks that have work
+            dummy = torch.tensor([pad_id])
+            yield [], [dummy], [dummy]
+
+
+@torch.no_grad()
+def compute_old_logprobs(policy: PolicyModel, batch: TrainBatch, cfg: Config, pad_id: int,
+                         device: torch.device) -> list[torch.Tensor]:
+    """log pi_old(y_t) of every response token, recomputed by the policy before the update (fp32, CPU)."""
+    out: list[torch.Tensor | None] = [None] * len(batch.responses)
+    for indices, prompts, responses in _micro_batches(batch.prompts, batch.responses,
+                                                      cfg.trainer.micro_batch_tokens, pad_id):
+        packed = pack_sequences(prompts, responses, device)
+        logp, _ = policy(packed)
+        if indices:
+            for i, values in zip(indices, per_token_split(logp.float().cpu(), packed)):
+                out[i] = values
+    return out  # type: ignore[return-value]
+
+
+@dataclass
+class UpdateResult:
+    """Per optimizer step: global pg_loss and grad norm; and the token sums of the whole update."""
+
+    pg_losses: list[float]
+    grad_norms: list[float]
+    stats: LossStats
+
+
+def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg: Config,
+                 env: DistEnv, pad_id: int) -> UpdateResult:
+    """ppo_epochs x mini-batches optimizer steps over this rank's share of the batch."""
+    num_mini = cfg.trainer.train_batch // cfg.trainer.mini_batch
+    num_mini = max(1, min(num_mini, len(batch.groups)))  # fewer groups when dynamic sampling continued short
+    result = UpdateResult([], [], _zero_stats())
+    for _ in range(cfg.trainer.ppo_epochs):
+        for groups in mini_batch_slices(len(batch.groups), num_mini):
+            loss, grad_norm, stats = _mini_batch_step(policy, optimizer, batch, batch.response_slices(groups),
+                                                      cfg, env, pad_id)
+            result.pg_losses.append(loss)
+            result.grad_norms.append(grad_norm)
+            result.stats = result.stats + stats
+    return result
+
+
+def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Config, env: DistEnv, pad_id: int):
+    algo = cfg.algorithm
+    prompts, responses = batch.prompts[rows], batch.responses[rows]
+    old = batch.old_logprobs[rows]
+    advantages = batch.advantages[rows]
+    loss_mask = batch.loss_mask[rows]
+    token_mask = [torch.full((len(r),), bool(m)) for r, m in zip(responses, loss_mask.tolist())]
+    normalizer = global_token_count(torch.cat(token_mask) if token_mask else torch.zeros(0), None)
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    stats = _zero_stats()
+    for indices, mb_prompts, mb_responses in _micro_batches(prompts, responses, cfg.trainer.micro_batch_tokens,
+                                                            pad_id):
+        packed = pack_sequences(mb_prompts, mb_responses, env.device)
+        if indices:
+            per_token = [(old[i], advantages[i].expand(len(responses[i])), token_mask[i]) for i in indices]
+            old_t, adv_t, mask_t = (torch.cat(parts).to(env.device) for parts in zip(*per_token))
+        else:
+            old_t, adv_t, mask_t = (torch.zeros(1, device=env.device), torch.zeros(1, device=env.device),
+                                    torch.zeros(1, dtype=torch.bool, device=env.device))
+        inputs = LossInputs(old_t, adv_t.float(), mask_t, normalizer.to(env.device), algo.clip_low, algo.clip_high,
+                            algo.clip_ratio_c)
+        loss, micro_stats = policy(packed, loss_inputs=inputs)
+        loss.backward()
+        loss_sum += loss.detach().double().cpu()
+        stats = stats + _to_cpu(micro_stats)
+    grad_norm = _clip_grad_norm(policy, cfg.optim.grad_clip)
+    optimizer.step()
+    global_loss = all_reduce(loss_sum).item()
+    return global_loss, grad_norm, LossStats.from_vector(all_reduce(stats.as_vector()))
+
+
+def _clip_grad_norm(policy: PolicyModel, max_norm: float) -> float:
+    """Global gradient norm over the sharded parameters (DTensor-aware), clipped when max_norm > 0."""
+    params = [p for p in policy.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+def _zero_stats() -> LossStats:
+    return LossStats.from_vector(torch.zeros(7, dtype=torch.float64))
+
+
+def _to_cpu(stats: LossStats) -> LossStats:
+    return LossStats.from_vector(stats.as_vector().cpu())

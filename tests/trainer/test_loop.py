@@ -1,0 +1,170 @@
+"""The DAPO loop end to end on the toy task (seconds), and dynamic sampling with a scripted scorer."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from flashdapo.config import AlgorithmConfig, RolloutConfig, TrainerConfig, merge, toy
+from flashdapo.data import DatasetReport, Prompt, PromptDataset, PromptSampler
+from flashdapo.reward import Verdict
+from flashdapo.rollout import Rollouts
+from flashdapo.trainer.checkpoint import export_hf
+from flashdapo.trainer.distributed import DistEnv, shutdown
+from flashdapo.trainer.loop import train, train_step
+from flashdapo.trainer.metrics import REQUIRED_KEYS, StageTimer
+from flashdapo.trainer.run import setup_run
+from flashdapo.trainer.sampling import DynamicSamplingError, collect_groups
+
+
+def tiny_config(run_dir, **overrides):
+    """The toy preset shrunk to seconds: a few warm-up steps, small batches."""
+    base = toy()
+    small = {
+        "model": {"toy": {"sft_steps": 5, "hidden_size": 32, "intermediate_size": 64}},
+        "data": {"toy": {"num_val": 6}},
+        "rollout": {"n": 4, "val_n": 2},
+        # An untrained model is always wrong: without dynamic sampling its groups still train, through the
+        # overlong penalty's different scores for different lengths.
+        "algorithm": {"dynamic_sampling": False},
+        "trainer": {"total_steps": 2, "train_batch": 4, "gen_batch": 4, "mini_batch": 2, "val_every": 2,
+                    "micro_batch_tokens": 64},
+        "checkpoint": {"save_every": 0},
+        "logging": {"run_dir": str(run_dir), "plot": True, "progress": False},
+    }
+    cfg = merge(base, small)
+    return merge(cfg, overrides) if overrides else cfg
+
+
+def _read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_end_to_end_run_writes_metrics_plot_and_loadable_export(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(run_dir)
+    run = setup_run(cfg)
+    try:
+        metrics = train_step(run, 1)
+        missing = [k for k in REQUIRED_KEYS if k not in metrics]
+        assert not missing, f"metrics lack {missing}"
+        assert all(math.isfinite(metrics[k]) for k in REQUIRED_KEYS)
+        assert metrics["train/num_gen_batches"] == 1 and metrics["actor/grad_norm"] > 0
+        assert metrics["critic/advantages/max"] > 0 > metrics["critic/advantages/min"]
+        # The trained policy's logits, then the export's: the same function.
+        x = torch.randint(3, len(run.tokenizer), (2, 9))
+        with torch.no_grad():
+            expected = run.policy(input_ids=x).logits
+        export_hf(run.full_state_dict(), run.policy.config, run.tokenizer, run_dir / "export", True)
+    finally:
+        shutdown()
+    loaded = AutoModelForCausalLM.from_pretrained(run_dir / "export")
+    with torch.no_grad():
+        got = loaded(input_ids=x).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_train_cli_path_runs_validation_checkpoint_and_plot(tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(run_dir, checkpoint={"save_every": 1, "keep_last": 1}))
+    records = _read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert "val/acc/mean@k" in records[0] and "val/acc/mean@k" in records[-1]
+    for r in records[1:]:
+        assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"])
+        assert r["critic/score/max"] <= 1.0 and r["critic/score/min"] >= -2.0
+    assert (run_dir / "training_dynamics.png").stat().st_size > 10_000
+    assert (run_dir / "config.yaml").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
+    assert (run_dir / "export" / "model.safetensors").is_file()
+
+
+def test_same_seed_same_first_step(tmp_path):
+    firsts = []
+    for name in ("a", "b"):
+        run_dir = tmp_path / name
+        train(tiny_config(run_dir, trainer={"total_steps": 1}, checkpoint={"export_hf": False}))
+        firsts.append({k: v for k, v in _read_metrics(run_dir)[1].items()
+                       if not k.startswith(("timing_s/", "perf/"))})
+    assert firsts[0] == firsts[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dynamic sampling with a scripted engine and scorer
+
+
+class ScriptedEngine:
+    """Response i of a prompt is [prompt_id, i]; the scorer decides what is correct."""
+
+    def generate(self, prompts, sampling):
+        ids = [torch.tensor(p) for p in prompts]
+        owners = [i for i in range(len(prompts)) for _ in range(sampling.n)]
+        return Rollouts(prompt_ids=[ids[i] for i in owners],
+                        response_ids=[torch.tensor([prompts[i][0], j % sampling.n]) for j, i in enumerate(owners)],
+                        group_ids=torch.tensor(owners), truncated=torch.zeros(len(owners), dtype=torch.bool))
+
+
+class PlainTokenizer:
+    def batch_decode(self, sequences, skip_special_tokens=True):
+        return [" ".join(map(str, s)) for s in sequences]
+
+
+def scripted_verifier(informative_ids):
+    """Prompts in informative_ids get one correct response (sample 0); others are all wrong."""
+    def verify(text, truth):
+        prompt_id, sample = map(int, text.split())
+        ok = prompt_id in informative_ids and sample == 0
+        return Verdict(1.0 if ok else -1.0, ok, text)
+    return verify
+
+
+def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None):
+    cfg = toy()
+    cfg = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, n=4),
+        algorithm=dataclasses.replace(cfg.algorithm, **(algorithm or {})),
+        trainer=dataclasses.replace(cfg.trainer, **({"train_batch": 4, "gen_batch": 4, "mini_batch": 2} |
+                                                     (trainer or {}))))
+    prompts = [Prompt(ids=[k], ground_truth="", source=f"t:{k}") for k in range(num_prompts)]
+    dataset = PromptDataset(prompts, DatasetReport(num_prompts, 0, 0, 0, 0))
+    sampler = PromptSampler(dataset, cfg.trainer.gen_batch, seed=0, shuffle=False)
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
+    return collect_groups(1, sampler, ScriptedEngine(), PlainTokenizer(), scripted_verifier(informative_ids),
+                          cfg, env, StageTimer(env.device))
+
+
+def test_partly_informative_refills_to_exactly_train_batch_whole_groups():
+    # Prompts 0..11 in order, 4 per round; informative: 1, 2 (round 1), 5 (round 2), 8, 9, 10 (round 3).
+    collected = _collect({1, 2, 5, 8, 9, 10})
+    assert collected.num_gen_batches == 3
+    assert [int(g.prompt[0]) for g in collected.groups] == [1, 2, 5, 8]
+    assert all(g.size == 4 for g in collected.groups)
+    assert collected.groups_informative == 6 and collected.groups_generated == 12
+
+
+def test_no_informative_group_raises_with_counts():
+    with pytest.raises(DynamicSamplingError, match=r"found 0 informative groups in 3 generation rounds"):
+        _collect(set(), algorithm={"max_gen_batches": 3, "on_max_gen_batches": "error"})
+
+
+def test_no_informative_group_continue_trains_on_what_it_has():
+    with pytest.warns(UserWarning, match="training on what was found"):
+        collected = _collect({2}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"})
+    assert collected.num_gen_batches == 2 and [int(g.prompt[0]) for g in collected.groups] == [2]
+
+
+def test_dynamic_sampling_off_keeps_everything():
+    collected = _collect(set(), algorithm={"dynamic_sampling": False})
+    assert collected.num_gen_batches == 1 and len(collected.groups) == 4
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="trainer.mini_batch"):
+        TrainerConfig(train_batch=10, mini_batch=3)
+    with pytest.raises(ValueError, match=r"rollout.top_p: expected a value in \(0, 1\]"):
+        RolloutConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="algorithm.clip_ratio_c"):
+        AlgorithmConfig(clip_ratio_c=0.5)
