@@ -38,7 +38,7 @@ class ToyModelConfig:
     """Key/value heads (grouped-query attention)."""
     intermediate_size: int = 192
     """MLP width."""
-    sft_steps: int = 60
+    sft_steps: int = 300
     """Supervised warm-up steps on the toy task that make the 'base model' before DAPO (0 disables)."""
     sft_lr: float = 3e-3
     """Learning rate of the supervised warm-up."""
@@ -78,19 +78,19 @@ class ToyTaskConfig:
 
     num_train: int = 2000
     """Training problems generated."""
-    num_val: int = 64
+    num_val: int = 100
     """Validation problems (each distinct)."""
-    held_out_val: bool = True
+    held_out_val: bool = False
     """Validation problems never appear in training (tests generalization). False: validation samples
     the task's own problem set, i.e. measures how many of the task's facts the policy gets right."""
-    verbose_fraction: float = 0.0
+    verbose_fraction: float = 0.3
     """Fraction of warm-up responses that first restate the sum ('7+5=12' then 'Answer: 12'): with a
     short max response length they run into the limit, which gives overlong shaping something to do."""
-    wrong_fraction: float = 0.0
+    wrong_fraction: float = 0.6
     """Fraction of warm-up responses whose answer is a near miss (off by 1 or 2): the warmed-up model
     then knows the candidates but samples the right one only about 1 - wrong_fraction of the time,
     which is what RL sharpens."""
-    max_operand: int = 20
+    max_operand: int = 9
     """Operands are drawn from 0..max_operand."""
     seed: int = 1234
     """Seed of the problem generator."""
@@ -437,12 +437,13 @@ def load_file(path: str | Path, base: Config) -> Config:
 def toy() -> Config:
     """CPU, minutes: a tiny Qwen2-style model learns the built-in arithmetic task with full DAPO."""
     return Config(
-        rollout=RolloutConfig(n=8, max_response_length=12, val_n=4),
+        # 'Answer: 18' + EOS is 6 tokens: free up to 6, penalized over 7..10, truncated (-1 more) beyond.
+        rollout=RolloutConfig(n=8, max_response_length=10, val_n=4),
         algorithm=AlgorithmConfig(overlong_buffer_len=4, max_gen_batches=4, on_max_gen_batches="continue"),
-        optim=OptimConfig(lr=2e-3, weight_decay=0.0, warmup_steps=2),
-        trainer=TrainerConfig(total_steps=30, train_batch=16, gen_batch=24, mini_batch=8,
-                              micro_batch_tokens=4096, val_every=10),
-        checkpoint=CheckpointConfig(save_every=10, keep_last=2),
+        optim=OptimConfig(lr=3e-4, weight_decay=0.0, warmup_steps=2),
+        trainer=TrainerConfig(total_steps=240, train_batch=32, gen_batch=48, mini_batch=4,
+                              micro_batch_tokens=4096, val_every=20),
+        checkpoint=CheckpointConfig(save_every=50, keep_last=2),
         logging=LoggingConfig(run_dir="runs/toy"),
     )
 

@@ -300,7 +300,7 @@ def test_sampler_resume(ten):
 
 
 def test_toy_deterministic_disjoint_and_correct():
-    cfg = ToyTaskConfig(num_train=300, num_val=40, max_operand=9, ops="+-*", seed=7)
+    cfg = ToyTaskConfig(num_train=300, num_val=40, max_operand=9, ops="+-*", seed=7, held_out_val=True)
     train, val = toy_records(cfg, "train"), toy_records(cfg, "val")
     assert [r.messages for r in train] == [r.messages for r in toy_records(cfg, "train")]
     assert len(train) == 300 and len(val) == 40
@@ -312,7 +312,8 @@ def test_toy_deterministic_disjoint_and_correct():
         assert r.ground_truth == str(eval(expr)) and int(r.ground_truth) >= 0
         assert r.data_source == TOY_DATA_SOURCE and r.messages[0]["role"] == "user"
     assert {op for op in "+-*" if any(op in c for c in train_prompts)} == set("+-*")
-    other = toy_records(ToyTaskConfig(num_train=300, num_val=40, max_operand=9, ops="+-*", seed=8), "train")
+    other = toy_records(ToyTaskConfig(num_train=300, num_val=40, max_operand=9, ops="+-*", seed=8,
+                                      held_out_val=True), "train")
     assert [r.messages for r in other] != [r.messages for r in train]
 
 
@@ -321,7 +322,11 @@ def test_toy_config_knobs():
     record = toy_records(cfg, "train")[0]
     assert record.messages[0]["content"].endswith("=") and "{" not in record.messages[0]["content"]
     with pytest.raises(ConfigError, match="data.toy.num_val"):
-        toy_problems(ToyTaskConfig(max_operand=3, num_val=16))  # only 16 distinct problems
+        toy_problems(ToyTaskConfig(max_operand=3, num_val=16, held_out_val=True))  # 16 problems, none left
+    with pytest.raises(ConfigError, match="data.toy.num_val"):
+        toy_problems(ToyTaskConfig(max_operand=3, num_val=17))  # only 16 distinct problems
+    _, every = toy_problems(ToyTaskConfig(max_operand=3, num_val=16))  # validation on the whole task
+    assert len(set(every)) == 16
     with pytest.raises(ConfigError, match="data.toy.ops"):
         ToyTaskConfig(ops="+/")
     with pytest.raises(ConfigError, match="data.toy.prompt_format"):
@@ -331,13 +336,29 @@ def test_toy_config_knobs():
 
 
 def test_toy_sft_examples():
-    cfg = ToyTaskConfig(num_train=100, num_val=20)
+    cfg = ToyTaskConfig(num_train=100, num_val=20, held_out_val=True, wrong_fraction=0.0, verbose_fraction=0.0)
     examples = toy_sft_examples(cfg, 50, random.Random(0))
     assert examples == toy_sft_examples(cfg, 50, random.Random(0))
     val_prompts = {r.messages[0]["content"] for r in toy_records(cfg, "val")}
     for record, response in examples:
         assert response == f"Answer: {record.ground_truth}"
         assert record.messages[0]["content"] not in val_prompts
+
+
+def test_toy_sft_examples_wrong_and_verbose_fractions():
+    cfg = ToyTaskConfig(num_train=100, wrong_fraction=0.5, verbose_fraction=0.5)
+    examples = toy_sft_examples(cfg, 2000, random.Random(1))
+    wrong = verbose = 0
+    for record, response in examples:
+        value = int(response.rsplit("Answer: ", 1)[1])
+        truth = int(record.ground_truth)
+        assert value >= 0 and (value == truth or 1 <= abs(value - truth) <= 3)
+        wrong += value != truth
+        if "\n" in response:
+            verbose += 1
+            expr = record.messages[0]["content"].removeprefix("Compute ").split(".")[0]
+            assert response.startswith(f"{expr}={value}\nAnswer: ")
+    assert 0.45 < wrong / 2000 < 0.55 and 0.45 < verbose / 2000 < 0.55
 
 
 def test_toy_prompt_is_short(tok):

@@ -93,7 +93,7 @@ def _fwd_kernel(h_ptr, w_ptr, y_ptr, part_ptr, N, V, H, temperature, num_splits,
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows64 = rows.to(tl.int64)
-    y = tl.load(y_ptr + rows64, mask=row_mask, other=-1).to(tl.int64)
+    y = tl.load(y_ptr + rows64, mask=row_mask, other=-1).to(tl.int32)  # V < 2^31: int32 compares
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
     u = tl.zeros((BLOCK_N,), tl.float32)
@@ -115,7 +115,7 @@ def _fwd_kernel(h_ptr, w_ptr, y_ptr, part_ptr, N, V, H, temperature, num_splits,
             shift = (tl.where(s > 0, m, m_new) - m_new) * s  # not -inf * 0 on the first tile
             u = alpha * (u + shift) + tl.sum(e * zs, axis=1)
         s = alpha * s + tl.sum(e, axis=1)
-        z_y += tl.sum(tl.where(cols[None, :].to(tl.int64) == y[:, None], z, 0.0), axis=1)
+        z_y += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)  # exact: one term, rest 0
         m = m_new
     base = pid_s.to(tl.int64) * 4
     tl.store(part_ptr + base * N + rows64, m, mask=row_mask)
@@ -402,17 +402,16 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need_h, need_w, 
             active |= grad != 0
     rows = torch.nonzero(active).squeeze(1)  # one host sync: sizes the grids to the live rows
     n_act = rows.numel()
-    dh = torch.zeros_like(h) if need_h else None
     dw = torch.zeros((vocab, hdim), dtype=torch.float32, device=h.device) if need_w else None
     if n_act == 0 or not (need_h or need_w):
-        return dh, dw
+        return (torch.zeros_like(h) if need_h else None), dw
     # 1/T folded into the per-row upstream gradients: dz/T costs N multiplies instead of N V.
     g_s = (grad_logp.float() / temperature) if grad_logp is not None else torch.zeros_like(stats[0])
     has_ge = grad_ent is not None
     ge_s = grad_ent.float() / temperature if has_ge else g_s
     args = (h, w, rows, g_s.contiguous(), ge_s.contiguous(), stats)
     flags = dict(HAS_GE=has_ge, **_dot_flags(h.dtype))
-    dh_act = None
+    dh, dh_act = None, None
     if deterministic:
         if need_h:
             meta = _meta("dh", h.dtype, hdim)
@@ -437,6 +436,7 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need_h, need_w, 
         if n_act == n:
             dh = dh_act.to(h.dtype)
         else:
+            dh = torch.zeros_like(h)
             dh[rows] = dh_act.to(h.dtype)
     if need_w:
         _onehot_dw(h, g_s, rows, y, dw)

@@ -92,11 +92,28 @@ def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def mini_batch_slices(num_groups: int, num_mini_batches: int) -> list[slice]:
-    """Split this rank's groups into equal contiguous mini-batches (whole groups)."""
-    if num_groups % num_mini_batches:
-        raise ValueError(f"{num_groups} groups on this rank do not split into {num_mini_batches} mini-batches")
-    size = num_groups // num_mini_batches
-    return [slice(i * size, (i + 1) * size) for i in range(num_mini_batches)]
+    """Split this rank's groups into contiguous mini-batches of whole groups, as equal as possible (they
+    are equal unless dynamic sampling came back short and trained on what it found)."""
+    count = max(1, min(num_mini_batches, num_groups))
+    bounds = [round(i * num_groups / count) for i in range(count + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(count)]
+
+
+def rank_share(num_groups: int, num_mini_batches: int, world_size: int, rank: int) -> list[int]:
+    """Which of the step's globally ordered groups rank `rank` trains on.
+
+    Global mini-batch k is a contiguous run of groups (as it would be on one rank); each rank takes its
+    contiguous part of every mini-batch. So rank r's local mini-batch k, cut by `mini_batch_slices`, holds
+    exactly its part of global mini-batch k, and N ranks reproduce one rank's optimizer steps.
+    `num_groups` must be a multiple of the world size.
+    """
+    per_rank = num_groups // world_size
+    indices, offset = [], 0
+    for part in mini_batch_slices(per_rank, num_mini_batches):
+        size = part.stop - part.start
+        indices += range(offset + rank * size, offset + (rank + 1) * size)
+        offset += size * world_size
+    return indices
 
 
 def plan_micro_batches(token_counts: list[int], budget: int) -> list[list[int]]:

@@ -74,21 +74,22 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             batch.advantages = group_advantages(batch.scores, batch.group_ids, cfg.algorithm.advantage_eps)
             keep = ~batch.truncated if cfg.algorithm.overlong_filter else torch.ones(len(batch.responses), dtype=torch.bool)
             batch.loss_mask = keep
+        lr = run.scheduler.get_last_lr()[0]
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
             run.scheduler.step()
-    return {**step_metrics(run, step, batch, collected, update, timer), **rollout_check}
+    return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check}
 
 
 def logprob_agreement(run: Run, step: int, batch: TrainBatch) -> dict[str, float]:
-    """Trainer vs rollout-engine log-probs on the same sampled tokens (mean / max |delta|, global), at the
-    first step and every rollout.logprob_check_every steps; warns above rollout.logprob_check_threshold."""
+    """Trainer vs rollout-engine log-probs on the same sampled tokens (mean / max |delta|, global), at step 1
+    and every rollout.logprob_check_every steps; warns above rollout.logprob_check_threshold."""
     from ..rollout.vllm_engine import check_logprobs, should_check_logprobs
 
     rc = run.cfg.rollout
     sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
-    if len(sampled) != len(batch.responses) or not should_check_logprobs(step, rc.logprob_check_every,
-                                                                         run.start_step + 1):
+    # On an absolute schedule (step 1, then every N), so a resumed run logs what the uninterrupted one did.
+    if len(sampled) != len(batch.responses) or not should_check_logprobs(step, rc.logprob_check_every, 1):
         return {}
     local = torch.cat([(s.float() - o.float()).abs() for s, o in zip(sampled, batch.old_logprobs)] or
                       [torch.zeros(0)])
@@ -134,7 +135,6 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "actor/pg_clipfrac_lower": means["pg_clipfrac_lower"], "actor/ppo_kl": means["ppo_kl"],
          "actor/token_prob": means["token_prob"], "actor/ratio": means["ratio"],
          "actor/grad_norm": sum(update.grad_norms) / max(len(update.grad_norms), 1),
-         "actor/lr": run.scheduler.get_last_lr()[0],
          "train/num_gen_batches": collected.num_gen_batches,
          "train/kept_fraction": collected.groups_informative / max(collected.groups_generated, 1),
          "train/kept_groups": float(len(scores) and len(scores) // run.cfg.rollout.n),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..config import ModelConfig, TrainerConfig
 from ..kernels import LossStats, dapo_loss, token_logprobs
@@ -157,7 +157,10 @@ def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, train
         fully_shard(layer, mesh=env.mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=trainer_cfg.reshard_after_forward)
     fully_shard(policy, mesh=env.mesh, mp_policy=mp, offload_policy=offload)
-    policy.set_gradient_divide_factor(1.0)
+    for module in policy.modules():  # the setting is per FSDP unit, not recursive
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return policy
 
 

@@ -4,8 +4,9 @@ Dynamic sampling is decided globally: every rank generates for its shard of `gen
 keeps its informative groups (accuracies not all equal), and the kept counts are summed over ranks;
 rounds repeat until `train_batch` groups are kept in total (bounded by `max_gen_batches`). The kept
 groups are then ordered (round, rank, position), truncated to exactly `train_batch`, and dealt out
-in equal contiguous shares, so a group never splits across ranks and every rank trains on as many
-groups as the others.
+so that each rank holds its contiguous part of every global mini-batch: a group never splits across
+ranks, every rank trains on as many groups as the others, and the optimizer steps are those one rank
+would take.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..config import Config
 from ..data import Prompt, PromptSampler
 from ..reward import Verifier
 from ..rollout import RolloutEngine, Rollouts, SamplingParams
-from .batch import Group
+from .batch import Group, rank_share
 from .distributed import DistEnv, all_gather_objects, all_reduce
 from .metrics import StageTimer
 
@@ -115,7 +116,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
     return Collected(
-        groups=_deal_out(kept_per_round, tc.train_batch, env),
+        groups=_deal_out(kept_per_round, tc.train_batch, tc.train_batch // tc.mini_batch, env),
         num_gen_batches=rounds,
         groups_generated=rounds * tc.gen_batch,
         groups_informative=total_kept,
@@ -125,11 +126,11 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     )
 
 
-def _deal_out(kept_per_round: list[list[Group]], train_batch: int, env: DistEnv) -> list[Group]:
+def _deal_out(kept_per_round: list[list[Group]], train_batch: int, num_mini_batches: int,
+              env: DistEnv) -> list[Group]:
     """Order kept groups by (round, rank, position), keep the first train_batch (or, when short, the
-    largest multiple of the world size), and give rank r the r-th contiguous share."""
+    largest multiple of the world size), and give each rank its part of every global mini-batch."""
     everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
     ordered = [g for r in range(len(kept_per_round)) for rank_rounds in everyone for g in rank_rounds[r]]
     usable = min(len(ordered), train_batch) // env.world_size * env.world_size
-    share = usable // env.world_size
-    return ordered[env.rank * share:(env.rank + 1) * share]
+    return [ordered[i] for i in rank_share(usable, num_mini_batches, env.world_size, env.rank)]

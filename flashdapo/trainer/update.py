@@ -43,6 +43,9 @@ def compute_old_logprobs(policy: PolicyModel, batch: TrainBatch, cfg: Config, pa
         if indices:
             for i, values in zip(indices, per_token_split(logp.float().cpu(), packed)):
                 out[i] = values
+    # FSDP2 keeps the root unsharded after a forward (backward would need it at once); with no backward
+    # here, reshard it so that parameters(), state dicts and the optimizer see the sharded tensors again.
+    policy.reshard()
     return out  # type: ignore[return-value]
 
 
@@ -59,7 +62,6 @@ def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: T
                  env: DistEnv, pad_id: int) -> UpdateResult:
     """ppo_epochs x mini-batches optimizer steps over this rank's share of the batch."""
     num_mini = cfg.trainer.train_batch // cfg.trainer.mini_batch
-    num_mini = max(1, min(num_mini, len(batch.groups)))  # fewer groups when dynamic sampling continued short
     result = UpdateResult([], [], _zero_stats())
     for _ in range(cfg.trainer.ppo_epochs):
         for groups in mini_batch_slices(len(batch.groups), num_mini):

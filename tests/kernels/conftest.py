@@ -21,3 +21,13 @@ def seed(request) -> int:
     value = zlib.crc32(request.node.nodeid.encode()) % (2**31)
     torch.manual_seed(value)
     return value
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Kernel tests use tiny shapes: one intra-op thread avoids OpenMP barrier stalls on a shared CPU
+    (each tiny matmul otherwise waits for a descheduled worker) and keeps BLAS rounding reproducible."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

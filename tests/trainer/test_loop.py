@@ -9,15 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from flashdapo.config import AlgorithmConfig, RolloutConfig, TrainerConfig, merge, toy
-from flashdapo.data import DatasetReport, Prompt, PromptDataset, PromptSampler
-from flashdapo.reward import Verdict
-from flashdapo.rollout import Rollouts
+from flashdapo.data import PromptSampler
 from flashdapo.trainer.checkpoint import export_hf
 from flashdapo.trainer.distributed import DistEnv, shutdown
 from flashdapo.trainer.loop import train, train_step
 from flashdapo.trainer.metrics import REQUIRED_KEYS, StageTimer
 from flashdapo.trainer.run import setup_run
 from flashdapo.trainer.sampling import DynamicSamplingError, collect_groups
+
+from .scripted import PlainTokenizer, ScriptedEngine, numbered_prompts, scripted_verifier
 
 
 def tiny_config(run_dir, **overrides):
@@ -96,31 +96,6 @@ def test_same_seed_same_first_step(tmp_path):
 # Dynamic sampling with a scripted engine and scorer
 
 
-class ScriptedEngine:
-    """Response i of a prompt is [prompt_id, i]; the scorer decides what is correct."""
-
-    def generate(self, prompts, sampling):
-        ids = [torch.tensor(p) for p in prompts]
-        owners = [i for i in range(len(prompts)) for _ in range(sampling.n)]
-        return Rollouts(prompt_ids=[ids[i] for i in owners],
-                        response_ids=[torch.tensor([prompts[i][0], j % sampling.n]) for j, i in enumerate(owners)],
-                        group_ids=torch.tensor(owners), truncated=torch.zeros(len(owners), dtype=torch.bool))
-
-
-class PlainTokenizer:
-    def batch_decode(self, sequences, skip_special_tokens=True):
-        return [" ".join(map(str, s)) for s in sequences]
-
-
-def scripted_verifier(informative_ids):
-    """Prompts in informative_ids get one correct response (sample 0); others are all wrong."""
-    def verify(text, truth):
-        prompt_id, sample = map(int, text.split())
-        ok = prompt_id in informative_ids and sample == 0
-        return Verdict(1.0 if ok else -1.0, ok, text)
-    return verify
-
-
 def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None):
     cfg = toy()
     cfg = dataclasses.replace(
@@ -128,9 +103,7 @@ def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None):
         algorithm=dataclasses.replace(cfg.algorithm, **(algorithm or {})),
         trainer=dataclasses.replace(cfg.trainer, **({"train_batch": 4, "gen_batch": 4, "mini_batch": 2} |
                                                      (trainer or {}))))
-    prompts = [Prompt(ids=[k], ground_truth="", source=f"t:{k}") for k in range(num_prompts)]
-    dataset = PromptDataset(prompts, DatasetReport(num_prompts, 0, 0, 0, 0))
-    sampler = PromptSampler(dataset, cfg.trainer.gen_batch, seed=0, shuffle=False)
+    sampler = PromptSampler(numbered_prompts(num_prompts), cfg.trainer.gen_batch, seed=0, shuffle=False)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
     return collect_groups(1, sampler, ScriptedEngine(), PlainTokenizer(), scripted_verifier(informative_ids),
                           cfg, env, StageTimer(env.device))

@@ -1,0 +1,86 @@
+"""Accuracy helpers shared by the kernel tests: run an impl, the float64 reference, and the criterion.
+
+Criterion (Apple CCE's, made robust): the max error vs float64 is no larger than naive torch's in the
+same dtype plus 2 eps of the output dtype at the problem's scale (max |logit| for log-prob/entropy,
+max |gradient| for gradients). Naive's error is itself one draw from its rounding: with the hidden
+dimension permuted (the same math, another summation order) it varies by up to ~8x on small shapes,
+and BLAS rounds few-row matmuls differently, so "naive's error" is the worst of four equally valid
+runs: as is, in 8-row blocks, and with H permuted twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdapo.kernels import token_logprobs
+from flashdapo.kernels.chunked import chunked_token_logprobs
+from flashdapo.kernels.naive import naive_token_logprobs
+
+EPS = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+SLACK = 2.0  # units of roundoff allowed beyond naive's own error (summation order differs)
+
+
+def logprobs(impl, h, w, y, temperature=1.0):
+    if impl == "tiled":
+        return chunked_token_logprobs(h, w, y, temperature, True, chunk_tokens=8, chunk_vocab=128)
+    if impl == "naive_dtype":
+        return naive_token_logprobs(h, w, y, temperature, True)
+    if impl == "naive_blocked":  # BLAS picks other kernels (other rounding) for few-row matmuls
+        parts = [naive_token_logprobs(h[i : i + 8], w, y[i : i + 8], temperature, True) for i in range(0, len(y), 8)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return token_logprobs(h, w, y, temperature=temperature, with_entropy=True, impl=impl)
+
+
+def run(impl, h, w, y, temperature, g, ge, on_cpu=True):
+    """(logp, entropy, dh, dW) as float64 tensors (moved to the CPU unless on_cpu=False); g / ge are
+    upstream gradients of logp / entropy (or None)."""
+    h = h.detach().clone().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True)
+    logp, ent = logprobs(impl, h, w, y, temperature)
+    outs, grads = [], []
+    for out, grad in ((logp, g), (ent, ge)):
+        if grad is not None:
+            outs.append(out)
+            grads.append(grad.to(out.device, out.dtype))
+    torch.autograd.backward(outs, grads)
+    results = [t.detach().double() for t in (logp, ent, h.grad, w.grad)]
+    return [t.cpu() for t in results] if on_cpu else results
+
+
+def reference(h, w, y, temperature, g, ge, on_cpu=True):
+    """Naive torch on float64 copies of the same inputs, on the inputs' device."""
+    as64 = lambda t: None if t is None else t.double()
+    return run("naive_dtype", h.double(), w.double(), y, temperature, as64(g), as64(ge), on_cpu)
+
+
+def naive_envelope(h, w, y, temperature, g, ge, on_cpu=True, blocked=True, orders=2):
+    """Naive torch in the inputs' dtype: as is, in 8-row blocks (if `blocked`), and with H jointly
+    permuted `orders` times: the same math, other rounding."""
+    names = ("naive_dtype", "naive_blocked") if blocked else ("naive_dtype",)
+    runs = [run(name, h, w, y, temperature, g, ge, on_cpu) for name in names]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(orders):
+        perm = torch.randperm(h.shape[1], generator=gen).to(h.device)
+        inv = torch.argsort(perm)
+        logp, ent, dh, dw = run("naive_dtype", h[:, perm].contiguous(), w[:, perm].contiguous(), y,
+                                temperature, g, ge, on_cpu)
+        runs.append([logp, ent, dh[:, inv.to(dh.device)], dw[:, inv.to(dw.device)]])
+    return runs
+
+
+def check(impl, h, w, y, temperature, g, ge, on_cpu=True, blocked=True):
+    """Assert impl's accuracy against float64 by the criterion above; return impl's outputs (float64)."""
+    got = run(impl, h, w, y, temperature, g, ge, on_cpu)
+    naive = naive_envelope(h, w, y, temperature, g, ge, on_cpu, blocked)
+    ref = reference(h, w, y, temperature, g, ge, on_cpu)
+    z_scale = max(1.0, ((h.double() @ w.double().T) / temperature).abs().max().item())
+    names = ("logp", "entropy", "dh", "dW")
+    for i, (name, a, r) in enumerate(zip(names, got, ref)):
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        eps = EPS[torch.float32] if i < 2 else EPS[h.dtype if name == "dh" else w.dtype]
+        scale = z_scale if i < 2 else max(r.abs().max().item(), 1e-30)
+        err = (a - r).abs().max().item()
+        base = max((other[i] - r).abs().max().item() for other in naive)
+        tol = SLACK * eps * scale
+        assert err <= base + tol, f"{impl} {name}: error {err:.3e} > naive's {base:.3e} + {tol:.3e}"
+    return got

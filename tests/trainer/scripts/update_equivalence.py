@@ -1,0 +1,62 @@
+"""torchrun script: one fixed rollout batch, trained by however many ranks torchrun starts.
+
+Writes losses.json (per optimizer step: global pg_loss and grad norm) and params.pt (full tensors)."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from flashdapo.algorithm import group_advantages
+from flashdapo.config import merge, toy
+from flashdapo.trainer.batch import Group, TrainBatch, rank_share
+from flashdapo.trainer.distributed import init_distributed, shutdown
+from flashdapo.trainer.policy import PolicyModel, parallelize
+from flashdapo.trainer.update import compute_old_logprobs, update_actor
+from flashdapo.trainer.warmup import build_toy_model
+from flashdapo.trainer.weight_sync import iter_full_state_dict
+
+out = Path(sys.argv[1])
+VOCAB, GROUPS, N = 50, 8, 4
+cfg = merge(toy(), {
+    "model": {"toy": {"hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "num_kv_heads": 2}},
+    "rollout": {"n": N},
+    # 8 groups, 2 per mini-batch: 4 optimizer steps per epoch, 2 epochs. A small token budget gives several
+    # micro-batches of different token counts on each rank.
+    "trainer": {"train_batch": GROUPS, "gen_batch": GROUPS, "mini_batch": 2, "ppo_epochs": 2,
+                "micro_batch_tokens": 48, "kernel_impl": "torch"},
+    "optim": {"lr": 1e-2, "warmup_steps": 1, "weight_decay": 0.1},
+})
+env = init_distributed("cpu")
+# float64: the comparison is about the algebra (normalizer, reduction), not fp32 summation order. (In fp32
+# the parameters agree to ~3e-6 relative, except k_proj.bias: its true gradient is exactly zero (softmax
+# shift invariance), so Adam turns rounding noise into steps of its own.)
+model = build_toy_model(cfg.model, VOCAB, 128, seed=0).to(torch.float64)
+policy = parallelize(PolicyModel(model, "sdpa", "torch", 1.0), env, cfg.model, cfg.trainer)
+
+g = torch.Generator().manual_seed(123)
+groups = []
+for _ in range(GROUPS):
+    prompt = torch.randint(3, VOCAB, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
+    responses = [torch.randint(3, VOCAB, (int(torch.randint(1, 16, (1,), generator=g)),), generator=g)
+                 for _ in range(N)]
+    acc = torch.rand(N, generator=g) > 0.5
+    acc[0], acc[1] = True, False
+    groups.append(Group(prompt, responses, torch.where(acc, 1.0, -1.0) - 0.1 * torch.rand(N, generator=g), acc,
+                        torch.zeros(N, dtype=torch.bool)))
+optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+initial = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
+mine = rank_share(GROUPS, cfg.trainer.train_batch // cfg.trainer.mini_batch, env.world_size, env.rank)
+batch = TrainBatch([groups[i] for i in mine])
+batch.old_logprobs = compute_old_logprobs(policy, batch, cfg, pad_id=0, device=env.device)
+batch.advantages = group_advantages(batch.scores, batch.group_ids)
+batch.loss_mask = torch.ones(len(batch.responses), dtype=torch.bool)
+result = update_actor(policy, optimizer, batch, cfg, env, pad_id=0)
+params = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
+if env.is_main:
+    (out / "losses.json").write_text(json.dumps({"pg_loss": result.pg_losses, "grad_norm": result.grad_norms,
+                                                 "clipfrac": result.stats.means()["pg_clipfrac"]}))
+    torch.save(params, out / "params.pt")
+    torch.save(initial, out / "initial.pt")
+shutdown()

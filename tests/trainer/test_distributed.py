@@ -1,0 +1,144 @@
+"""FSDP2 over real gloo ranks started by torchrun: 1 rank vs 2 ranks, global dynamic sampling, crash and
+exact resume, resharding a checkpoint, and which checkpoint directories `--resume auto` may pick."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashdapo.trainer.checkpoint import CheckpointError, resolve_resume
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
+    return env
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+TINY = ["--model.toy.sft-steps", "20", "--model.toy.hidden-size", "32", "--model.toy.intermediate-size", "64",
+        "--rollout.n", "4", "--rollout.val-n", "2", "--data.toy.num-val", "8",
+        "--trainer.train-batch", "4", "--trainer.gen-batch", "4", "--trainer.mini-batch", "2",
+        "--trainer.micro-batch-tokens", "64", "--trainer.val-every", "0", "--trainer.val-before-train", "False",
+        "--algorithm.dynamic-sampling", "False", "--logging.plot", "False", "--logging.progress", "False"]
+
+
+@pytest.mark.distributed
+def test_two_ranks_update_equals_one_rank(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    torchrun(1, str(SCRIPTS / "update_equivalence.py"), str(one))
+    torchrun(2, str(SCRIPTS / "update_equivalence.py"), str(two))
+    a, b = (json.loads((d / "losses.json").read_text()) for d in (one, two))
+    assert len(a["pg_loss"]) == 8  # 4 mini-batches x 2 epochs: 8 optimizer steps
+    assert a["clipfrac"] > 0  # later mini-batches really are off-policy and clipped
+    for key in ("pg_loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(b[key]), torch.tensor(a[key]), rtol=1e-5, atol=1e-7)
+    pa, pb = torch.load(one / "params.pt"), torch.load(two / "params.pt")
+    assert pa.keys() == pb.keys()
+    for name in pa:  # relative to each tensor's norm
+        assert (pb[name] - pa[name]).norm() <= 1e-5 * pa[name].norm(), name
+    initial = torch.load(one / "initial.pt")  # the comparison means something: training moved every tensor
+    assert all((initial[n] - pa[n]).abs().max() > 1e-3 for n in pa if "norm" not in n)
+
+
+@pytest.mark.distributed
+def test_global_dynamic_sampling_keeps_exactly_train_batch_whole_groups(tmp_path):
+    torchrun(2, str(SCRIPTS / "dynamic_sampling.py"), str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["rounds"] == ranks[1]["rounds"] == 2
+    assert ranks[0]["informative"] == ranks[1]["informative"] == 4
+    # Every informative group came from rank 0's shards. Kept in order [0, 1, 4, 5]: global mini-batches
+    # [0, 1] and [4, 5]; each rank takes its part of each.
+    assert ranks[0]["kept"] == [0, 4] and ranks[1]["kept"] == [1, 5]
+    assert all(size == 4 for r in ranks for size in r["sizes"])
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigkill_mid_step_then_resume_auto_reproduces_the_uninterrupted_run(tmp_path):
+    steps = ["--trainer.total-steps", "4", "--checkpoint.save-every", "2"]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    torchrun(1, "-m", "flashdapo", "train", *TINY, *steps, "--logging.run-dir", str(straight))
+    # SIGKILL inside step 3, after the checkpoint of step 2 was written.
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "kill_during_step.py"), "3", *TINY, *steps,
+                           "--logging.run-dir", str(crashed)], capture_output=True, text=True, env=_env(),
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert [r["step"] for r in _metrics(crashed)] == [1, 2]
+    assert not (crashed / "export").exists()
+    torchrun(1, "-m", "flashdapo", "train", *TINY, *steps, "--logging.run-dir", str(crashed),
+             "--checkpoint.resume", "auto")
+    assert _metrics(crashed) == _metrics(straight)
+    final_a = load_file(straight / "export" / "model.safetensors")
+    final_b = load_file(crashed / "export" / "model.safetensors")
+    assert final_a.keys() == final_b.keys()
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_checkpoint_saved_by_two_ranks_resumes_on_one(tmp_path):
+    run_dir = tmp_path / "run"
+    common = [*TINY, "--checkpoint.save-every", "2", "--logging.run-dir", str(run_dir)]
+    torchrun(2, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2")
+    saved = load_file(run_dir / "export" / "model.safetensors")
+    # Resume at 1 rank with nothing left to do: the export is rewritten from the resharded checkpoint.
+    torchrun(1, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--checkpoint.resume", "auto")
+    resharded = load_file(run_dir / "export" / "model.safetensors")
+    assert all(torch.equal(saved[k], resharded[k]) for k in saved)
+    # And training goes on from it (the optimizer state was resharded too).
+    torchrun(1, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "3", "--checkpoint.resume", "auto")
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(r["actor/pg_loss"])) for r in rows)
+
+
+def _fake_checkpoint(root: Path, step: int, complete=True, metadata=True, state=True) -> Path:
+    path = root / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / "COMPLETE").write_text("{}")
+    if metadata:
+        (path / ".metadata").write_bytes(b"x")
+    if state:
+        (path / "trainer_state.pt").write_bytes(b"x")
+    return path
+
+
+def test_resume_auto_never_picks_partial_or_temporary_checkpoints(tmp_path):
+    good = _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4, complete=False)  # crashed before the marker
+    _fake_checkpoint(tmp_path, 6, metadata=False)  # corrupted: DCP metadata missing
+    (tmp_path / "checkpoints" / "step_00000008.tmp").mkdir()  # an interrupted save
+    assert resolve_resume("auto", tmp_path) == good
+    assert resolve_resume("", tmp_path) is None
+    assert resolve_resume("auto", tmp_path / "elsewhere") is None
+
+
+def test_resume_explicit_bad_path_says_what_is_wrong(tmp_path):
+    with pytest.raises(CheckpointError, match="no such directory"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
+    partial = _fake_checkpoint(tmp_path, 4, complete=False, metadata=False)
+    with pytest.raises(CheckpointError, match=r"not a complete flashdapo checkpoint \(missing COMPLETE, .metadata\)"):
+        resolve_resume(str(partial), tmp_path)
