@@ -8,9 +8,10 @@ docstrings by tyro. Validation runs at construction and names the field and the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import yaml
 
@@ -192,6 +193,11 @@ class RolloutConfig:
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", self.tensor_parallel_size)
         _require(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "a value in (0, 1)",
                  self.gpu_memory_utilization)
+        _require(self.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens", ">= 1",
+                 self.max_num_batched_tokens)
+        _require(self.logprob_check_every >= 0, "rollout.logprob_check_every", ">= 0", self.logprob_check_every)
+        _require(self.logprob_check_threshold > 0, "rollout.logprob_check_threshold", "> 0",
+                 self.logprob_check_threshold)
 
 
 @dataclass
@@ -449,13 +455,17 @@ def toy() -> Config:
 
 
 def qwen25_7b_math() -> Config:
-    """Qwen2.5-7B on DAPO-Math-17k, one 8-GPU node (80 GB each), co-located vLLM."""
+    """Qwen2.5-7B (base) on DAPO-Math-17k, one 8-GPU node (80 GB each), co-located vLLM.
+
+    Memory reasoning in docs/vllm.md. Qwen2.5-Math-7B would need max_response_length <= 2048: its
+    config allows 4096 positions, which vLLM enforces.
+    """
     return Config(
-        model=ModelConfig(path="checkpoints/Qwen2.5-Math-7B", dtype="bfloat16", gradient_checkpointing=True),
+        model=ModelConfig(path="checkpoints/Qwen2.5-7B", dtype="bfloat16", gradient_checkpointing=True),
         data=DataConfig(train_files=["data/dapo-math-17k.parquet"], val_files=["data/aime-2024.parquet"],
                         max_prompt_length=2048, dedup=True),
         rollout=RolloutConfig(engine="vllm", n=16, max_response_length=8192, tensor_parallel_size=1,
-                              gpu_memory_utilization=0.5, max_num_batched_tokens=16384),
+                              gpu_memory_utilization=0.5, max_num_batched_tokens=16384, sleep_level=2),
         algorithm=AlgorithmConfig(overlong_buffer_len=2048),
         optim=OptimConfig(lr=1e-6, weight_decay=0.1, warmup_steps=10),
         trainer=TrainerConfig(total_steps=300, train_batch=128, gen_batch=384, mini_batch=16,

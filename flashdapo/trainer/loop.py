@@ -22,7 +22,7 @@ import torch
 from ..algorithm import group_advantages
 from ..evaluate import evaluate
 from .batch import TrainBatch
-from .checkpoint import TrainerState, export_hf, save_checkpoint
+from .checkpoint import export_hf, save_checkpoint
 from .distributed import all_reduce, shutdown
 from .metrics import StageTimer, describe, plot_dynamics
 from .run import Run, setup_run

@@ -4,10 +4,11 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -4,12 +4,15 @@ import dataclasses
 import json
 import math
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from flashdapo.config import AlgorithmConfig, RolloutConfig, TrainerConfig, merge, toy
-from flashdapo.data import PromptSampler
+from flashdapo.__main__ import main as cli
+from flashdapo.config import AlgorithmConfig, RolloutConfig, ToyTaskConfig, TrainerConfig, merge, toy
+from flashdapo.data import PromptSampler, toy_records
 from flashdapo.trainer.checkpoint import export_hf
 from flashdapo.trainer.distributed import DistEnv, shutdown
 from flashdapo.trainer.loop import train, train_step
@@ -67,9 +70,23 @@ def test_end_to_end_run_writes_metrics_plot_and_loadable_export(tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_train_cli_path_runs_validation_checkpoint_and_plot(tmp_path):
+def _write_aime_style_parquet(path, records):
+    """A parquet in the DAPO / AIME-2024 schema (prompt chat list, reward_model.ground_truth, extras)."""
+    table = pa.table({
+        "data_source": ["toy"] * len(records),
+        "prompt": [r.messages for r in records],
+        "ability": ["MATH"] * len(records),
+        "reward_model": [{"ground_truth": r.ground_truth, "style": "rule"} for r in records],
+        "extra_info": [{"index": i} for i in range(len(records))],
+    })
+    pq.write_table(table, path)
+
+
+def test_train_cli_path_runs_validation_checkpoint_plot_and_eval(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    train(tiny_config(run_dir, checkpoint={"save_every": 1, "keep_last": 1}))
+    # Activation checkpointing on: same loop, recomputed blocks.
+    train(tiny_config(run_dir, model={"gradient_checkpointing": True},
+                      checkpoint={"save_every": 1, "keep_last": 1}))
     records = _read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert "val/acc/mean@k" in records[0] and "val/acc/mean@k" in records[-1]
@@ -80,6 +97,14 @@ def test_train_cli_path_runs_validation_checkpoint_and_plot(tmp_path):
     assert (run_dir / "config.yaml").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
     assert (run_dir / "export" / "model.safetensors").is_file()
+
+    # `flashdapo eval` on the export, with an AIME-schema parquet (each problem twice: deduplicated).
+    records = toy_records(ToyTaskConfig(num_val=5), "val")
+    _write_aime_style_parquet(tmp_path / "eval.parquet", records + records)
+    assert cli(["eval", "--model", str(run_dir / "export"), "--data", str(tmp_path / "eval.parquet"),
+                "--k", "3", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "5 unique prompts, 5 duplicates" in out and "| mean@3" in out and "| maj@3" in out
 
 
 def test_same_seed_same_first_step(tmp_path):
