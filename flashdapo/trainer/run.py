@@ -21,9 +21,10 @@ from ..rollout import RolloutEngine
 from ..tokenizer import build_toy_tokenizer, eos_token_ids, load_tokenizer
 from .checkpoint import TrainerState, load_checkpoint, resolve_resume
 from .distributed import DistEnv, init_distributed
+from .loading import load_sharded_policy
 from .metrics import MetricsLogger, StageTimer
 from .policy import PolicyModel, parallelize
-from .warmup import build_toy_model, load_model, supervised_warmup
+from .warmup import build_toy_model, supervised_warmup
 from .weight_sync import iter_full_state_dict
 
 
@@ -87,12 +88,11 @@ def gather_for_generation(policy: PolicyModel, gather: bool, reshard_after_forwa
 
 def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> PolicyModel:
     if cfg.model.path:
-        hf_model = load_model(cfg.model)
-    else:
-        max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
-        hf_model = build_toy_model(cfg.model, len(tokenizer), max_positions, cfg.trainer.seed)
+        return load_sharded_policy(cfg, env)
+    max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
+    hf_model = build_toy_model(cfg.model, len(tokenizer), max_positions, cfg.trainer.seed)
     policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
-    if not cfg.model.path and not resuming:
+    if not resuming:
         # Same seed, same data, same arithmetic on every rank: every rank gets the same base model.
         supervised_warmup(policy, tokenizer, cfg, log=log if env.is_main else (lambda _m: None))
     return parallelize(policy, env, cfg.model, cfg.trainer)

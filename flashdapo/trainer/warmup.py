@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ..config import Config, ModelConfig
 from ..data import chat_ids, toy_sft_examples
@@ -27,12 +27,6 @@ def build_toy_model(cfg: ModelConfig, vocab_size: int, max_positions: int, seed:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)
-
-
-def load_model(cfg: ModelConfig):
-    """An HF causal LM from a local directory (fp32 master weights for the optimizer)."""
-    return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
-                                                attn_implementation=cfg.attn_implementation)
 
 
 def supervised_warmup(policy: PolicyModel, tokenizer, cfg: Config, log=print) -> list[float]:

@@ -142,3 +142,23 @@ def test_resume_explicit_bad_path_says_what_is_wrong(tmp_path):
     partial = _fake_checkpoint(tmp_path, 4, complete=False, metadata=False)
     with pytest.raises(CheckpointError, match=r"not a complete flashdapo checkpoint \(missing COMPLETE, .metadata\)"):
         resolve_resume(str(partial), tmp_path)
+
+
+@pytest.mark.distributed
+def test_hf_checkpoint_loads_into_two_shards_exactly(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flashdapo.config import ModelConfig
+    from flashdapo.trainer.warmup import build_toy_model
+
+    model = build_toy_model(ModelConfig(), vocab_size=40, max_positions=64, seed=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    torchrun(2, str(SCRIPTS / "load_checkpoint.py"), str(tmp_path / "ckpt"), str(tmp_path))
+    loaded = torch.load(tmp_path / "loaded.pt")
+    saved = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert loaded["params"].keys() == saved.keys()
+    assert all(torch.equal(loaded["params"][k], saved[k]) for k in saved)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    with torch.no_grad():
+        expected = reference(input_ids=torch.arange(3, 15).reshape(2, 6)).logits
+    torch.testing.assert_close(loaded["logits"], expected)

@@ -1,0 +1,48 @@
+"""Loading an HF checkpoint into the sharded policy without a full copy on every rank.
+
+Rank 0 reads the checkpoint (fp32 master weights) on the CPU; the other ranks build the same
+architecture on the meta device (no memory). All ranks apply FSDP2, the meta ranks allocate their
+shards, and rank 0's full state dict is broadcast into every rank's shards
+(`set_model_state_dict(..., broadcast_from_rank0=True)`). Buffers that are not in the state dict
+(rotary `inv_freq`) are broadcast from rank 0 as well. Host memory: one fp32 copy on rank 0 instead of
+one per rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..config import Config
+from .distributed import DistEnv
+from .policy import PolicyModel, parallelize
+
+
+def load_sharded_policy(cfg: Config, env: DistEnv) -> PolicyModel:
+    """The policy of `cfg.model.path`, FSDP2-sharded over `env`, fp32 master weights."""
+    mc = cfg.model
+    if env.is_main:
+        hf = AutoModelForCausalLM.from_pretrained(mc.path, dtype=torch.float32,
+                                                  attn_implementation=mc.attn_implementation)
+        full = {k: v for k, v in hf.state_dict().items()}
+    else:
+        config = AutoConfig.from_pretrained(mc.path)
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                  attn_implementation=mc.attn_implementation)
+        full = {}
+    policy = PolicyModel(hf, mc.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
+    policy = parallelize(policy, env, mc, cfg.trainer)
+    if env.world_size == 1:
+        return policy
+    if not env.is_main:
+        policy.to_empty(device=env.device if not cfg.trainer.fsdp_cpu_offload else torch.device("cpu"))
+    set_model_state_dict(policy.hf, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in policy.buffers():  # non-persistent buffers are not in the state dict
+        work = buffer if env.device.type == buffer.device.type else buffer.to(env.device)
+        dist.broadcast(work, src=0)
+        if work is not buffer:
+            buffer.copy_(work)
+    return policy
