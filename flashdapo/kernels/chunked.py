@@ -21,19 +21,22 @@ from __future__ import annotations
 
 import torch
 
-# Elements of one fp32 logit tile (4 MiB). The tile, one temporary of its size and the rows' h/dh
-# chunks are the whole working set; a tile that stays in a CPU's L2/L3 keeps the exp/sum passes out
-# of DRAM, while the matmuls need a few hundred rows to reach full speed. Tuned on a 2-core EPYC
-# (bench/results/NOTES.md); callers may pass `tile_elems` to trade memory for speed.
-DEFAULT_TILE_ELEMS = 1 << 20
-MIN_CHUNK_TOKENS = 16
+# Elements of one fp32 logit tile, and the token rows a chunk aims for. The tile and one temporary of
+# its size are the working set of the elementwise passes, which run at cache speed only while the tile
+# stays in a CPU's L2/L3; the rows per chunk are the K of the dW matmul, and every chunk reads and writes
+# its [bv, H] slab of dW once, so fewer, taller chunks move less memory. Tuned on a 2-core EPYC
+# (bench/results/NOTES.md); callers may pass `tile_elems` / `chunk_tokens` / `chunk_vocab`.
+DEFAULT_TILE_ELEMS = 1 << 22
+TARGET_CHUNK_TOKENS = 512
 
 
 def _plan(num_tokens: int, vocab: int, tile_elems: int) -> tuple[int, int]:
-    """(token chunk, vocab chunk): full-vocab rows when at least MIN_CHUNK_TOKENS rows fit the tile."""
-    if vocab * MIN_CHUNK_TOKENS <= tile_elems:
-        return max(1, min(num_tokens, tile_elems // vocab)), vocab
-    return max(1, min(num_tokens, MIN_CHUNK_TOKENS)), max(1, tile_elems // MIN_CHUNK_TOKENS)
+    """(token chunk, vocab chunk) with chunk x vocab-chunk <= tile_elems where possible."""
+    bn = max(1, min(num_tokens, TARGET_CHUNK_TOKENS))
+    bv = max(1, min(vocab, tile_elems // bn))
+    if bv == vocab:  # the whole vocabulary fits: take as many rows as the tile holds
+        bn = max(1, min(num_tokens, tile_elems // vocab))
+    return bn, bv
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -110,10 +113,10 @@ def _tile_grad(z, m, log_s, ent, g, g_ent, y_local):
 
     With t = (z - m) - log s = log p and E_p z = lse - entropy: E_p z - z = -entropy - t.
     """
-    t = z.sub_(m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
-    if g_ent is None:
-        dz = t.exp_().mul_(-g.unsqueeze(1))
+    if g_ent is None:  # p = exp(z - m) / s: three passes over the tile instead of four
+        dz = z.sub_(m.unsqueeze(1)).exp_().mul_((-g * torch.exp(-log_s)).unsqueeze(1))
     else:
+        t = z.sub_(m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
         p = torch.exp(t)
         coef = t.neg_().sub_(ent.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).sub_(g.unsqueeze(1))
         dz = p.mul_(coef)
@@ -186,7 +189,7 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     *,
-    tile_elems: int = DEFAULT_TILE_ELEMS,
+    tile_elems: int | None = None,
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -194,11 +197,12 @@ def chunked_token_logprobs(
 
     hidden [N, H], weight [V, H], targets [N] in [0, V). Differentiable in hidden and weight through
     logp and entropy (upstream gradients of any sign; None for either is fine). fp64 inputs compute
-    and return fp64 (for gradcheck). `tile_elems` bounds the logit tile; `chunk_tokens`/`chunk_vocab`
+    and return fp64 (for gradcheck). `tile_elems` bounds the logit tile (default DEFAULT_TILE_ELEMS,
+    read at call time); `chunk_tokens`/`chunk_vocab`
     force a chunking (tests use them to cover the multi-chunk paths on tiny shapes).
     """
     n_tok, vocab = hidden.shape[0], weight.shape[0]
-    bn, bv = _plan(n_tok, vocab, tile_elems)
+    bn, bv = _plan(n_tok, vocab, tile_elems or DEFAULT_TILE_ELEMS)
     bn = max(1, chunk_tokens or bn)
     bv = max(1, min(vocab, chunk_vocab or bv))
     return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), bool(with_entropy), bn, bv)

@@ -367,13 +367,15 @@ def _forward(h, w, y, temperature, with_entropy):
     vocab = w.shape[0]
     split_cols = 64 if INTERPRET else 8192
     splits = max(1, min(64, triton.cdiv(vocab, split_cols)))
+    logp = torch.empty(n, dtype=torch.float32, device=h.device)
+    stats = torch.empty((3, n), dtype=torch.float32, device=h.device)
+    if n == 0:  # an empty micro-batch: nothing to launch
+        return logp, stats
     part = torch.empty((splits, 4, n), dtype=torch.float32, device=h.device)
     meta = _meta("fwd", h.dtype, hdim)
     grid = lambda m: (triton.cdiv(n, m["BLOCK_N"]), splits)
     _fwd_kernel[grid](h, w, y, part, n, vocab, hdim, temperature, splits,
                       WITH_ENT=with_entropy, **_dot_flags(h.dtype), **meta)
-    logp = torch.empty(n, dtype=torch.float32, device=h.device)
-    stats = torch.empty((3, n), dtype=torch.float32, device=h.device)
     block = 16 if INTERPRET else 128
     _merge_kernel[(triton.cdiv(n, block),)](part, logp, stats[0], stats[1], stats[2], n, splits, BLOCK_N=block,
                                             SPLITS=max(2, triton.next_power_of_2(splits)), WITH_ENT=with_entropy)

@@ -76,7 +76,7 @@ from ..config import RolloutConfig
 from .base import Rollouts, SamplingParams
 
 __all__ = ["VLLM_VERSION_READ", "VLLMEngine", "LogprobMismatchWarning", "check_logprobs", "derive_seed",
-           "logprob_mismatch", "should_check_logprobs", "tp_layout", "to_rollouts", "vllm_target"]
+           "logprob_mismatch", "should_check_logprobs", "warn_logprob_mismatch", "tp_layout", "to_rollouts", "vllm_target"]
 
 VLLM_VERSION_READ = "0.33.0"
 """The vLLM release whose source this module was written against."""
@@ -202,14 +202,19 @@ def check_logprobs(engine_logprobs: Sequence[torch.Tensor] | torch.Tensor,
                    threshold: float) -> dict[str, float]:
     """Metrics of the mismatch; warns (LogprobMismatchWarning) when the mean exceeds `threshold`."""
     mean, worst = logprob_mismatch(engine_logprobs, trainer_logprobs)
+    warn_logprob_mismatch(mean, worst, threshold)
+    return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": worst}
+
+
+def warn_logprob_mismatch(mean: float, worst: float, threshold: float) -> None:
+    """LogprobMismatchWarning when the mean |delta logp| exceeds `threshold` (or is NaN)."""
     if not mean <= threshold:  # also catches NaN
         warnings.warn(
             f"mean |logp_vllm - logp_trainer| = {mean:.4f} (max {worst:.4f}) exceeds "
             f"rollout.logprob_check_threshold={threshold}. Usual causes: weights not pushed (or reloaded "
             "from disk), temperature not applied the same way, top_p/top_k active (vLLM's processed "
             "log-probs are renormalized), dtype differences (fp32 LM head vs bf16).",
-            LogprobMismatchWarning, stacklevel=2)
-    return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": worst}
+            LogprobMismatchWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------------

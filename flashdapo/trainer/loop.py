@@ -14,16 +14,16 @@ then validation, metrics, plot and checkpoint on their intervals, and an HF expo
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
 from ..algorithm import group_advantages
 from ..evaluate import evaluate
+from ..rollout.vllm_engine import should_check_logprobs, warn_logprob_mismatch
 from .batch import TrainBatch
 from .checkpoint import export_hf, save_checkpoint
-from .distributed import all_reduce, shutdown
+from .distributed import all_gather_objects, all_reduce, shutdown
 from .metrics import StageTimer, describe, plot_dynamics
 from .run import Run, setup_run
 from .sampling import collect_groups
@@ -84,8 +84,6 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 def logprob_agreement(run: Run, step: int, batch: TrainBatch) -> dict[str, float]:
     """Trainer vs rollout-engine log-probs on the same sampled tokens (mean / max |delta|, global), at step 1
     and every rollout.logprob_check_every steps; warns above rollout.logprob_check_threshold."""
-    from ..rollout.vllm_engine import check_logprobs, should_check_logprobs
-
     rc = run.cfg.rollout
     sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
     # On an absolute schedule (step 1, then every N), so a resumed run logs what the uninterrupted one did.
@@ -97,7 +95,7 @@ def logprob_agreement(run: Run, step: int, batch: TrainBatch) -> dict[str, float
     peak = all_reduce(torch.tensor([local.max().item() if local.numel() else 0.0]), "max")
     mean = stats[0].item() / max(stats[1].item(), 1.0)
     if run.env.is_main:
-        check_logprobs(torch.tensor([mean]), torch.zeros(1), rc.logprob_check_threshold)
+        warn_logprob_mismatch(mean, peak.item(), rc.logprob_check_threshold)
     return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": peak.item()}
 
 
@@ -116,8 +114,6 @@ def validate(run: Run, step: int) -> dict[str, float]:
 
 def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, timer: StageTimer) -> dict[str, float]:
     """verl-named metrics of one step (DAPO.md section 8), global over ranks."""
-    from .distributed import all_gather_objects
-
     env = run.env
     local = (batch.scores, batch.advantages, batch.responses_lengths_tensor(), batch.prompt_lengths_tensor(),
              batch.truncated.float())
@@ -137,7 +133,7 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "actor/grad_norm": sum(update.grad_norms) / max(len(update.grad_norms), 1),
          "train/num_gen_batches": collected.num_gen_batches,
          "train/kept_fraction": collected.groups_informative / max(collected.groups_generated, 1),
-         "train/kept_groups": float(len(scores) and len(scores) // run.cfg.rollout.n),
+         "train/kept_groups": float(len(scores) // run.cfg.rollout.n),
          "train/gen_acc": collected.gen_acc, "train/gen_score": collected.gen_score,
          "train/gen_truncated": collected.gen_truncated,
          **timer.metrics(),
@@ -146,8 +142,3 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
                                           if env.device.type == "cuda" else 0.0)}
     return m
 
-
-def main() -> None:  # pragma: no cover - convenience for `python -m flashdapo.trainer.loop`
-    from ..__main__ import main as cli
-
-    sys.exit(cli(["train", *sys.argv[1:]]))
