@@ -446,7 +446,7 @@ def toy() -> Config:
         # 'Answer: 18' + EOS is 6 tokens: free up to 6, penalized over 7..10, truncated (-1 more) beyond.
         rollout=RolloutConfig(n=8, max_response_length=10, val_n=4),
         algorithm=AlgorithmConfig(overlong_buffer_len=4, max_gen_batches=4, on_max_gen_batches="continue"),
-        optim=OptimConfig(lr=3e-4, weight_decay=0.0, warmup_steps=2),
+        optim=OptimConfig(lr=5e-4, weight_decay=0.0, warmup_steps=2),
         trainer=TrainerConfig(total_steps=240, train_batch=32, gen_batch=48, mini_batch=4,
                               micro_batch_tokens=4096, val_every=20),
         checkpoint=CheckpointConfig(save_every=50, keep_last=2),

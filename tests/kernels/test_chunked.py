@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashdapo.kernels.chunked import MIN_CHUNK_TOKENS, _plan, chunked_token_logprobs
+from flashdapo.kernels.chunked import TARGET_CHUNK_TOKENS, _plan, chunked_token_logprobs
 
 
 @pytest.mark.parametrize("outputs", ["logp", "entropy", "both"])
@@ -34,10 +34,12 @@ def test_gradcheck_skipped_rows(seed):
 
 
 def test_plan_bounds_the_tile():
-    assert _plan(10_000, 1000, 1 << 20) == (1048, 1000)
-    bn, bv = _plan(10_000, 151_936, 1 << 20)
-    assert bn == MIN_CHUNK_TOKENS and bn * bv <= 1 << 20
-    assert _plan(3, 50, 1 << 20) == (3, 50)
+    tile = 1 << 20
+    assert _plan(10_000, 1000, tile) == (1048, 1000)  # whole vocabulary: as many rows as fit
+    bn, bv = _plan(10_000, 151_936, tile)
+    assert bn == TARGET_CHUNK_TOKENS and bn * bv <= tile
+    assert _plan(3, 50, tile) == (3, 50)
+    assert _plan(100, 151_936, tile) == (100, 10485)
 
 
 def test_no_grad_and_frozen_weight(seed):

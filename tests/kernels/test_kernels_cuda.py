@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-
 from kernel_accuracy import check
 
 from flashdapo.kernels.chunked import chunked_token_logprobs

@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-
 from kernel_accuracy import check as _check
 from kernel_accuracy import logprobs as _logprobs
 from kernel_accuracy import run as _run
@@ -202,6 +201,18 @@ def test_ragged_shapes(impl, n, seed):
     _, _, vocab = _shape(impl)
     h, w, y = _inputs(impl, n, hdim, vocab)
     _check(impl, h, w, y, 0.7, *_upstream(n))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_batch(impl, seed):
+    _, hdim, vocab = _shape(impl)
+    h, w, y = _inputs(impl, 0, hdim, vocab)
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    logp, ent = _logprobs(impl, h, w, y)
+    assert logp.shape == (0,) and ent.shape == (0,)
+    (logp.sum() + ent.sum()).backward()
+    assert h.grad.shape == h.shape and (w.grad == 0).all()
 
 
 # 10: determinism and row independence.
