@@ -11,9 +11,9 @@ accumulated in fp32 (fp64 for fp64 inputs, so that gradcheck applies). Rows whos
 zero (masked, prompt and clipped tokens under the DAPO loss) are dropped before any matmul.
 
 Numerics: log p = (z - m) - log s in backward, not z - lse: lse = m + log s rounds to eps |m|, which at
-T = 0.05 (|z| ~ 1e3) would put a 1e-4 relative error on p. u is kept relative to the running max, so entropy = log s - u / s needs no cancellation of
-large terms and is >= 0 by construction (u <= 0); logp = (z_y - m) - log s <= 0 by construction
-(z_y is one of the values that made m, and s >= 1). 16-bit inputs are upcast chunk-wise to fp32, so
+T = 0.05 (|z| ~ 1e3) would put a 1e-4 relative error on p. u is kept relative to the running max, so
+entropy = log s - u / s needs no cancellation of large terms and is >= 0 by construction (u <= 0);
+logp = (z_y - m) - log s <= 0 by construction (z_y is one of the values that made m, and s >= 1). 16-bit inputs are upcast chunk-wise to fp32, so
 this path has naive torch's accuracy. It runs on any device and is the CPU default.
 """
 
