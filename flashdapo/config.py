@@ -330,7 +330,7 @@ class LoggingConfig:
     run_dir: str = "runs/flashdapo"
     """Directory of this run: config, metrics.jsonl, plot, checkpoints, export."""
     plot: bool = True
-    """Write training_dynamics.png (the curves of the paper's Fig. 7) as the run goes."""
+    """Write training_dynamics.png (the curves of the paper's Fig. 7) at every validation and at the end."""
     tensorboard: bool = False
     """Also log to TensorBoard (needs the tensorboard package)."""
     wandb: bool = False

@@ -10,6 +10,7 @@ it is the plain HF model, which is how the rollout engine samples from it.
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -29,17 +30,22 @@ from .distributed import DistEnv
 
 
 @dataclass
-class PackedBatch:
-    """One micro-batch: sequences (prompt + response) packed into a single row without padding."""
+class TokenBatch:
+    """One micro-batch of (prompt + response) sequences, laid out for the attention backend.
+
+    packed (flash-attn varlen): one row [1, T], positions restarting per sequence, no padding.
+    padded (SDPA / eager): rows [B, L] right-padded, with a 2-D attention mask. Padding wastes some
+    compute but keeps attention memory O(B L^2) instead of the O(T^2) of a block mask over a packed row.
+    """
 
     input_ids: torch.Tensor
-    """[1, T] token ids of all sequences back to back."""
+    """[1, T] packed or [B, L] padded token ids."""
     position_ids: torch.Tensor
-    """[1, T] positions restarting at 0 for every sequence."""
-    segment_ids: torch.Tensor
-    """[T] index of the sequence each token belongs to (attention stays inside a sequence)."""
+    """Same shape: positions restarting at 0 for every sequence."""
+    attention_mask: torch.Tensor | None
+    """[B, L] 1 for real tokens (padded layout); None when packed."""
     predict_index: torch.Tensor
-    """[N] positions whose hidden state predicts a response token."""
+    """[N] flat indices (into input_ids.view(-1)) of the positions whose hidden state predicts a response token."""
     targets: torch.Tensor
     """[N] the response tokens predicted at `predict_index`."""
     token_counts: list[int]
@@ -48,7 +54,7 @@ class PackedBatch:
 
 @dataclass
 class LossInputs:
-    """Per response token of a PackedBatch: what the DAPO loss needs besides the log-probs."""
+    """Per response token of a TokenBatch: what the DAPO loss needs besides the log-probs."""
 
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
@@ -59,35 +65,37 @@ class LossInputs:
     clip_ratio_c: float | None
 
 
-def pack_sequences(prompts: list[torch.Tensor], responses: list[torch.Tensor], device: torch.device) -> PackedBatch:
-    """Pack (prompt, response) pairs into one row; the last response token is never an input."""
-    ids, positions, segments, predict, targets, counts = [], [], [], [], [], []
-    offset = 0
-    for seq, (prompt, response) in enumerate(zip(prompts, responses)):
-        tokens = torch.cat([prompt, response[:-1]]) if len(response) else prompt
-        ids.append(tokens)
-        positions.append(torch.arange(len(tokens)))
-        segments.append(torch.full((len(tokens),), seq))
-        # Hidden state at position p predicts token p + 1: response token j sits at len(prompt) + j.
-        predict.append(offset + len(prompt) - 1 + torch.arange(len(response)))
-        targets.append(response)
-        counts.append(len(response))
-        offset += len(tokens)
-    return PackedBatch(
-        input_ids=torch.cat(ids).long().unsqueeze(0).to(device),
-        position_ids=torch.cat(positions).unsqueeze(0).to(device),
-        segment_ids=torch.cat(segments).to(device),
+def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], device: torch.device,
+                     packed: bool) -> TokenBatch:
+    """Lay out (prompt, response) pairs for one forward; the last response token is never an input.
+
+    The hidden state at position p predicts token p + 1, so response token j of a sequence is predicted at
+    position len(prompt) - 1 + j of that sequence.
+    """
+    rows = [torch.cat([p, r[:-1]]) if len(r) else p for p, r in zip(prompts, responses)]
+    width = sum(len(t) for t in rows) if packed else max(len(t) for t in rows)
+    starts = list(itertools.accumulate([len(t) for t in rows[:-1]], initial=0)) if packed else \
+        [i * width for i in range(len(rows))]
+    predict = [start + len(p) - 1 + torch.arange(len(r)) for start, p, r in zip(starts, prompts, responses)]
+    if packed:
+        input_ids = torch.cat(rows).unsqueeze(0)
+        positions = torch.cat([torch.arange(len(t)) for t in rows]).unsqueeze(0)
+        mask = None
+    else:
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, t in enumerate(rows):
+            input_ids[i, :len(t)] = t
+            mask[i, :len(t)] = 1
+        positions = torch.arange(width).expand(len(rows), width)
+    return TokenBatch(
+        input_ids=input_ids.long().to(device),
+        position_ids=positions.to(device),
+        attention_mask=None if mask is None else mask.to(device),
         predict_index=torch.cat(predict).long().to(device),
-        targets=torch.cat(targets).long().to(device),
-        token_counts=counts,
+        targets=torch.cat(list(responses)).long().to(device),
+        token_counts=[len(r) for r in responses],
     )
-
-
-def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] bool mask: causal, and no attention across packed sequences (exact per sequence)."""
-    same = segment_ids[:, None] == segment_ids[None, :]
-    causal = torch.ones_like(same).tril()
-    return (same & causal)[None, None]
 
 
 class PolicyModel(nn.Module):
@@ -113,7 +121,7 @@ class PolicyModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.hf.get_output_embeddings().weight
 
-    def forward(self, batch: PackedBatch | None = None, loss_inputs: LossInputs | None = None,
+    def forward(self, batch: TokenBatch | None = None, loss_inputs: LossInputs | None = None,
                 with_entropy: bool = False, cache=None, **hf_kwargs):
         """Training: per-token (logp, entropy) of `batch`, or (loss, LossStats) given `loss_inputs`.
         Sampling: with HF keyword arguments and no batch, the HF model's own forward (`cache` is the KV
@@ -134,15 +142,20 @@ class PolicyModel(nn.Module):
                          clip_low=li.clip_low, clip_high=li.clip_high, clip_ratio_c=li.clip_ratio_c,
                          temperature=self.temperature, normalizer=li.normalizer, impl=self.kernel_impl)
 
-    def _hidden_states(self, batch: PackedBatch) -> torch.Tensor:
-        if self.attn_implementation == "flash_attention_2":
-            # flash-attn reads sequence boundaries from the restarting position ids (varlen).
-            mask = None
-        else:
-            mask = block_causal_mask(batch.segment_ids)
-        out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
-                            use_cache=False)
-        return out.last_hidden_state[0].index_select(0, batch.predict_index)
+    @property
+    def packed_layout(self) -> bool:
+        """flash-attn reads sequence boundaries from restarting position ids (varlen): pack. Else pad."""
+        return self.attn_implementation == "flash_attention_2"
+
+    def token_batch(self, prompts: list[torch.Tensor], responses: list[torch.Tensor], device) -> TokenBatch:
+        """A micro-batch laid out for this policy's attention backend."""
+        return make_token_batch(prompts, responses, device, self.packed_layout)
+
+    def _hidden_states(self, batch: TokenBatch) -> torch.Tensor:
+        out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                            attention_mask=batch.attention_mask, use_cache=False)
+        hidden = out.last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_index)
 
 
 def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, trainer_cfg: TrainerConfig) -> PolicyModel:
@@ -170,10 +183,10 @@ def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, train
     return policy
 
 
-def per_token_split(values: torch.Tensor, batch: PackedBatch) -> list[torch.Tensor]:
+def per_token_split(values: torch.Tensor, batch: TokenBatch) -> list[torch.Tensor]:
     """Split a per-response-token vector of `batch` back into one tensor per sequence."""
     return list(torch.split(values, batch.token_counts))
 
 
-__all__ = ["LossInputs", "LossStats", "PackedBatch", "PolicyModel", "block_causal_mask", "pack_sequences",
-           "parallelize", "per_token_split"]
+__all__ = ["LossInputs", "LossStats", "PolicyModel", "TokenBatch", "make_token_batch", "parallelize",
+           "per_token_split"]

@@ -17,7 +17,7 @@ from ..config import Config
 from ..kernels import LossStats
 from .batch import TrainBatch, mini_batch_slices, plan_micro_batches
 from .distributed import DistEnv, all_reduce
-from .policy import LossInputs, PolicyModel, pack_sequences, per_token_split
+from .policy import LossInputs, PolicyModel, per_token_split
 
 
 def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int):
@@ -38,7 +38,7 @@ def compute_old_logprobs(policy: PolicyModel, batch: TrainBatch, cfg: Config, pa
     out: list[torch.Tensor | None] = [None] * len(batch.responses)
     for indices, prompts, responses in _micro_batches(batch.prompts, batch.responses,
                                                       cfg.trainer.micro_batch_tokens, pad_id):
-        packed = pack_sequences(prompts, responses, device)
+        packed = policy.token_batch(prompts, responses, device)
         logp, _ = policy(packed)
         if indices:
             for i, values in zip(indices, per_token_split(logp.float().cpu(), packed)):
@@ -86,7 +86,7 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     stats = _zero_stats()
     for indices, mb_prompts, mb_responses in _micro_batches(prompts, responses, cfg.trainer.micro_batch_tokens,
                                                             pad_id):
-        packed = pack_sequences(mb_prompts, mb_responses, env.device)
+        packed = policy.token_batch(mb_prompts, mb_responses, env.device)
         if indices:
             per_token = [(old[i], advantages[i].expand(len(responses[i])), token_mask[i]) for i in indices]
             old_t, adv_t, mask_t = (torch.cat(parts).to(env.device) for parts in zip(*per_token))

@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ..config import Config, ModelConfig
 from ..data import chat_ids, toy_sft_examples
-from .policy import PolicyModel, pack_sequences
+from .policy import PolicyModel
 
 
 def build_toy_model(cfg: ModelConfig, vocab_size: int, max_positions: int, seed: int) -> Qwen2ForCausalLM:
@@ -49,7 +49,7 @@ def supervised_warmup(policy: PolicyModel, tokenizer, cfg: Config, log=print) ->
     policy.train()
     for step in range(toy.sft_steps):
         chunk = pairs[step * toy.sft_batch:(step + 1) * toy.sft_batch]
-        packed = pack_sequences([p for p, _ in chunk], [r for _, r in chunk], device)
+        packed = policy.token_batch([p for p, _ in chunk], [r for _, r in chunk], device)
         logp, _ = policy(packed)
         loss = -logp.mean()
         optimizer.zero_grad(set_to_none=True)
