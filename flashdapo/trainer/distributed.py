@@ -59,9 +59,13 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, mesh=mesh)
 
 
-def shutdown() -> None:
-    """Destroy the process group if one is up."""
+def shutdown(synchronize: bool = True) -> None:
+    """Destroy the process group if one is up. On a clean exit ranks meet at a barrier first, so none
+    tears its communicator down while another is still in a collective; after an error they do not
+    (a barrier could hang on ranks stuck elsewhere)."""
     if dist.is_initialized():
+        if synchronize and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -51,9 +51,12 @@ def train(cfg) -> Run:
         if cfg.checkpoint.export_hf:
             export_hf(run.full_state_dict(), run.policy.config, run.tokenizer, run.run_dir / "export", run.env.is_main)
             run.log(f"exported the final policy to {run.run_dir / 'export'}")
-    finally:
+    except BaseException:
         run.logger.close()
-        shutdown()
+        shutdown(synchronize=False)
+        raise
+    run.logger.close()
+    shutdown()
     return run
 
 

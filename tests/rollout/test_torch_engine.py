@@ -258,6 +258,7 @@ def _distributed_worker(rank: int, world: int, init_file: str) -> None:
         counts = [None] * world
         dist.all_gather_object(counts, len(calls))
         assert counts[0] == counts[1], counts
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
