@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from .config import ConfigError, DataConfig, ToyTaskConfig
 
@@ -142,6 +140,9 @@ def _read_jsonl(path: Path) -> list[Record]:
 
 
 def _read_parquet(path: Path) -> list[Record]:
+    import pyarrow as pa  # imported here: the toy task and jsonl data need no pyarrow
+    import pyarrow.parquet as pq
+
     try:
         file = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as err:
