@@ -81,6 +81,10 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     loss_mask = batch.loss_mask[rows]
     token_mask = [torch.full((len(r),), bool(m)) for r, m in zip(responses, loss_mask.tolist())]
     normalizer = global_token_count(torch.cat(token_mask) if token_mask else torch.zeros(0), None)
+    if normalizer.item() == 0:
+        # No valid token on any rank (all ranks agree: the count is global). An optimizer step on zero
+        # gradients would still move the weights (Adam momentum, weight decay): skip it.
+        return 0.0, 0.0, _zero_stats()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), dtype=torch.float64)
     stats = _zero_stats()

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from flashdapo.__main__ import main as cli
 from flashdapo.config import AlgorithmConfig, RolloutConfig, ToyTaskConfig, TrainerConfig, merge, toy
 from flashdapo.data import PromptSampler, toy_records
+from flashdapo.reward import Verdict
 from flashdapo.trainer.checkpoint import export_hf
 from flashdapo.trainer.distributed import DistEnv, shutdown
 from flashdapo.trainer.loop import train, train_step
@@ -166,3 +167,20 @@ def test_config_validation_names_the_field():
         RolloutConfig(top_p=0.0)
     with pytest.raises(ValueError, match="algorithm.clip_ratio_c"):
         AlgorithmConfig(clip_ratio_c=0.5)
+
+
+def test_step_without_informative_groups_leaves_weights_alone(tmp_path):
+    # Every answer judged wrong: with dynamic sampling on and `continue`, no group is kept.
+    cfg = tiny_config(tmp_path / "run", algorithm={"dynamic_sampling": True, "max_gen_batches": 1,
+                                                     "on_max_gen_batches": "continue"})
+    run = setup_run(cfg)
+    run.verifier = lambda text, truth: Verdict(-1.0, False, "")
+    try:
+        before = {n: t.clone() for n, t in run.full_state_dict()}
+        with pytest.warns(UserWarning, match="found 0 informative groups"):
+            metrics = train_step(run, 1)
+        after = {n: t.clone() for n, t in run.full_state_dict()}
+    finally:
+        shutdown()
+    assert metrics["train/kept_groups"] == 0 and metrics["actor/grad_norm"] == 0
+    assert all(torch.equal(before[n], after[n]) for n in before)
