@@ -161,6 +161,9 @@ class RolloutConfig:
     """Top-k during training (-1 = off, as DAPO)."""
     max_response_length: int = 20480
     """Max new tokens per response (L_max of the overlong penalty)."""
+    max_num_seqs: int = 256
+    """torch engine: sequences decoded together (bounds its KV cache: max_num_seqs x (prompt + response)
+    token slots). vLLM schedules its own batches."""
     val_n: int = 32
     """Samples per validation prompt (k of mean@k, pass@k, maj@k)."""
     val_temperature: float = 1.0
@@ -190,6 +193,7 @@ class RolloutConfig:
         _require(self.max_response_length > 0, "rollout.max_response_length", "a positive integer",
                  self.max_response_length)
         _require(self.val_n >= 1, "rollout.val_n", ">= 1", self.val_n)
+        _require(self.max_num_seqs >= 1, "rollout.max_num_seqs", ">= 1", self.max_num_seqs)
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", self.tensor_parallel_size)
         _require(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "a value in (0, 1)",
                  self.gpu_memory_utilization)
@@ -280,7 +284,8 @@ class TrainerConfig:
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     micro_batch_tokens: int = 22528
-    """Token budget (prompt + response) of one forward/backward micro-batch on one rank."""
+    """Token budget of one forward/backward micro-batch on one rank: real tokens when packed
+    (flash_attention_2), rows x longest row when padded (SDPA / eager)."""
     kernel_impl: Literal["auto", "naive", "torch", "triton"] = "auto"
     """Log-prob/loss implementation (auto: triton on CUDA, chunked torch elsewhere)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -113,8 +113,9 @@ class EvalArgs:
     """Max response length (DAPO: 20480)."""
     max_prompt_length: int = 2048
     """Prompts are left-truncated to this many tokens."""
-    batch_size: int = 256
-    """Sequences decoded together (bounds KV-cache memory)."""
+    batch_size: int = 32
+    """Sequences decoded together: the KV cache holds batch_size x (prompt + max_new_tokens) tokens
+    (a 7B model at 20k tokens: ~1.2 GB per sequence)."""
     verifier: str = "dapo"
     """dapo or math_verify."""
     device: str = "auto"

@@ -172,6 +172,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, with_entropy, bn, bv):
+        # An output whose gradient is not needed (the entropy, in the DAPO loss) reaches backward as None,
+        # not as zeros: its term is then skipped instead of computed on zeros.
+        ctx.set_materialize_grads(False)
         logp, m, log_s, entropy = _forward(hidden, weight, targets, temperature, with_entropy, bn, bv)
         ctx.temperature, ctx.bn, ctx.bv = temperature, bn, bv
         ctx.save_for_backward(hidden, weight, targets, m, log_s, entropy if with_entropy else log_s)

@@ -25,12 +25,17 @@ dots (dh: a gather of W[y]; dW: `_onehot_dw_kernel`), so 16-bit dots round only 
 Launch configs are hand-picked per shape class (`_config`); FLASHDAPO_AUTOTUNE=1 turns on a small
 search instead. On CPU the kernels run under TRITON_INTERPRET=1 (set it before triton is imported),
 which has no bf16 tensor-core dot: there the 16-bit tiles are upcast after the same rounding.
-All pointer offsets are int64. Targets must lie in [0, V).
+All pointer offsets are int64. Targets of rows with a nonzero upstream gradient must lie in [0, V):
+backward checks them (ValueError) before any kernel reads W[y] or writes dW[y]; rows with zero
+gradient may carry any target (e.g. an ignore index of -100), the forward then leaves a meaningless
+log-prob for them but reads and writes nothing out of bounds.
+Kernel launches run under `torch.cuda.device(h.device)`, so tensors on a non-current GPU work.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +94,7 @@ def _fwd_kernel(h_ptr, w_ptr, y_ptr, part_ptr, N, V, H, temperature, num_splits,
     Moves BN*H*(V/S/BV) + (V/S)*H input elements (h tile re-read per vocab tile from L2), computes
     2*BN*(V/S)*H FLOPs, writes 4 floats per row: partials [S, 4, N] = (m, s, u, z_y).
     """
-    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    pid_s, pid_n = tl.program_id(0), tl.program_id(1)  # split fastest: concurrent programs share h blocks
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows64 = rows.to(tl.int64)
@@ -181,7 +186,7 @@ def _bwd_dh_kernel(h_ptr, w_ptr, rows_ptr, g_ptr, ge_ptr, stat_ptr, ws_ptr,
     Per vocab tile: recompute z (2 BN BV H FLOPs), form dz, then ws += dz W_tile (2 BN BV H FLOPs),
     read-modify-writing the block's BN x H fp32 partial (8 BN H bytes, L2-resident) once per tile.
     """
-    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    pid_s, pid_n = tl.program_id(0), tl.program_id(1)  # split fastest: concurrent programs share h blocks
     idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     act_mask = idx < n_act
     rows, g, ge, m, log_s, ent = _row_stats(rows_ptr, g_ptr, ge_ptr, stat_ptr, N, idx, act_mask, HAS_GE)
@@ -353,6 +358,8 @@ def _meta(kernel: str, dtype: torch.dtype, hdim: int) -> dict:
 
 def _dot_flags(dtype: torch.dtype) -> dict:
     # fp32 inputs: true fp32 dots ("ieee"), as naive torch; 16-bit: tensor cores, fp32 accumulation.
+    # "tf32x3" compiles without the register spills "ieee" has on sm_90 (bench/results/NOTES.md), but the
+    # interpreter ignores input_precision, so its accuracy is unverified here: kept "ieee".
     return dict(UPCAST=INTERPRET and dtype != torch.float32, PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
@@ -373,7 +380,7 @@ def _forward(h, w, y, temperature, with_entropy):
         return logp, stats
     part = torch.empty((splits, 4, n), dtype=torch.float32, device=h.device)
     meta = _meta("fwd", h.dtype, hdim)
-    grid = lambda m: (triton.cdiv(n, m["BLOCK_N"]), splits)
+    grid = lambda m: (splits, triton.cdiv(n, m["BLOCK_N"]))
     _fwd_kernel[grid](h, w, y, part, n, vocab, hdim, temperature, splits,
                       WITH_ENT=with_entropy, **_dot_flags(h.dtype), **meta)
     block = 16 if INTERPRET else 128
@@ -382,9 +389,8 @@ def _forward(h, w, y, temperature, with_entropy):
     return logp, stats
 
 
-def _onehot_dw(h, g_s, rows, y, dw):
-    """dW[y_i] += g_i h_i for the active rows, exact fp32, deterministic (sorted segments)."""
-    y_act = y[rows]
+def _onehot_dw(h, g_s, rows, y_act, dw):
+    """dW[y_i] += g_i h_i for the active rows (targets y_act = y[rows]), exact fp32, deterministic."""
     order = torch.argsort(y_act, stable=True)
     y_sorted, rows_sorted = y_act[order].contiguous(), rows[order].contiguous()
     counts = torch.unique_consecutive(y_sorted, return_counts=True)[1]
@@ -394,8 +400,19 @@ def _onehot_dw(h, g_s, rows, y, dw):
                                          BLOCK_H=16 if INTERPRET else 128)
 
 
-def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need_h, need_w, deterministic):
-    """dh (h's dtype) and dW (fp32) over the rows whose upstream gradients are not both zero."""
+def _check_targets(y_act: torch.Tensor, vocab: int) -> None:
+    """Raise ValueError if an active row's target lies outside [0, V) (W[y] / dW[y] would be out of bounds)."""
+    if y_act.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(y_act)).tolist())  # one host sync
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"target {bad} of a row with nonzero gradient is outside [0, V={vocab}); "
+                         "give ignored rows (e.g. target -100) a zero upstream gradient")
+
+
+def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need_h, need_w, deterministic, dh_dtype=None):
+    """dh (dh_dtype, default h's) and dW (fp32) over the rows whose upstream gradients are not both zero."""
     n, hdim = h.shape
     vocab = w.shape[0]
     active = torch.zeros(n, dtype=torch.bool, device=h.device)
@@ -404,9 +421,11 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need_h, need_w, 
             active |= grad != 0
     rows = torch.nonzero(active).squeeze(1)  # one host sync: sizes the grids to the live rows
     n_act = rows.numel()
+    y_act = y[rows]
+    _check_targets(y_act, vocab)
     dw = torch.zeros((vocab, hdim), dtype=torch.float32, device=h.device) if need_w else None
     if n_act == 0 or not (need_h or need_w):
-        return (torch.zeros_like(h) if need_h else None), dw
+        return (torch.zeros_like(h, dtype=dh_dtype) if need_h else None), dw
     # 1/T folded into the per-row upstream gradients: dz/T costs N multiplies instead of N V.
     g_s = (grad_logp.float() / temperature) if grad_logp is not None else torch.zeros_like(stats[0])
     has_ge = grad_ent is not None
@@ -420,9 +439,10 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need_h, need_w, 
             blocks = triton.cdiv(n_act, meta.get("BLOCK_N", 64))
             splits = 2 if INTERPRET else max(1, min(8, triton.cdiv(2 * _num_sms(h.device), blocks)))
             ws = torch.zeros((splits, n_act, hdim), dtype=torch.float32, device=h.device)
-            grid = lambda m: (triton.cdiv(n_act, m["BLOCK_N"]), splits)
+            grid = lambda m: (splits, triton.cdiv(n_act, m["BLOCK_N"]))
             _bwd_dh_kernel[grid](*args, ws, n, n_act, vocab, hdim, temperature, splits, **flags, **meta)
             dh_act = ws.sum(0) if splits > 1 else ws[0]  # fixed-order reduction of the split partials
+            del ws  # free the split workspace before dW's kernel runs
         if need_w:
             grid = lambda m: (triton.cdiv(vocab, m["BLOCK_V"]),)
             _bwd_dw_kernel[grid](*args, dw, n, n_act, vocab, hdim, temperature, **flags,
@@ -434,28 +454,52 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need_h, need_w, 
                                  temperature, NEED_H=need_h, NEED_W=need_w, **flags,
                                  **_meta("atomic", h.dtype, hdim))
     if need_h:
-        dh_act += g_s[rows].unsqueeze(1) * w[y[rows]].float()  # one-hot part, exact fp32
+        # One-hot part, exact fp32, in place: W[y] is upcast inside addcmul_ (no fp32 [n_act, H] copy).
+        dh_act.addcmul_(g_s[rows].unsqueeze(1), w[y_act])
+        out_dtype = h.dtype if dh_dtype is None else dh_dtype
         if n_act == n:
-            dh = dh_act.to(h.dtype)
+            dh = dh_act.to(out_dtype)
         else:
-            dh = torch.zeros_like(h)
-            dh[rows] = dh_act.to(h.dtype)
+            dh = torch.zeros_like(h, dtype=out_dtype)
+            dh[rows] = dh_act.to(out_dtype)
     if need_w:
-        _onehot_dw(h, g_s, rows, y, dw)
+        _onehot_dw(h, g_s, rows, y_act, dw)
     return dh, dw
 
 
 # ------------------------------------------------------------------------------ autograd + public API
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _compute_dtype(h_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
+    """One compute dtype for both operands (tl.dot needs it), as autocast would pick it: a 16-bit operand
+    wins over an fp32/fp64 one (which is cast down); equal dtypes stay; fp64 (test-only) and a bf16/fp16
+    mix compute in fp32."""
+    if h_dtype == w_dtype:
+        return torch.float32 if h_dtype == torch.float64 else h_dtype
+    if (h_dtype in _HALF) != (w_dtype in _HALF):
+        return h_dtype if h_dtype in _HALF else w_dtype
+    return torch.float32
+
+
+def _on_device(t: torch.Tensor):
+    """Launch on t's GPU (Triton launches on the current device); a no-op on CPU / the interpreter."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else nullcontext()
+
+
 class _TritonLogprobs(torch.autograd.Function):
     """(logp, entropy) from the fused kernels; saves h, W, targets and 8 bytes per token."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, with_entropy, deterministic):
-        # One compute dtype for both operands (tl.dot needs it); fp64 (test-only) computes in fp32.
-        dtype = hidden.dtype if hidden.dtype == weight.dtype and hidden.dtype != torch.float64 else torch.float32
+        # An output whose gradient is not needed (the entropy, in the DAPO loss) reaches backward as None,
+        # not as zeros: its term is then skipped instead of computed on zeros.
+        ctx.set_materialize_grads(False)
+        dtype = _compute_dtype(hidden.dtype, weight.dtype)
         h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
         y = targets.contiguous()
-        logp, stats = _forward(h, w, y, temperature, with_entropy)
+        with _on_device(h):
+            logp, stats = _forward(h, w, y, temperature, with_entropy)
         ctx.save_for_backward(h, w, y, stats)
         ctx.temperature, ctx.deterministic = temperature, deterministic
         ctx.in_dtypes = (hidden.dtype, weight.dtype)
@@ -465,8 +509,9 @@ class _TritonLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):
         h, w, y, stats = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh, dw = _backward(h, w, y, stats, grad_logp, grad_ent, ctx.temperature, need_h, need_w,
-                           ctx.deterministic)
+        with _on_device(h):
+            dh, dw = _backward(h, w, y, stats, grad_logp, grad_ent, ctx.temperature, need_h, need_w,
+                               ctx.deterministic, dh_dtype=ctx.in_dtypes[0] if need_h else None)
         dh = dh.to(ctx.in_dtypes[0]) if dh is not None else None
         dw = dw.to(ctx.in_dtypes[1]) if dw is not None else None
         return dh, dw, None, None, None, None
@@ -483,9 +528,12 @@ def triton_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(target) [N] fp32 and optionally entropy [N] fp32, by the fused Triton kernels.
 
-    hidden [N, H], weight [V, H] (bf16/fp16/fp32), targets [N] in [0, V). Differentiable in hidden and
+    hidden [N, H], weight [V, H] (bf16/fp16/fp32), targets [N] in [0, V) on every row with a nonzero
+    upstream gradient (else backward raises ValueError). Mixed dtypes compute as autocast would: the fp32
+    operand is cast to the other's 16-bit dtype (tensor-core dots, no fp32 copy of W); gradients come back
+    in each input's dtype, dh rounded once from fp32. Pure fp32 stays fp32. Differentiable in hidden and
     weight through both outputs. `deterministic` (default: FLASHDAPO_DETERMINISTIC, default on) selects
-    the bitwise-reproducible backward; False uses the faster atomic one. Needs CUDA tensors, or CPU
+    the bitwise-reproducible backward; False the atomic one (not yet benchmarked faster). Needs CUDA tensors, or CPU
     tensors with TRITON_INTERPRET=1 set before triton was first imported.
     """
     if hidden.device.type != "cuda" and not INTERPRET:

@@ -116,23 +116,40 @@ def rank_share(num_groups: int, num_mini_batches: int, world_size: int, rank: in
     return indices
 
 
-def plan_micro_batches(token_counts: list[int], budget: int) -> list[list[int]]:
-    """Indices of sequences per micro-batch: at most `budget` tokens each where possible, the same
-    number of micro-batches on every rank (the max needed by any rank), balanced by tokens.
+def plan_micro_batches(token_counts: list[int], budget: int, padded: bool = False) -> list[list[int]]:
+    """Indices of sequences per micro-batch, the same number of micro-batches on every rank (the most any
+    rank needs; each FSDP2 forward is a collective).
 
-    A sequence longer than the budget gets a micro-batch of its own. A rank with fewer sequences than
-    micro-batches gets empty ones (the caller runs a dummy forward there to keep collectives aligned).
+    packed (flash-attn varlen) rows cost their real tokens: first-fit decreasing bins of at most `budget`
+    tokens, then spread over the agreed count, longest first into the least-loaded bin. Padded rows cost
+    rows x longest: sequences sorted by length fill bins while rows x longest <= budget. A sequence longer
+    than the budget gets a micro-batch of its own; a rank with less work than others gets empty
+    micro-batches (the caller runs a dummy forward there).
     """
+    if padded:
+        bins = _padded_bins(token_counts, budget)
+        count = int(all_reduce(torch.tensor([max(len(bins), 1)]), "max").item())
+        return [sorted(b) for b in bins] + [[] for _ in range(count - len(bins))]
     needed = _first_fit_count(token_counts, budget)
     count = int(all_reduce(torch.tensor([needed]), "max").item())
     bins: list[list[int]] = [[] for _ in range(count)]
     loads = [0] * count
-    # Longest first into the least-loaded bin: deterministic and balanced.
     for idx in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
         target = min(range(count), key=lambda b: (loads[b], b))
         bins[target].append(idx)
         loads[target] += token_counts[idx]
     return [sorted(b) for b in bins]
+
+
+def _padded_bins(token_counts: list[int], budget: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    for idx in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
+        # Sorted longest first, so a bin's first sequence sets its padded width.
+        if bins and (len(bins[-1]) + 1) * token_counts[bins[-1][0]] <= budget:
+            bins[-1].append(idx)
+        else:
+            bins.append([idx])
+    return bins
 
 
 def _first_fit_count(token_counts: list[int], budget: int) -> int:

@@ -46,7 +46,9 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
     if use_cuda:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
+        # On GPUs, NCCL for CUDA tensors plus gloo for CPU ones: FSDP2 CPU offload keeps gradients (and
+        # so the grad-norm all-reduce) on the CPU, and small host-side reductions need no device copy.
+        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,

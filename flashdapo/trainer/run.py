@@ -55,8 +55,10 @@ class Run:
         return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict())
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors, gathered from the FSDP2 shards one at a time."""
-        return iter_full_state_dict(self.policy.hf)
+        """HF-named full tensors (bf16 when model.dtype is bfloat16), gathered from the FSDP2 shards one at a
+        time."""
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None  # export in the compute dtype
+        return iter_full_state_dict(self.policy.hf, dtype=dtype)
 
     def engine_wake(self, timer: StageTimer | None) -> None:
         """Before generating. torch engine: gather every FSDP2 shard once for the whole generation (not
@@ -110,7 +112,8 @@ def _build_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer) -> 
     from ..rollout.torch_engine import TorchEngine
 
     group = dist.group.WORLD if env.world_size > 1 else None
-    return TorchEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, process_group=group)
+    return TorchEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, process_group=group,
+                       max_batch=cfg.rollout.max_num_seqs)
 
 
 def _optimizer(cfg: Config, policy: PolicyModel):

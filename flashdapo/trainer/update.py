@@ -20,10 +20,11 @@ from .distributed import DistEnv, all_reduce
 from .policy import LossInputs, PolicyModel, per_token_split
 
 
-def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int):
+def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int,
+                   padded: bool):
     """(indices, prompts, responses) per micro-batch; empty micro-batches carry one masked dummy token."""
     counts = [len(p) + max(len(r) - 1, 0) for p, r in zip(prompts, responses)]
-    for indices in plan_micro_batches(counts, budget):
+    for indices in plan_micro_batches(counts, budget, padded):
         if indices:
             yield indices, [prompts[i] for i in indices], [responses[i] for i in indices]
         else:  # keeps this rank's FSDP2 collectives in step with ranks that have work
@@ -36,8 +37,8 @@ def compute_old_logprobs(policy: PolicyModel, batch: TrainBatch, cfg: Config, pa
                          device: torch.device) -> list[torch.Tensor]:
     """log pi_old(y_t) of every response token, recomputed by the policy before the update (fp32, CPU)."""
     out: list[torch.Tensor | None] = [None] * len(batch.responses)
-    for indices, prompts, responses in _micro_batches(batch.prompts, batch.responses,
-                                                      cfg.trainer.micro_batch_tokens, pad_id):
+    for indices, prompts, responses in _micro_batches(batch.prompts, batch.responses, cfg.trainer.micro_batch_tokens,
+                                                      pad_id, not policy.packed_layout):
         packed = policy.token_batch(prompts, responses, device)
         logp, _ = policy(packed)
         if indices:
@@ -89,7 +90,7 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     loss_sum = torch.zeros((), dtype=torch.float64)
     stats = _zero_stats()
     for indices, mb_prompts, mb_responses in _micro_batches(prompts, responses, cfg.trainer.micro_batch_tokens,
-                                                            pad_id):
+                                                            pad_id, not policy.packed_layout):
         packed = policy.token_batch(mb_prompts, mb_responses, env.device)
         if indices:
             per_token = [(old[i], advantages[i].expand(len(responses[i])), token_mask[i]) for i in indices]
@@ -105,6 +106,7 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
         stats = stats + _to_cpu(micro_stats)
     grad_norm = _clip_grad_norm(policy, cfg.optim.grad_clip)
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # free the gradients now, not at the next mini-batch
     global_loss = all_reduce(loss_sum).item()
     return global_loss, grad_norm, LossStats.from_vector(all_reduce(stats.as_vector()))
 

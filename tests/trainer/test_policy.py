@@ -42,3 +42,16 @@ def test_packed_layout_indices():
     assert padded.input_ids.tolist() == [[1, 2, 3, 5], [4, 7, 8, 0]]
     assert padded.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
     assert padded.predict_index.tolist() == [2, 3, 4, 5, 6]
+
+
+def test_padded_micro_batches_respect_rows_times_longest():
+    from flashdapo.trainer.batch import plan_micro_batches
+
+    counts = [30, 5, 5, 5, 29, 12, 3, 3]
+    bins = plan_micro_batches(counts, budget=60, padded=True)
+    assert sorted(i for b in bins for i in b) == list(range(len(counts)))
+    for b in bins:
+        assert len(b) * max(counts[i] for i in b) <= 60 or len(b) == 1
+    packed = plan_micro_batches(counts, budget=60, padded=False)
+    assert sorted(i for b in packed for i in b) == list(range(len(counts)))
+    assert all(sum(counts[i] for i in b) <= 60 for b in packed)
