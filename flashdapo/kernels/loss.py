@@ -52,6 +52,11 @@ class LossStats:
     def from_vector(cls, vector: torch.Tensor) -> LossStats:
         return cls(*vector.unbind(0))
 
+    @classmethod
+    def zeros(cls, device: torch.device | str = "cpu") -> LossStats:
+        """All sums zero (fp64), e.g. to start an accumulation."""
+        return cls.from_vector(torch.zeros(len(fields(cls)), dtype=torch.float64, device=device))
+
     def means(self) -> dict[str, float]:
         """Per-token means of every statistic (0 when there are no tokens)."""
         count = max(float(self.num_tokens), 1.0)

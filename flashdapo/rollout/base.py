@@ -54,39 +54,6 @@ class Rollouts:
     def prompt_lengths(self) -> torch.Tensor:
         return torch.tensor([len(p) for p in self.prompt_ids], dtype=torch.long)
 
-    def select(self, index: torch.Tensor | list[int]) -> Rollouts:
-        """The responses at `index`, in that order (group ids kept as they are)."""
-        idx = torch.as_tensor(index, dtype=torch.long).tolist()
-        return Rollouts(
-            prompt_ids=[self.prompt_ids[i] for i in idx],
-            response_ids=[self.response_ids[i] for i in idx],
-            group_ids=self.group_ids[idx],
-            truncated=self.truncated[idx],
-            logprobs=None if self.logprobs is None else [self.logprobs[i] for i in idx],
-        )
-
-    @staticmethod
-    def concat(parts: list[Rollouts]) -> Rollouts:
-        """Join batches; group ids of later parts are offset so groups stay distinct."""
-        prompt_ids, response_ids, group_ids, truncated, logprobs = [], [], [], [], []
-        offset = 0
-        for part in parts:
-            prompt_ids += part.prompt_ids
-            response_ids += part.response_ids
-            # Renumber to 0..k-1 within the part (order-preserving), then offset.
-            _, local = torch.unique(part.group_ids, sorted=True, return_inverse=True)
-            group_ids.append(local + offset)
-            offset += int(local.max()) + 1 if len(local) else 0
-            truncated.append(part.truncated)
-            logprobs = None if (logprobs is None or part.logprobs is None) else logprobs + part.logprobs
-        return Rollouts(
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            group_ids=torch.cat(group_ids) if group_ids else torch.zeros(0, dtype=torch.long),
-            truncated=torch.cat(truncated) if truncated else torch.zeros(0, dtype=torch.bool),
-            logprobs=logprobs,
-        )
-
 
 class RolloutEngine(Protocol):
     """Samples responses from the current policy. Engines are stateful (weights, caches, memory)."""

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from ..config import ModelConfig, TrainerConfig
-from ..kernels import LossStats, dapo_loss, token_logprobs
+from ..kernels import dapo_loss, token_logprobs
 from .distributed import DistEnv
 
 
@@ -188,5 +188,5 @@ def per_token_split(values: torch.Tensor, batch: TokenBatch) -> list[torch.Tenso
     return list(torch.split(values, batch.token_counts))
 
 
-__all__ = ["LossInputs", "LossStats", "PolicyModel", "TokenBatch", "make_token_batch", "parallelize",
+__all__ = ["LossInputs", "PolicyModel", "TokenBatch", "make_token_batch", "parallelize",
            "per_token_split"]

@@ -8,7 +8,7 @@ gradients over ranks. So 1 rank and N ranks, and any micro-batch split, give the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -63,7 +63,7 @@ def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: T
                  env: DistEnv, pad_id: int) -> UpdateResult:
     """ppo_epochs x mini-batches optimizer steps over this rank's share of the batch."""
     num_mini = cfg.trainer.train_batch // cfg.trainer.mini_batch
-    result = UpdateResult([], [], _zero_stats())
+    result = UpdateResult([], [], LossStats.zeros())
     for _ in range(cfg.trainer.ppo_epochs):
         for groups in mini_batch_slices(len(batch.groups), num_mini):
             loss, grad_norm, stats = _mini_batch_step(policy, optimizer, batch, batch.response_slices(groups),
@@ -85,10 +85,10 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     if normalizer.item() == 0:
         # No valid token on any rank (all ranks agree: the count is global). An optimizer step on zero
         # gradients would still move the weights (Adam momentum, weight decay): skip it.
-        return 0.0, 0.0, _zero_stats()
+        return 0.0, 0.0, LossStats.zeros()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    stats = _zero_stats()
+    # [loss, *stats] summed on the device: no host sync per micro-batch, one all-reduce per mini-batch.
+    totals = torch.zeros(1 + len(fields(LossStats)), dtype=torch.float64, device=env.device)
     for indices, mb_prompts, mb_responses in _micro_batches(prompts, responses, cfg.trainer.micro_batch_tokens,
                                                             pad_id, not policy.packed_layout):
         packed = policy.token_batch(mb_prompts, mb_responses, env.device)
@@ -102,13 +102,12 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
                             algo.clip_ratio_c)
         loss, micro_stats = policy(packed, loss_inputs=inputs)
         loss.backward()
-        loss_sum += loss.detach().double().cpu()
-        stats = stats + _to_cpu(micro_stats)
+        totals += torch.cat([loss.detach().double().reshape(1), micro_stats.as_vector()])
     grad_norm = _clip_grad_norm(policy, cfg.optim.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # free the gradients now, not at the next mini-batch
-    global_loss = all_reduce(loss_sum).item()
-    return global_loss, grad_norm, LossStats.from_vector(all_reduce(stats.as_vector()))
+    totals = all_reduce(totals).cpu()
+    return totals[0].item(), grad_norm, LossStats.from_vector(totals[1:])
 
 
 def _clip_grad_norm(policy: PolicyModel, max_norm: float) -> float:
@@ -120,11 +119,3 @@ def _clip_grad_norm(policy: PolicyModel, max_norm: float) -> float:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
-
-
-def _zero_stats() -> LossStats:
-    return LossStats.from_vector(torch.zeros(7, dtype=torch.float64))
-
-
-def _to_cpu(stats: LossStats) -> LossStats:
-    return LossStats.from_vector(stats.as_vector().cpu())
