@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .config import ConfigError, DataConfig, ToyTaskConfig
+from .reward import MAX_GROUND_TRUTH_CHARS
 
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
@@ -90,6 +91,9 @@ def _ground_truth(value: Any, where: str, name: str) -> str:
     text = str(value)
     if not text.strip():
         raise DataError(f"{where}: {name} is empty")
+    if len(text) > MAX_GROUND_TRUTH_CHARS:
+        raise DataError(f"{where}: {name} has {len(text):,} characters; an answer has at most "
+                        f"{MAX_GROUND_TRUTH_CHARS:,} (is the solution in the answer column?)")
     return text
 
 

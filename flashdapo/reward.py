@@ -27,7 +27,9 @@ defined by them.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import math
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -35,16 +37,20 @@ from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
+    "MAX_GROUND_TRUTH_CHARS",
     "REMOVED_EXPRESSIONS",
+    "RewardError",
     "SUBSTITUTIONS",
     "VERIFIERS",
     "Verdict",
     "Verifier",
     "dapo_verify",
+    "check_reward",
     "extract_answer",
     "get_verifier",
     "math_verify_verify",
     "normalize_final_answer",
+    "normalize_ground_truth",
     "score_responses",
 ]
 
@@ -136,20 +142,67 @@ REMOVED_EXPRESSIONS: tuple[str, ...] = (
     "\\dots",
 )
 
-# (pattern, replacement) pairs applied in order with re.sub; `.` never crosses a newline.
-_TEX_REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), r"$\3$"),  # keep the inside of the first $...$
-    (re.compile(r"(\\text\{)(.*?)(\})"), r"\2"),
-    (re.compile(r"(\\textbf\{)(.*?)(\})"), r"\2"),
-    (re.compile(r"(\\overline\{)(.*?)(\})"), r"\2"),
-    (re.compile(r"(\\boxed\{)(.*)(\})"), r"\2"),  # greedy: up to the last "}"
+# The harness's TeX rewrites in order: keep the inside of the first $...$; unwrap \text{}, \textbf{},
+# \overline{} (up to the first "}"), \boxed{} (greedy: up to the last "}"); repair \frac and \sqrt. The
+# harness writes the first five as regexes that backtrack quadratically on long lines (every start position
+# scans to the end of its line); the linear scans below produce the same text (the tests compare them with the
+# regexes on random and adversarial strings). `.` in those regexes never crosses a newline: neither do these.
+_FRAC_SQRT = (
     (re.compile(r"(frac)([^{])(.)"), r"frac{\2}{\3}"),  # \fracab -> \frac{a}{b}
     (re.compile(r"(sqrt)([^{])"), r"sqrt{\2}"),  # \sqrta -> \sqrt{a}
 )
 
+MAX_GROUND_TRUTH_CHARS = 100_000
+"""Longer ground truths are rejected with a ValueError: they are not answers (the normalization is linear,
+so this only bounds memory and a pathological dataset row)."""
+
+
+def _keep_first_dollar_pair(text: str) -> str:
+    """Each line holding two "$" becomes "$<text between its first two $>$" (the harness's first rewrite)."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        first = line.find("$")
+        second = line.find("$", first + 1) if first >= 0 else -1
+        if second >= 0:
+            lines[i] = "$" + line[first + 1:second] + "$"
+    return "\n".join(lines)
+
+
+def _unwrap_lazy(text: str, opener: str) -> str:
+    """`opener...}` -> `...` up to the first "}" on the same line, left to right, never re-scanning."""
+    out, pos = [], 0
+    while True:
+        start = text.find(opener, pos)
+        if start < 0:
+            break
+        inner = start + len(opener)
+        close = text.find("}", inner)
+        newline = text.find("\n", inner)
+        if close < 0 or 0 <= newline < close:  # no "}" on this line: no later opener of the line has one
+            if newline < 0:
+                break
+            out.append(text[pos:newline])
+            pos = newline
+            continue
+        out.append(text[pos:start] + text[inner:close])
+        pos = close + 1
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _unwrap_boxed(text: str) -> str:
+    """Per line: the first `\\boxed{` before the line's last "}" loses its wrapper up to that last "}"."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        start = line.find("\\boxed{")
+        last = line.rfind("}")
+        if 0 <= start and start + len("\\boxed{") <= last:
+            lines[i] = line[:start] + line[start + len("\\boxed{"):last] + line[last + 1:]
+    return "\n".join(lines)
+
 
 def normalize_final_answer(final_answer: str) -> str:
-    """Normalize an answer string the Minerva / lm-eval way (see the module docstring).
+    """Normalize an answer string the Minerva / lm-eval way (see the module docstring); linear time.
 
     Applied to both the extracted prediction and the ground truth before exact comparison.
     """
@@ -158,12 +211,26 @@ def normalize_final_answer(final_answer: str) -> str:
         text = text.replace(before, after)
     for expr in REMOVED_EXPRESSIONS:
         text = text.replace(expr, "")
-    for pattern, replacement in _TEX_REWRITES:
+    text = _keep_first_dollar_pair(text)
+    for opener in ("\\text{", "\\textbf{", "\\overline{"):
+        text = _unwrap_lazy(text, opener)
+    text = _unwrap_boxed(text)
+    for pattern, replacement in _FRAC_SQRT:
         text = pattern.sub(replacement, text)
     text = text.replace("$", "")
     if text.replace(",", "").isdigit():
         text = text.replace(",", "")
     return text.strip()
+
+
+@functools.lru_cache(maxsize=8192)
+def normalize_ground_truth(ground_truth: str) -> str:
+    """`normalize_final_answer` of a ground truth, computed once per distinct answer (every response of a
+    prompt shares it); rejects absurd lengths."""
+    if len(ground_truth) > MAX_GROUND_TRUTH_CHARS:
+        raise ValueError(f"ground truth of {len(ground_truth):,} characters (starting {ground_truth[:40]!r}) "
+                         f"exceeds {MAX_GROUND_TRUTH_CHARS:,}: not an answer; check the dataset's answer column")
+    return normalize_final_answer(ground_truth)
 
 
 def extract_answer(response: str) -> str | None:
@@ -178,7 +245,7 @@ def dapo_verify(response: str, ground_truth: str) -> Verdict:
     if extracted is None:
         return Verdict(score=-1.0, acc=False, pred="")
     pred = normalize_final_answer(extracted)
-    correct = pred == normalize_final_answer(ground_truth)
+    correct = pred == normalize_ground_truth(ground_truth)
     return Verdict(score=1.0 if correct else -1.0, acc=correct, pred=pred)
 
 
@@ -245,6 +312,19 @@ def get_verifier(name: str) -> Verifier:
     if name == "math_verify":
         _require_math_verify()
     return VERIFIERS[name]
+
+
+class RewardError(ValueError):
+    """A verifier returned a reward that is not a finite number."""
+
+
+def check_reward(score: float, prompt: str, response: str) -> None:
+    """Raise RewardError naming the prompt and the response when `score` is NaN or infinite: one such
+    reward turns every advantage of its group, and then the weights, into NaN."""
+    if not math.isfinite(score):
+        tail = response[-120:]
+        raise RewardError(f"reward {score} for prompt {prompt} (response ending {tail!r}): a reward must be a "
+                          "finite number; check the verifier and algorithm.overlong_penalty_factor")
 
 
 def score_responses(

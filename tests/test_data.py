@@ -136,6 +136,11 @@ def _bad_jsonl_blank_line(tmp_path):
         "row 1 (0-based)"
 
 
+def _bad_jsonl_absurd_truth(tmp_path):
+    rows = [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": "9" * 100_001}]
+    return write_jsonl(tmp_path / "bad.jsonl", rows), "'answer' has 100,001 characters"
+
+
 def _missing_file(tmp_path):
     return tmp_path / "absent.parquet", "no such file"
 
@@ -155,7 +160,7 @@ def _not_parquet(tmp_path):
 @pytest.mark.parametrize("make", [
     _bad_parquet_not_list, _bad_parquet_empty_prompt, _bad_parquet_null_content, _bad_parquet_missing_column, _bad_parquet_empty_truth, _bad_jsonl_json,
     _bad_jsonl_message, _bad_jsonl_missing_truth, _bad_jsonl_missing_reward, _bad_jsonl_keys,
-    _bad_jsonl_blank_line, _missing_file, _unknown_extension, _not_parquet,
+    _bad_jsonl_blank_line, _bad_jsonl_absurd_truth, _missing_file, _unknown_extension, _not_parquet,
 ])
 def test_bad_input_names_file_and_row(tmp_path, make):
     path, expected = make(tmp_path)

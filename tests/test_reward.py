@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
+import re
 import sys
+import time
 
 import pytest
 
 from flashdapo.reward import (
     REMOVED_EXPRESSIONS,
     SUBSTITUTIONS,
+    RewardError,
     Verdict,
+    check_reward,
     dapo_verify,
     get_verifier,
     math_verify_verify,
     normalize_final_answer,
+    normalize_ground_truth,
     score_responses,
 )
 
@@ -301,3 +308,88 @@ def test_math_verify_pred() -> None:
     pytest.importorskip("math_verify")
     assert math_verify_verify("Answer: 540", "540").pred == "540"
     assert math_verify_verify("I do not know.", "540").pred == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost: linear normalization, bounded in both arguments
+# ---------------------------------------------------------------------------------------------
+
+# The harness's TeX rewrites as it writes them (regexes that backtrack quadratically on long lines).
+HARNESS_TEX_REWRITES = (
+    (r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$"),
+    (r"(\\text\{)(.*?)(\})", r"\2"),
+    (r"(\\textbf\{)(.*?)(\})", r"\2"),
+    (r"(\\overline\{)(.*?)(\})", r"\2"),
+    (r"(\\boxed\{)(.*)(\})", r"\2"),
+    (r"(frac)([^{])(.)", r"frac{\2}{\3}"),
+    (r"(sqrt)([^{])", r"sqrt{\2}"),
+)
+
+
+def harness_normalize(final_answer: str) -> str:
+    """lm-eval's normalize_final_answer, regexes and all: the reference for the linear version."""
+    text = final_answer.split("=")[-1]
+    for before, after in SUBSTITUTIONS:
+        text = text.replace(before, after)
+    for expr in REMOVED_EXPRESSIONS:
+        text = text.replace(expr, "")
+    for pattern, replacement in HARNESS_TEX_REWRITES:
+        text = re.sub(pattern, replacement, text)
+    text = text.replace("$", "")
+    if text.replace(",", "").isdigit():
+        text = text.replace(",", "")
+    return text.strip()
+
+
+PIECES = ["$", "\\text{", "\\textbf{", "\\overline{", "\\boxed{", "}", "{", "\n", "frac", "sqrt", "=", " ", "a",
+          "1", ",", "x", "\\", "\\$", "mbox", "degrees"]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_linear_normalization_equals_the_harness_regexes(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(300):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 24)))
+        assert normalize_final_answer(text) == harness_normalize(text), repr(text)
+
+
+ADVERSARIAL = {
+    "no dollar pair": "1" * 16_000,
+    "one dollar": "$" + "1" * 16_000,
+    "unclosed text": "\\text{" * 2_700,
+    "unclosed boxed": "\\boxed{" * 2_300,
+    "unclosed overline": "\\overline{ " * 1_500,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_long_ground_truth_verifies_fast(name: str) -> None:
+    truth = ADVERSARIAL[name]
+    assert normalize_final_answer(truth[:200]) == harness_normalize(truth[:200])
+    normalize_ground_truth.cache_clear()
+    start = time.perf_counter()
+    dapo_verify("Answer: 1", truth)  # normalizes the ground truth (the harness regexes: ~1 s here)
+    first = time.perf_counter() - start
+    assert first < 0.1, f"{first:.3f} s for a {len(truth)}-character ground truth"  # 10x the 10 ms target
+    dapo_verify("Answer: 2", truth)
+    assert normalize_ground_truth.cache_info().hits == 1  # once per ground truth, not once per response
+
+
+def test_megabyte_response_verifies_fast() -> None:
+    response = ("\\boxed{" + "$" * 3 + "x" * 1000 + "\n") * 1000 + "Answer: 540"
+    assert len(response) > 1_000_000
+    start = time.perf_counter()
+    assert dapo_verify(response, "540").acc
+    assert time.perf_counter() - start < 0.1
+
+
+def test_absurd_ground_truth_is_rejected_with_a_reason() -> None:
+    with pytest.raises(ValueError, match=r"ground truth of 100,001 characters .* not an answer"):
+        normalize_ground_truth("7" * 100_001)
+
+
+@pytest.mark.parametrize("score", [math.nan, math.inf, -math.inf])
+def test_non_finite_reward_names_prompt_and_response(score: float) -> None:
+    with pytest.raises(RewardError, match=r"for prompt data.jsonl:7 \(response ending 'Answer: 5'\)"):
+        check_reward(score, "data.jsonl:7", "Answer: 5")
+    check_reward(-1.0, "data.jsonl:7", "Answer: 5")
