@@ -176,8 +176,9 @@ class RolloutConfig:
     """Fraction of GPU memory vLLM may take for weights and KV cache."""
     max_num_batched_tokens: int = 8192
     """vLLM scheduler token budget per iteration."""
-    sleep_level: Literal[1, 2] = 1
-    """vLLM sleep level while training: 1 offloads weights to CPU, 2 discards them (they are pushed anyway)."""
+    sleep_level: Literal[1, 2] = 2
+    """vLLM sleep level while training: 2 discards the weights (every weight is pushed before generating),
+    1 offloads them to CPU memory and copies them back."""
     logprob_check_every: int = 10
     """Compare vLLM's and the trainer's log-probs on the same tokens every N steps (0 = only at start)."""
     logprob_check_threshold: float = 0.05

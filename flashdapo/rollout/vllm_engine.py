@@ -11,14 +11,14 @@ The choices, before the code:
   form a tensor-parallel group and world_size must be a multiple of `tensor_parallel_size`. Every rank
   builds its engine at the same time (vLLM creates its groups collectively). The engine seed is the same
   inside a TP group (ranks must sample identical tokens, `config/model.py` `seed`) and differs across
-  groups. vLLM re-seeds the process-global RNGs with it (`v1/worker/gpu_worker.py`), so seed the trainer
-  after building the engine. Dummy weights: the real ones are pushed before the first generate.
+  groups. vLLM re-seeds the process-global RNGs with it while it starts; the engine puts the trainer's
+  states back (`vllm_process.py`). Dummy weights: the real ones are pushed before the first generate.
 - **Sampling.** Prompts go in as token ids (`{"prompt_token_ids": ...}`), one `SamplingParams` per prompt
   with n, temperature, top_p, top_k (off = 0), max_tokens, `logprobs=0` (the sampled token's log-prob only),
   `detokenize=False`, `flat_logprobs=True` and `seed = derive_seed(call seed, dp group, prompt index)`;
   vLLM gives sample k the seed + k (`v1/engine/parallel_sampling.py`), seeds are < 2**62 so that never
-  overflows. The loop makes the call seed unique per (step, generation round), e.g.
-  `derive_seed(trainer.seed, step, round)`, so samples differ and runs repeat. `processed_logprobs` are
+  overflows. The caller makes the call seed unique per (step, generation round), so samples differ and
+  runs repeat. `processed_logprobs` are
   log_softmax(logits / T) after top-k/top-p (`v1/sample/sampler.py`): the trainer's log-probs when top-k
   and top-p are off (the DAPO training setting). Finish reason "length" (max_tokens or max_model_len)
   means truncated; "stop" (EOS, kept in token_ids) is not; anything else ("abort", "error") raises.
@@ -36,28 +36,33 @@ The choices, before the code:
   stacked one must have all its shards, else RuntimeError: after a level-2 sleep an unpushed parameter
   holds garbage. `collective_rpc("reload_weights")` is never called: without an iterator it reloads
   the checkpoint from disk (`model_executor/model_loader/reload/inplace.py`; trl#5312).
-- **Memory.** `sleep(level)` after generating: 1 offloads weights to pinned CPU memory, 2 discards them
-  (we push every weight anyway); both free the KV cache. Waking: `wake_up(tags=["weights"])`, push,
-  `reset_prefix_cache()`, `wake_up(tags=["kv_cache"])` (tags: `v1/executor/abstract.py` `SLEEP_TAGS`),
-  so the push never competes with the KV cache. vLLM allocates through its own CuMem pool, which cannot
-  reuse blocks cached by PyTorch's allocator: `torch.cuda.empty_cache()` runs before each wake.
+- **Memory.** `sleep(level)` after generating: 2 (the default) discards the weights, 1 offloads them to
+  pinned CPU memory and copies them back at wake, wasted work when every weight is pushed anyway; both
+  free the KV cache. `sleep` is called whenever the weights are awake, also when the KV cache still
+  sleeps (a push without a generate): the executor only skips a sleep when "weights" already sleeps, and
+  the allocator skips allocations that are already asleep (`v1/executor/abstract.py` `sleep`,
+  `device_allocator/cumem.py` `sleep`). Waking: `wake_up(tags=["weights"])`, push,
+  `wake_up(tags=["kv_cache"])` (tags: `v1/executor/abstract.py` `SLEEP_TAGS`), so the push never
+  competes with the KV cache. A sleep of level >= 1 pauses the scheduler with `clear_cache=True`, which
+  resets the prefix cache (`v1/engine/core.py` `sleep`, `_finish_pause`, `_reset_caches`), so
+  `reset_prefix_cache()` after a push is needed only when the engine generated since its last sleep.
+  vLLM allocates through its own CuMem pool, which cannot reuse blocks cached by PyTorch's allocator:
+  `torch.cuda.empty_cache()` runs before each wake.
+- **Logits.** `hf_overrides={"head_dtype": "float32"}`: vLLM's LM head then accumulates and returns fp32
+  logits (`model_executor/layers/logits_processor.py` `_apply_head`; `config/model.py` `head_dtype`,
+  whose docstring calls it required for RL training-inference consistency), as the trainer's head does.
 
-Per step, the loop makes these calls, on every rank together (vLLM calls in the comments):
+Per step, on every rank together (vLLM calls in the comments):
 
-    engine.wake()                        # wake_up(tags=["weights"]); no-op when awake (first step)
-    engine.update_weights(iter_full_state_dict(policy.hf, dtype=engine.weight_dtype))
-                                         # load_weights per tensor, completeness check, reset_prefix_cache()
-    rollouts = engine.generate(prompts, SamplingParams(..., seed=derive_seed(seed, step, round)))
-                                         # first call wakes tags=["kv_cache"]; one call per sampling round
-    engine.sleep()                       # sleep(level=rollout.sleep_level), before the trainer's passes
-    old_logprobs = ...                   # the trainer's no-grad pass: same weights as were pushed
-    if should_check_logprobs(step, cfg.logprob_check_every, first_step):
-        metrics |= check_logprobs(kept.logprobs, old_logprobs, cfg.logprob_check_threshold)
-    metrics |= engine.metrics()          # {"timing_s/weight_sync": seconds of the gather + load}
+    engine.wake_and_sync(iter_full_state_dict(policy.hf, dtype=engine.weight_dtype))
+        # wake_up(tags=["weights"]) if asleep; load_weights per tensor and the completeness check;
+        # reset_prefix_cache() only if the engine generated since its last sleep (sleep clears it);
+        # wake_up(tags=["kv_cache"])
+    rollouts = engine.generate(prompts, SamplingParams(..., seed=...))   # once per sampling round
+    engine.sleep()                      # sleep(level=rollout.sleep_level) if the weights are awake
 
-`engine.wake_and_sync(named_tensors)` is the first two calls plus the KV-cache wake in one. The push is
-needed before the first generate of the run too (the engine starts on dummy weights), validation included.
-The torch engine shares the policy module: for it, skip the push (its wake/sleep are no-ops).
+The push is needed before the first generate of the run too (the engine starts on dummy weights).
+What the engine changes in the trainer's process, and what it restores, is in `vllm_process.py`.
 """
 
 from __future__ import annotations
@@ -74,9 +79,10 @@ import torch
 
 from ..config import RolloutConfig
 from .base import Rollouts, SamplingParams
+from .vllm_process import keep_trainer_state, set_launcher_env, torch_threads
 
-__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "LogprobMismatchWarning", "check_logprobs", "derive_seed",
-           "logprob_mismatch", "should_check_logprobs", "warn_logprob_mismatch", "tp_layout", "to_rollouts", "vllm_target"]
+__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "LogprobMismatchWarning", "derive_seed", "should_check_logprobs",
+           "warn_logprob_mismatch", "tp_layout", "to_rollouts", "vllm_target"]
 
 VLLM_VERSION_READ = "0.33.0"
 """The vLLM release whose source this module was written against."""
@@ -175,35 +181,9 @@ class LogprobMismatchWarning(UserWarning):
     """vLLM's and the trainer's log-probs of the same sampled tokens disagree beyond the threshold."""
 
 
-def _flat_fp32(values: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    parts = [values] if isinstance(values, torch.Tensor) else list(values)
-    return torch.cat([t.reshape(-1).float().cpu() for t in parts]) if parts else torch.zeros(0)
-
-
-def logprob_mismatch(engine_logprobs: Sequence[torch.Tensor] | torch.Tensor,
-                     trainer_logprobs: Sequence[torch.Tensor] | torch.Tensor) -> tuple[float, float]:
-    """(mean, max) of |logp_engine - logp_trainer| over all tokens, in fp32; (0, 0) when there are none."""
-    flat = [_flat_fp32(x) for x in (engine_logprobs, trainer_logprobs)]
-    if flat[0].shape != flat[1].shape:
-        raise ValueError(f"log-prob counts differ: engine {flat[0].numel()}, trainer {flat[1].numel()}")
-    if flat[0].numel() == 0:
-        return 0.0, 0.0
-    diff = (flat[0] - flat[1]).abs()
-    return float(diff.mean()), float(diff.max())
-
-
 def should_check_logprobs(step: int, every: int, first_step: int = 0) -> bool:
     """True at `first_step` (the run's, or the resumed run's, first step) and every `every` steps after."""
     return step == first_step or (every > 0 and (step - first_step) % every == 0)
-
-
-def check_logprobs(engine_logprobs: Sequence[torch.Tensor] | torch.Tensor,
-                   trainer_logprobs: Sequence[torch.Tensor] | torch.Tensor,
-                   threshold: float) -> dict[str, float]:
-    """Metrics of the mismatch; warns (LogprobMismatchWarning) when the mean exceeds `threshold`."""
-    mean, worst = logprob_mismatch(engine_logprobs, trainer_logprobs)
-    warn_logprob_mismatch(mean, worst, threshold)
-    return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": worst}
 
 
 def warn_logprob_mismatch(mean: float, worst: float, threshold: float) -> None:
@@ -240,6 +220,13 @@ def _tp_gather(tp: int, world_size: int) -> Callable[[Any], list[Any]]:
     return gather
 
 
+def _warn_if_untested(vllm: Any) -> None:
+    version = getattr(vllm, "__version__", None)
+    if version is not None and version != VLLM_VERSION_READ:
+        warnings.warn(f"vLLM {version} is installed; the engine was checked against vLLM {VLLM_VERSION_READ} "
+                      "(the `gpu` extra pins it)", stacklevel=3)
+
+
 def _cuda_empty_cache() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -250,12 +237,13 @@ class VLLMEngine:
     """RolloutEngine over a co-located `vllm.LLM` (see the module docstring for the protocol)."""
 
     def __init__(self, config: RolloutConfig, model_path: str, *, rank: int, world_size: int,
-                 dtype: str = "bfloat16", max_model_len: int | None = None, seed: int = 0,
-                 dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
+                 local_rank: int | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
+                 seed: int = 0, dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
                  vllm_module: Any = None, **llm_kwargs: Any) -> None:
-        """Build the engine. `max_model_len` = prompt + response budget; `tp_gather` (tests) replaces the
-        TP-group all-gather; `vllm_module` (tests) stands in for the `vllm` package; `llm_kwargs` go to
-        `vllm.LLM` unchanged."""
+        """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
+        budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
+        the `vllm` package; `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32
+        head override)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
@@ -266,25 +254,33 @@ class VLLMEngine:
                       enable_sleep_mode=True, gpu_memory_utilization=config.gpu_memory_utilization,
                       max_num_batched_tokens=config.max_num_batched_tokens,
                       logprobs_mode="processed_logprobs", dtype=dtype, enable_prefix_caching=True,
-                      seed=derive_seed(seed, self.dp_group) % 2**31)  # same in a TP group; < 2**31 for NumPy
+                      seed=derive_seed(seed, self.dp_group) % 2**31,  # same in a TP group; < 2**31 for NumPy
+                      hf_overrides={"head_dtype": "float32", **llm_kwargs.pop("hf_overrides", {})})
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if dummy_weights:
             kwargs["load_format"] = "dummy"
         kwargs.update(llm_kwargs)
-        self.llm = self._vllm.LLM(model=model_path, **kwargs)
+        _warn_if_untested(self._vllm)
+        set_launcher_env(rank, rank if local_rank is None else local_rank)
+        with keep_trainer_state() as kept:
+            self.llm = self._vllm.LLM(model=model_path, **kwargs)
+        self._vllm_threads = kept.vllm_threads
         self._weights_asleep = self._kv_asleep = False
         self._weights_valid = not dummy_weights
+        self._cache_used = False  # generated since the last sleep: the prefix cache may hold old-weight KV
         self.last_weight_sync_s = 0.0
 
     # -- memory ------------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """`LLM.sleep(level=rollout.sleep_level)`: free the KV cache and offload (1) or drop (2) weights."""
-        if self._weights_asleep or self._kv_asleep:
+        """`LLM.sleep(level=rollout.sleep_level)` whenever the weights are awake (the KV cache may already
+        sleep): free the KV cache and drop (2) or offload (1) the weights. Clears the prefix cache."""
+        if self._weights_asleep:
             return
         self.llm.sleep(level=self.config.sleep_level)
         self._weights_asleep = self._kv_asleep = True
+        self._cache_used = False
         if self.config.sleep_level >= 2:
             self._weights_valid = False
 
@@ -307,7 +303,8 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors into vLLM's model one at a time, check completeness, reset the prefix
-        cache. All ranks call it together (the stream may all-gather FSDP2 shards)."""
+        cache if it may hold KV of older weights. All ranks call it together (the stream may all-gather
+        FSDP2 shards)."""
         self.wake()
         start = time.perf_counter()
         self._weights_valid = False  # until the whole stream has loaded
@@ -319,23 +316,21 @@ class VLLMEngine:
             raise RuntimeError(f"weight push left vLLM parameters unloaded: {missing[:8]} "
                                f"(of {len(missing)}); "
                                f"stacked parameters missing shards: {partial[:8]}")
-        if self.llm.reset_prefix_cache() is False:
-            raise RuntimeError("vLLM could not reset its prefix cache after the weight push")
+        if self._cache_used:
+            if self.llm.reset_prefix_cache() is False:
+                raise RuntimeError("vLLM could not reset its prefix cache after the weight push")
+            self._cache_used = False
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self.last_weight_sync_s = time.perf_counter() - start
         self._weights_valid = True
 
     def wake_and_sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
-        """The per-step wake: weights up, push, prefix cache reset, KV cache up. Returns the push seconds."""
+        """The per-step wake: weights up, push, KV cache up. Returns the push seconds."""
         self.wake()
         self.update_weights(named_tensors)
         self._wake_kv_cache()
         return self.last_weight_sync_s
-
-    def metrics(self) -> dict[str, float]:
-        """Timing of the last weight push (gather + load), as `timing_s/weight_sync`."""
-        return {"timing_s/weight_sync": self.last_weight_sync_s}
 
     # -- generation --------------------------------------------------------------------------------
 
@@ -359,7 +354,9 @@ class VLLMEngine:
         start = sum(len(p) for p in group_prompts[: self.tp_rank])
         everyone = [p for part in group_prompts for p in part]
         params = [self._sampling_params(sampling, i) for i in range(len(everyone))]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], params, use_tqdm=False)
+        self._cache_used = True
+        with torch_threads(self._vllm_threads):
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], params, use_tqdm=False)
         return to_rollouts(outputs[start: start + len(mine)], mine, sampling.n)
 
 

@@ -18,6 +18,7 @@ from ..config import Config
 from ..data import Prompt, PromptSampler, build_datasets
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
+from ..rollout.vllm_process import library_versions
 from ..tokenizer import build_toy_tokenizer, eos_token_ids, load_tokenizer
 from .checkpoint import TrainerState, load_checkpoint, resolve_resume
 from .distributed import DistEnv, init_distributed
@@ -104,11 +105,9 @@ def _build_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer) -> 
     if cfg.rollout.engine == "vllm":
         from ..rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(cfg.rollout, cfg.model.path, rank=env.rank, world_size=env.world_size,
-                            dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length)
-        torch.manual_seed(cfg.trainer.seed + env.rank)  # vLLM re-seeds the global RNGs when it starts
-        return engine
+        return VLLMEngine(cfg.rollout, cfg.model.path, rank=env.rank, world_size=env.world_size,
+                          local_rank=env.local_rank, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                          max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     from ..rollout.torch_engine import TorchEngine
 
     group = dist.group.WORLD if env.world_size > 1 else None
@@ -160,7 +159,7 @@ def setup_run(cfg: Config) -> Run:
         logger.truncate_after(-1)  # a fresh run in an old directory starts a fresh metrics file
     engine = _build_engine(cfg, env, policy, tokenizer)
     log(f"world size {env.world_size} on {env.device}; {sum(p.numel() for p in policy.parameters()):,} "
-        f"parameters (sharded count on this rank); run dir {run_dir}")
+        f"parameters (sharded count on this rank); run dir {run_dir}; {library_versions()}")
     return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
                scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
