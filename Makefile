@@ -14,7 +14,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.11,torch==2.13.0)
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: setup demo test test-fast bench gpu-check lint clean
+.PHONY: setup demo test test-fast bench bench-step gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ test-fast: setup
 
 bench: setup  ## CPU benchmark suites; writes a table under bench/results/
 	$(PY) -m bench.bench_kernels
+
+bench-step:  ## end-to-end DAPO step vs TRL's GRPOTrainer (W1, W2; ~15 min on 2 cores); table -> bench/results/
+	$(MAKE) setup EXTRAS=dev,bench
+	$(PY) -m bench.bench_step $(BENCH_STEP_ARGS)
 
 gpu-check: setup
 	bash bench/gpu_check.sh
