@@ -2,20 +2,29 @@
 
 A checkpoint is a directory `checkpoints/step_XXXXXXXX/` holding a `torch.distributed.checkpoint`
 (DCP) save of model + optimizer (sharded, so it reloads at any world size), `trainer_state.pt` (step,
-LR schedule, data position), one `rng_rank{r}.pt` per rank (torch, CUDA, numpy, python), and a
-`COMPLETE` marker. It is written under `step_XXXXXXXX.tmp/` and renamed into place only once every
-rank has finished, so a crash mid-save never leaves a directory that `--resume auto` would pick.
+run id, LR schedule, data position), one `rng_rank{r}.pt` per rank (torch, CUDA, numpy, python), and a
+`COMPLETE` marker (JSON: step, world size, run id). It is written under `step_XXXXXXXX.tmp/` and renamed
+into place only once every rank has finished, so a crash mid-save never leaves a directory that
+`--resume auto` would pick; a failed save (a full disk) removes its temporary directory and leaves every
+older checkpoint as it was.
+
+`trainer_state.pt` and the RNG files hold only tensors, numbers, strings, lists and dicts, and are read
+with `torch.load(weights_only=True)`: loading a checkpoint never unpickles arbitrary objects (a crafted
+file cannot run code). `--resume auto` tries the complete checkpoints newest first and resumes from the
+first that loads, warning about each one it skips. Weights holding NaN or inf are never saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import re
 import shutil
 import time
-from collections.abc import Iterable
+import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,16 +33,17 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .distributed import DistEnv, barrier, broadcast_object
+from .distributed import DistEnv, all_reduce, barrier
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint path that cannot be resumed from; the message says why."""
+    """A checkpoint that cannot be written or resumed from; the message says why and what to do."""
 
 
 @dataclass
@@ -43,14 +53,43 @@ class TrainerState:
     step: int
     scheduler: dict[str, Any]
     sampler: dict[str, Any]
+    run_id: str = ""
+    """The run that wrote the checkpoint (see rundir.py); pruning only touches this run's checkpoints."""
+
+    @classmethod
+    def from_plain(cls, data: Any, where: Path) -> TrainerState:
+        """Rebuild from the plain dict stored in trainer_state.pt; CheckpointError if it is not one."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or not {"step", "scheduler", "sampler"} <= set(data) <= names:
+            raise CheckpointError(f"{where}: expected a dict with keys {sorted(names)}, got "
+                                  f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        return cls(**data)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+def one_line(err: BaseException) -> str:
+    """`Type: message` of the root failure, on one line (DCP's CheckpointException wraps every rank's
+    exception with its traceback)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return one_line(next(iter(err.failures.values()))[0])
+    text = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
+    return text[-1] if text else type(err).__name__
+
+
+# ---------------------------------------------------------------------------------------------------
+# RNG states as plain data (tensors, numbers, lists): loadable with weights_only=True
+
+
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -58,36 +97,88 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---------------------------------------------------------------------------------------------------
+# Saving
+
+
 def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
                     state: TrainerState, keep_last: int) -> Path:
-    """Write the checkpoint of `state.step` atomically (tmp dir + rename) and prune old ones."""
-    final = checkpoint_root(run_dir) / f"step_{state.step:08d}"
+    """Write the checkpoint of `state.step` atomically (tmp dir + rename) and prune this run's old ones.
+
+    Raises CheckpointError on every rank, having written nothing, when the weights hold NaN/inf or a write
+    fails (e.g. a full disk); older checkpoints are left intact either way."""
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{state.step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    if env.is_main:
+    if not all_finite(model):
+        newest = latest_checkpoint(run_dir)
+        raise CheckpointError(f"step {state.step}: the weights hold NaN or inf, so no checkpoint was written; "
+                              f"the newest good checkpoint is {newest or 'none'}")
+
+    def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
-    barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{env.rank}.pt")
-    if env.is_main:
-        torch.save(state, tmp / "trainer_state.pt")
-    barrier()
-    if env.is_main:
-        marker = {"step": state.step, "world_size": env.world_size, "time": time.time()}
+
+    def write() -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / f"rng_rank{env.rank}.pt")
+        if env.is_main:
+            torch.save(dataclasses.asdict(state), tmp / "trainer_state.pt")
+
+    def publish() -> None:
+        marker = {"step": state.step, "world_size": env.world_size, "run_id": state.run_id, "time": time.time()}
         _write_synced(tmp / MARKER, json.dumps(marker))
-        if final.exists():
+        if final.exists():  # this run's own checkpoint of the same step (resumed from an older one)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _prune(checkpoint_root(run_dir), keep_last)
-    barrier()
+
+    _on_every_rank(env, prepare if env.is_main else None, final, tmp)
+    _on_every_rank(env, write, final, tmp)
+    _on_every_rank(env, publish if env.is_main else None, final, tmp)
+    if env.is_main:
+        _prune(root, keep_last, state.run_id)
     return final
+
+
+def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path, tmp: Path) -> None:
+    """Run this rank's part of a save; if any rank failed, remove the temporary directory and raise one
+    CheckpointError on every rank (no rank is left waiting in a collective)."""
+    error: BaseException | None = None
+    try:
+        if action is not None:
+            action()
+    except (OSError, RuntimeError, ValueError, CheckpointException) as err:
+        error = err
+    failed = all_reduce(torch.tensor([float(error is not None)]), "max").item() > 0
+    if not failed:
+        return
+    barrier()
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    reason = one_line(error) if error is not None else "a write failed on another rank"
+    raise CheckpointError(f"cannot write checkpoint {final}: {reason}. Older checkpoints are intact; free disk "
+                          f"space (or fix the error), then continue with --checkpoint.resume auto") from error
+
+
+def all_finite(model: nn.Module) -> bool:
+    """Whether every parameter shard on every rank is finite (one all-reduce)."""
+    bad = torch.zeros(1)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not torch.isfinite(local.detach()).all():
+            bad[0] = 1.0
+            break
+    return all_reduce(bad, "max").item() == 0
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -97,32 +188,48 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    complete = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and _is_complete(p))
-    for old in complete[:-keep_last]:
+def _marker_run_id(path: Path) -> str | None:
+    try:
+        return json.loads((path / MARKER).read_text()).get("run_id", "")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _prune(root: Path, keep_last: int, run_id: str) -> None:
+    """Remove this run's complete checkpoints beyond the newest `keep_last`; never another run's."""
+    mine = [p for p in _complete(root) if _marker_run_id(p) == run_id]
+    for old in mine[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finding and loading
 
 
 def _is_complete(path: Path) -> bool:
     return (path / MARKER).is_file() and (path / ".metadata").is_file() and (path / "trainer_state.pt").is_file()
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint under run_dir (temporary or unmarked directories never count)."""
-    root = checkpoint_root(run_dir)
+def _complete(root: Path) -> list[Path]:
+    """Complete checkpoint directories under root, oldest first (temporary or unmarked ones never count)."""
     if not root.is_dir():
-        return None
-    candidates = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and _is_complete(p))
-    return candidates[-1] if candidates else None
+        return []
+    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and _is_complete(p))
 
 
-def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    """'' -> None (fresh); 'auto' -> newest complete checkpoint or None; a path -> that checkpoint,
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint under run_dir."""
+    found = _complete(checkpoint_root(run_dir))
+    return found[-1] if found else None
+
+
+def resume_candidates(resume: str, run_dir: Path) -> list[Path]:
+    """'' -> [] (fresh); 'auto' -> the complete checkpoints, newest first; a path -> [that checkpoint],
     validated, with an error naming what is missing."""
     if not resume:
-        return None
+        return []
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        return _complete(checkpoint_root(run_dir))[::-1]
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.resume={resume}: no such directory")
@@ -130,24 +237,59 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     if missing:
         raise CheckpointError(f"checkpoint.resume={resume}: not a complete flashdapo checkpoint "
                               f"(missing {', '.join(missing)}); an interrupted save leaves such a directory")
-    return path
+    return [path]
+
+
+def load_first_loadable(candidates: list[Path], env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        warn: Callable[[str], None]) -> tuple[Path, TrainerState] | None:
+    """Load the first candidate that loads, warning about each one skipped; None when there are none.
+    Raises CheckpointError when candidates exist but none loads."""
+    errors = []
+    for path in candidates:
+        try:
+            return path, load_checkpoint(path, env, model, optimizer)
+        except CheckpointError as err:
+            errors.append(err)
+            if path is not candidates[-1]:
+                warn(f"warning: skipping checkpoint {path.name}, it does not load ({err}); trying an older one")
+    if errors:
+        raise CheckpointError(f"no checkpoint loads ({len(errors)} tried; the last: {errors[-1]}). Move the "
+                              "damaged ones aside or start a fresh run in another logging.run_dir")
+    return None
+
+
+def _safe_load(path: Path) -> Any:
+    """torch.load restricted to tensors and plain containers (a pickled object is refused, not run)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # unpickling refusals, truncated zips and I/O errors all mean "cannot load"
+        raise CheckpointError(f"{path}: cannot load ({one_line(err)})") from err
 
 
 def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Load weights, optimizer, RNG (this rank's, else rank 0's at another world size) and the state."""
+    """Load weights, optimizer, RNG (this rank's, else rank 0's at another world size) and the state.
+
+    Every rank raises CheckpointError together when any part fails to load on any rank."""
+    rng_file = path / f"rng_rank{env.rank}.pt"
+    if not rng_file.is_file():
+        rng_file = path / "rng_rank0.pt"
+    error: CheckpointError | None = None
+    try:
+        state = TrainerState.from_plain(_safe_load(path / "trainer_state.pt"), path / "trainer_state.pt")
+        rng = _safe_load(rng_file)
+    except CheckpointError as err:
+        error = err
+    if all_reduce(torch.tensor([float(error is not None)]), "max").item() > 0:
+        raise error or CheckpointError(f"checkpoint {path}: another rank could not load its part")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state_dict = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state_dict, checkpoint_id=str(path))
-    except Exception as err:  # DCP raises several types for unreadable/corrupt files
-        raise CheckpointError(f"checkpoint {path}: cannot load model/optimizer: {err}") from err
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path}: cannot load model/optimizer ({one_line(err)})") from err
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
-    rng_file = path / f"rng_rank{env.rank}.pt"
-    if not rng_file.is_file():
-        rng_file = path / "rng_rank0.pt"
-    _set_rng_state(torch.load(rng_file, weights_only=False))
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
-    return broadcast_object(state)
+    _set_rng_state(rng)
+    return state
 
 
 def export_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config, tokenizer, out_dir: Path,

@@ -56,6 +56,32 @@ def describe(prefix: str, values: torch.Tensor) -> dict[str, float]:
     return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
 
 
+class MetricsError(ValueError):
+    """metrics.jsonl cannot be read back (not the torn last line of a crash, which is dropped)."""
+
+
+def read_history(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl. A torn last line (a crash mid-write) is dropped with a warning;
+    any other unreadable line is an error naming the file and line."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    history = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                print(f"flashdapo: warning: {path}: dropping the torn last line {number} (a crash mid-write): "
+                      f"{line[:60]!r}", flush=True)
+                break
+            raise MetricsError(f"{path}: line {number} is not JSON ({err.msg}); repair or remove it") from err
+        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+            raise MetricsError(f"{path}: line {number} is not a metrics record with a step; repair or remove it")
+        history.append(record)
+    return history
+
+
 class MetricsLogger:
     """Writes one JSON object per step to metrics.jsonl and to the optional sinks; prints a line."""
 
@@ -70,7 +96,7 @@ class MetricsLogger:
         if not enabled:
             return
         if self.path.exists():
-            self.history = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.history = read_history(self.path)
         if tensorboard:
             self._tb = _optional_tensorboard(run_dir)
         if wandb:

@@ -20,7 +20,7 @@ from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
 from ..tokenizer import build_toy_tokenizer, eos_token_ids, load_tokenizer
-from .checkpoint import TrainerState, load_checkpoint, resolve_resume
+from .checkpoint import TrainerState, load_first_loadable, resume_candidates
 from .distributed import DistEnv, init_distributed
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, StageTimer
@@ -131,7 +131,7 @@ def setup_run(cfg: Config) -> Run:
     _check_world(cfg, env)
     run_dir = Path(cfg.logging.run_dir)
     log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
-    resume_path = resolve_resume(cfg.checkpoint.resume, run_dir)
+    candidates = resume_candidates(cfg.checkpoint.resume, run_dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -141,15 +141,16 @@ def setup_run(cfg: Config) -> Run:
     log(f"train data: {train_set.report.summary()}")
     if val_set is not None:
         log(f"val data: {val_set.report.summary()}")
-    policy = _build_policy(cfg, env, tokenizer, resume_path is not None, log)
+    policy = _build_policy(cfg, env, tokenizer, bool(candidates), log)
     optimizer, scheduler = _optimizer(cfg, policy)
     sampler = PromptSampler(train_set, cfg.trainer.gen_batch, cfg.trainer.seed, cfg.data.shuffle, env.rank,
                             env.world_size)
     logger = MetricsLogger(run_dir, env.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
                            cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict())
     start_step = 0
-    if resume_path is not None:
-        state = load_checkpoint(resume_path, env, policy, optimizer)
+    resumed = load_first_loadable(candidates, env, policy, optimizer, log)
+    if resumed is not None:
+        resume_path, state = resumed
         scheduler.load_state_dict(state.scheduler)
         sampler.load_state_dict(state.sampler)
         start_step = state.step

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashdapo.trainer.checkpoint import CheckpointError, resolve_resume
+from flashdapo.trainer.checkpoint import CheckpointError, resume_candidates
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,17 +131,17 @@ def test_resume_auto_never_picks_partial_or_temporary_checkpoints(tmp_path):
     _fake_checkpoint(tmp_path, 4, complete=False)  # crashed before the marker
     _fake_checkpoint(tmp_path, 6, metadata=False)  # corrupted: DCP metadata missing
     (tmp_path / "checkpoints" / "step_00000008.tmp").mkdir()  # an interrupted save
-    assert resolve_resume("auto", tmp_path) == good
-    assert resolve_resume("", tmp_path) is None
-    assert resolve_resume("auto", tmp_path / "elsewhere") is None
+    assert resume_candidates("auto", tmp_path) == [good]
+    assert resume_candidates("", tmp_path) == []
+    assert resume_candidates("auto", tmp_path / "elsewhere") == []
 
 
 def test_resume_explicit_bad_path_says_what_is_wrong(tmp_path):
     with pytest.raises(CheckpointError, match="no such directory"):
-        resolve_resume(str(tmp_path / "nope"), tmp_path)
+        resume_candidates(str(tmp_path / "nope"), tmp_path)
     partial = _fake_checkpoint(tmp_path, 4, complete=False, metadata=False)
     with pytest.raises(CheckpointError, match=r"not a complete flashdapo checkpoint \(missing COMPLETE, .metadata\)"):
-        resolve_resume(str(partial), tmp_path)
+        resume_candidates(str(partial), tmp_path)
 
 
 @pytest.mark.distributed

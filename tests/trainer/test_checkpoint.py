@@ -1,0 +1,152 @@
+"""Checkpoints: safe loading (no unpickling of arbitrary objects), fallback to an older checkpoint when the
+newest does not load, no checkpoint from NaN weights, a failed save leaves older checkpoints intact, and
+pruning only touches the saving run's checkpoints. Single process, a small model: no torchrun needed."""
+
+import errno
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from flashdapo.trainer import checkpoint as ckpt
+from flashdapo.trainer.checkpoint import (
+    CheckpointError,
+    TrainerState,
+    load_checkpoint,
+    load_first_loadable,
+    resume_candidates,
+    save_checkpoint,
+)
+from flashdapo.trainer.distributed import DistEnv
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
+
+
+def _model_and_optimizer(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 5)).square().sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _state(step: int, run_id: str = "run-a") -> TrainerState:
+    return TrainerState(step=step, scheduler={"last_epoch": step, "base_lrs": [0.01]},
+                        sampler={"epoch": 0, "position": 4 * step}, run_id=run_id)
+
+
+def _save(run_dir, model, optimizer, step, run_id="run-a", keep_last=5):
+    return save_checkpoint(run_dir, ENV, model, optimizer, _state(step, run_id), keep_last)
+
+
+def test_round_trip_restores_weights_optimizer_state_and_rng(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    path = _save(tmp_path, model, optimizer, 3)
+    draws = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
+    fresh, fresh_opt = _model_and_optimizer(seed=1)
+    state = load_checkpoint(path, ENV, fresh, fresh_opt)
+    assert state == _state(3)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(torch.rand(3), draws[0]) and np.array_equal(np.random.rand(3), draws[1])
+    assert [random.random() for _ in range(3)] == draws[2]
+    assert json.loads((path / "COMPLETE").read_text())["run_id"] == "run-a"
+
+
+class _Payload:
+    """Unpickling this object runs a shell command that creates a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("victim", ["trainer_state.pt", "rng_rank0.pt"])
+def test_a_pickled_object_in_a_checkpoint_is_refused_not_run(tmp_path, victim):
+    model, optimizer = _model_and_optimizer()
+    path = _save(tmp_path / "run", model, optimizer, 2)
+    marker = tmp_path / "pwned"
+    torch.save({"step": 2, "scheduler": {}, "sampler": {}, "evil": _Payload(marker)}, path / victim)
+    with pytest.raises(CheckpointError, match=victim):
+        load_checkpoint(path, ENV, *_model_and_optimizer())
+    assert not marker.exists()
+
+
+def _corrupt_weights(path):
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+
+
+def test_resume_auto_falls_back_to_the_newest_checkpoint_that_loads(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    _save(tmp_path, model, optimizer, 2)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    newest = _save(tmp_path, model, optimizer, 4)
+    _corrupt_weights(newest)  # a truncated shard: DCP raises CheckpointException, a BaseException
+    warnings = []
+    fresh, fresh_opt = _model_and_optimizer(seed=1)
+    path, state = load_first_loadable(resume_candidates("auto", tmp_path), ENV, fresh, fresh_opt, warnings.append)
+    assert path.name == "step_00000002" and state.step == 2
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in good.items())
+    assert len(warnings) == 1 and "skipping checkpoint step_00000004" in warnings[0]
+
+
+def test_resume_auto_with_no_loadable_checkpoint_says_so(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    _corrupt_weights(_save(tmp_path, model, optimizer, 2))
+    (tmp_path / "checkpoints" / "step_00000004").mkdir()  # incomplete: never a candidate
+    with pytest.raises(CheckpointError, match=r"no checkpoint loads \(1 tried"):
+        load_first_loadable(resume_candidates("auto", tmp_path), ENV, model, optimizer, print)
+    assert load_first_loadable(resume_candidates("", tmp_path), ENV, model, optimizer, print) is None
+
+
+def test_no_checkpoint_from_non_finite_weights(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    good = _save(tmp_path, model, optimizer, 1)
+    with torch.no_grad():
+        model[2].bias[1] = float("nan")
+    with pytest.raises(CheckpointError, match=r"step 2: the weights hold NaN or inf.*newest good checkpoint is .*step_00000001"):
+        _save(tmp_path, model, optimizer, 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [good.name]
+
+
+def test_a_full_disk_during_save_leaves_older_checkpoints_intact(tmp_path, monkeypatch):
+    model, optimizer = _model_and_optimizer()
+    first = _save(tmp_path, model, optimizer, 1, keep_last=1)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    real_save = torch.save
+
+    def save_until_full(obj, f, *args, **kwargs):
+        if str(f).endswith("trainer_state.pt"):
+            with open(f, "wb") as out:
+                out.write(b"PK\x03\x04 partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", save_until_full)
+    with pytest.raises(CheckpointError) as info:
+        _save(tmp_path, model, optimizer, 2, keep_last=1)
+    message = str(info.value)
+    assert "\n" not in message and "No space left on device" in message and "step_00000002" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [first.name]  # no .tmp left
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+
+
+def test_pruning_only_touches_the_saving_runs_checkpoints(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    for step in (5, 6, 7):
+        _save(tmp_path, model, optimizer, step, run_id="old", keep_last=3)
+    for step in (1, 2, 3):
+        _save(tmp_path, model, optimizer, step, run_id="new", keep_last=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000002", "step_00000003", "step_00000005", "step_00000006", "step_00000007"]
