@@ -6,36 +6,26 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import tyro
 
-from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, load_file, preset
+from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
 
 USAGE = """usage: flashdapo {train,config,eval} [options]
 
   train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
   config   print the resolved config (YAML; reusable with --config)
-  eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [--k 32]
+  eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [--k 32] [--config FILE]
 
 presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field."
 
 
 def resolve_config(argv: list[str], prog: str) -> Config:
     """Preset, then config file, then command-line overrides (tyro) -> a validated Config."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default=DEFAULT_PRESET)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(argv)
-    base = preset(known.preset)
-    if known.config:
-        base = load_file(known.config, base)
-    description = (
-        f"{Config.__doc__}\n\nStarting point: preset '{known.preset}'"
-        + (f" + {known.config}" if known.config else "")
-        + f" (presets: {', '.join(PRESETS)}; --preset NAME, --config FILE). Defaults below are that start."
-    )
+    base, rest, start = starting_point(argv, DEFAULT_PRESET)
+    description = (f"{Config.__doc__}\n\nStarting point: {start} (presets: {', '.join(PRESETS)}; --preset NAME, "
+                   "--config FILE). Defaults below are that start.")
     return tyro.cli(Config, default=base, args=rest, prog=prog, description=description,
                     config=(tyro.conf.FlagConversionOff,))
 
@@ -55,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         elif command == "config":
             print(resolve_config(rest, "flashdapo config").to_yaml(), end="")
         elif command == "eval":
-            from .evaluate import eval_main
+            from .eval_command import eval_main
 
             eval_main(rest)
         else:

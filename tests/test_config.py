@@ -1,12 +1,24 @@
 """The config tree, presets and the CLI derived from them."""
 
 import dataclasses
+import re
 
 import pytest
 import yaml
 
 from flashdapo.__main__ import main as cli
-from flashdapo.config import Config, ConfigError, load_file, merge, preset
+from flashdapo.config import (
+    AlgorithmConfig,
+    Config,
+    ConfigError,
+    RolloutConfig,
+    ToyTaskConfig,
+    TrainerConfig,
+    field_path,
+    load_file,
+    merge,
+    preset,
+)
 
 
 def _leaf_fields(cls, prefix=""):
@@ -58,7 +70,7 @@ def test_bad_values_name_the_field(tmp_path, capsys):
     assert "unknown preset 'nope'" in capsys.readouterr().err
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"trainer": {"total_stepz": 3}}))
-    with pytest.raises(ConfigError, match=r"trainer\.: unknown key\(s\) \['total_stepz'\]"):
+    with pytest.raises(ConfigError, match=r"bad.yaml: trainer: unknown key\(s\) \['total_stepz'\]"):
         load_file(path, preset("toy"))
     with pytest.raises(ConfigError, match="algorithm.overlong_buffer_len"):
         merge(preset("toy"), {"algorithm": {"overlong_buffer_len": 100}})
@@ -66,3 +78,92 @@ def test_bad_values_name_the_field(tmp_path, capsys):
         merge(preset("toy"), {"rollout": {"engine": "vllm"}})
     with pytest.raises(ConfigError, match="cannot read"):
         load_file(tmp_path / "missing.yaml", preset("toy"))
+
+
+# A config file is checked as strictly as the command line: each case names the file, the field and what
+# was expected, in one line.
+YAML_CASES = [
+    ("trainer: 5", "trainer: expected a mapping (a config section), got int 5"),
+    ("logging: null", "logging: expected a mapping (a config section), got null"),
+    ("trainer: {val_before_train: 'false'}", "trainer.val_before_train: expected true or false, got 'false'"),
+    ("trainer: {total_steps: ten}", "trainer.total_steps: expected an integer, got 'ten'"),
+    ("trainer: {total_steps: 2.5}", "trainer.total_steps: expected an integer, got 2.5"),
+    ("model: {toy: {sft_steps: true}}", "model.toy.sft_steps: expected an integer, got True"),
+    ("optim: {betas: 0.9}", "optim.betas: expected a list of 2 finite numbers, got 0.9"),
+    ("optim: {betas: [0.9, 0.99, 0.999]}", "optim.betas: expected a list of 2 finite numbers"),
+    ("optim: {lr: .inf}", "optim.lr: expected a finite number, got inf"),
+    ("optim: {eps: -1}", "optim.eps: expected > 0, got -1.0"),
+    ("optim: {grad_clip: .nan}", "optim.grad_clip: expected a finite number, got nan"),
+    ("algorithm: {clip_high: .inf}", "algorithm.clip_high: expected a finite number, got inf"),
+    ("algorithm: {clip_ratio_c: 'off'}", "algorithm.clip_ratio_c: expected null or a finite number, got 'off'"),
+    ("rollout: {engine: tpu}", "rollout.engine: expected one of 'torch', 'vllm', got 'tpu'"),
+    ("rollout: {sleep_level: true}", "rollout.sleep_level: expected one of 1, 2, got True"),
+    ("checkpoint: {keep_last: null}", "checkpoint.keep_last: expected an integer, got null"),
+    ("data: {train_files: a.jsonl}", "data.train_files: expected a list of strings, got 'a.jsonl'"),
+    ("trainer: {total_steps: 3\n  bad", "not valid YAML/JSON at line"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), YAML_CASES)
+def test_config_file_types_are_strict(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_file(path, preset("toy"))
+    assert str(err.value).startswith(f"--config {path}: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_config_file_must_be_utf8(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("logging: {run_dir: caf\u00e9}".encode("latin-1"))
+    assert cli(["config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"flashdapo: config error: --config {path}: not UTF-8 text (byte 0xe9 at offset 22)\n"
+
+
+def test_config_file_numbers_read_as_the_command_line_reads_them(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim: {lr: 1e-6, betas: [0, 0.99], grad_clip: 2}\n")  # YAML 1.1 reads 1e-6 as a string
+    optim = load_file(path, preset("toy")).optim
+    assert (optim.lr, optim.betas, optim.grad_clip) == (1e-6, (0.0, 0.99), 2.0)
+    assert type(optim.grad_clip) is float and type(optim.betas) is tuple
+
+
+@pytest.mark.parametrize(("flag", "value", "field"), [
+    ("--optim.lr", "inf", "optim.lr"), ("--optim.eps", "-1", "optim.eps"),
+    ("--algorithm.clip-high", "inf", "algorithm.clip_high"), ("--optim.grad-clip", "nan", "optim.grad_clip"),
+    ("--algorithm.overlong-penalty-factor", "inf", "algorithm.overlong_penalty_factor"),
+    ("--rollout.temperature", "nan", "rollout.temperature"), ("--model.toy.sft-lr", "-inf", "model.toy.sft_lr"),
+    ("--algorithm.advantage-eps", "0", "algorithm.advantage_eps"),
+])
+def test_command_line_rejects_non_finite_and_out_of_range(capsys, flag, value, field):
+    assert cli(["config", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flashdapo: config error: {field}: expected ") and err.count("\n") == 1
+
+
+def _nested(path, value):
+    head, _, rest = path.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize("name", list(_leaf_fields(Config)))
+def test_every_field_is_type_checked_under_its_path(name):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(name)}: expected .*, got <object"):
+        merge(preset("toy"), _nested(name, object()))
+
+
+def test_paths_are_derived_from_the_tree():
+    assert field_path(ToyTaskConfig, "num_val") == "data.toy.num_val"
+    with pytest.raises(ConfigError, match=r"^data\.toy\.max_operand: expected >= 1, got 0$"):
+        ToyTaskConfig(max_operand=0)
+
+
+def test_section_checks_name_the_field():
+    with pytest.raises(ConfigError, match="trainer.mini_batch"):
+        TrainerConfig(train_batch=10, mini_batch=3)
+    with pytest.raises(ConfigError, match=r"rollout.top_p: expected a value in \(0, 1\]"):
+        RolloutConfig(top_p=0.0)
+    with pytest.raises(ConfigError, match="algorithm.clip_ratio_c"):
+        AlgorithmConfig(clip_ratio_c=0.5)

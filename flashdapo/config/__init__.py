@@ -1,0 +1,25 @@
+"""The config tree (tree.py), its declarative checks (checks.py), overrides and files (io.py), presets."""
+
+from .checks import ConfigError, field_path
+from .io import load_file, merge
+from .presets import DEFAULT_PRESET, PRESETS, preset, qwen25_7b_math, qwen25_32b_dapo, starting_point, toy
+from .tree import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    ToyModelConfig,
+    ToyTaskConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "DEFAULT_PRESET", "PRESETS", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "LoggingConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "ToyModelConfig", "ToyTaskConfig",
+    "TrainerConfig", "field_path", "load_file", "merge", "preset", "qwen25_32b_dapo", "qwen25_7b_math", "starting_point",
+    "toy",
+]

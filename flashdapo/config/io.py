@@ -1,0 +1,81 @@
+"""Overrides and config files (YAML or JSON, e.g. the output of `flashdapo config`), checked as strictly
+as the command line: a section must be a mapping, unknown keys are named, and every leaf goes through
+the same type and range checks as a CLI value (checks.py). Errors are one line naming the file and field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .checks import ConfigError, field_spec, optional_inner, section_type
+
+# PyYAML reads YAML 1.1, where a float needs a dot: `lr: 1e-6` arrives as the string '1e-6'. Such a
+# string is a number on the command line, so it is one here too; 'inf', 'nan' or 'ten' are not.
+_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def merge(base: Any, overrides: Any, prefix: str = "") -> Any:
+    """`base` (a config section) with the nested `overrides` mapping applied; every rebuilt section is
+    checked again."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {_describe(overrides)}")
+    known = [f.name for f in dataclasses.fields(base)]
+    unknown = sorted(str(k) for k in overrides if k not in known)
+    if unknown:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    changes = {}
+    for name, value in overrides.items():
+        if section_type(type(base), name) is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{name}: expected a mapping (a config section), got {_describe(value)}")
+            changes[name] = merge(getattr(base, name), value, f"{prefix}{name}.")
+        else:
+            changes[name] = _coerce(value, field_spec(type(base), name)[0])
+    return dataclasses.replace(base, **changes)
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """The conversions the command line also makes: a sequence for a tuple field becomes a tuple, an
+    integer or a float literal for a float field becomes a float. Anything else is left for the checks."""
+    tp = optional_inner(tp) or tp
+    if tp is float:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+            return float(value)
+    if getattr(tp, "__origin__", None) is tuple and isinstance(value, list):
+        return tuple(_coerce(v, a) for v, a in zip(value, tp.__args__, strict=False)) + tuple(
+            value[len(tp.__args__):])
+    return value
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def load_file(path: str | Path, base: Any) -> Any:
+    """Apply a YAML/JSON config file (full or partial) on top of `base`."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read the file ({err.strerror})") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start})") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML/JSON{where}: {problem}") from err
+    try:
+        return merge(base, {} if data is None else data)
+    except ConfigError as err:
+        raise ConfigError(f"--config {path}: {err}") from err

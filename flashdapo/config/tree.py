@@ -1,0 +1,328 @@
+"""THE config tree of flashdapo: one set of dataclasses; the CLI, the YAML files and the presets derive from it.
+
+Every field has its default here and nowhere else, and states what it accepts in its type
+(`Annotated[int, ge(1)]`; see checks.py); building a section checks it. The CLI
+(`flashdapo train --help`) is generated from these dataclasses and their field docstrings by tyro.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import yaml
+
+from .checks import Check, Rule, Section, ge, gt, register_tree, within
+
+Positive = Annotated[int, ge(1)]
+NonNegative = Annotated[int, ge(0)]
+PositiveFloat = Annotated[float, gt(0)]
+Fraction = Annotated[float, within(0, 1)]
+
+
+def _formats_toy_prompt(text: str) -> bool:
+    try:
+        text.format(expr="1+2", a=1, op="+", b=2)
+    except (KeyError, IndexError, ValueError):
+        return False
+    return "{expr}" in text or ("{a}" in text and "{b}" in text)
+
+
+@dataclass
+class ToyModelConfig(Section):
+    """Shape of the tiny Qwen2-style model built from a config when `model.path` is empty."""
+
+    hidden_size: Positive = 64
+    """Model width."""
+    num_layers: Positive = 2
+    """Decoder blocks."""
+    num_heads: Positive = 4
+    """Attention heads."""
+    num_kv_heads: Positive = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: Positive = 192
+    """MLP width."""
+    sft_steps: NonNegative = 300
+    """Supervised warm-up steps on the toy task that make the 'base model' before DAPO (0 disables)."""
+    sft_lr: PositiveFloat = 3e-3
+    """Learning rate of the supervised warm-up."""
+    sft_batch: Positive = 32
+    """Examples per supervised warm-up step."""
+
+    RULES = (
+        Rule("hidden_size", lambda c: c.hidden_size % c.num_heads == 0, lambda c: "a multiple of num_heads"),
+        Rule("num_kv_heads", lambda c: c.num_heads % c.num_kv_heads == 0, lambda c: "a divisor of num_heads"),
+    )
+
+
+@dataclass
+class ModelConfig(Section):
+    """The policy."""
+
+    path: str = ""
+    """Local HF checkpoint directory (config, safetensors, tokenizer). Empty: build the toy model."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype used for compute: bfloat16 on GPU (FSDP2 mixed precision, fp32 master weights and
+    fp32 gradient reduction); float32 on CPU."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """transformers attention backend of the policy."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder-block activations in backward (activation checkpointing)."""
+    toy: ToyModelConfig = field(default_factory=ToyModelConfig)
+    """The built-in toy model (used when `path` is empty)."""
+
+
+@dataclass
+class ToyTaskConfig(Section):
+    """The built-in verifiable task: small-integer arithmetic posed as a math problem."""
+
+    num_train: Positive = 2000
+    """Training problems generated."""
+    num_val: NonNegative = 100
+    """Validation problems (each distinct)."""
+    held_out_val: bool = False
+    """Validation problems never appear in training (tests generalization). False: validation samples
+    the task's own problem set, i.e. measures how many of the task's facts the policy gets right."""
+    verbose_fraction: Fraction = 0.3
+    """Fraction of warm-up responses that first restate the sum ('7+5=12' then 'Answer: 12'): with a
+    short max response length they run into the limit, which gives overlong shaping something to do."""
+    wrong_fraction: Fraction = 0.6
+    """Fraction of warm-up responses whose answer is a near miss (off by 1 or 2): the warmed-up model
+    then knows the candidates but samples the right one only about 1 - wrong_fraction of the time,
+    which is what RL sharpens."""
+    max_operand: Positive = 9
+    """Operands are drawn from 0..max_operand."""
+    seed: NonNegative = 1234
+    """Seed of the problem generator."""
+    ops: Annotated[str, Check(lambda s: bool(s) and set(s) <= set("+-*") and len(set(s)) == len(s),
+                              "distinct characters among '+', '-', '*'")] = "+"
+    """Operations drawn from, any of '+', '-', '*' (e.g. "+-"); '-' problems never have a negative answer."""
+    prompt_format: Annotated[str, Check(_formats_toy_prompt, "a format string using {expr} (or {a} and {b}) "
+                                                             "and no other fields")] = \
+        "Compute {expr}. End with Answer: N"
+    """The user message; {expr} becomes e.g. '7+12' ({a}, {op}, {b} are also available)."""
+
+
+DataFiles = Annotated[list[str], Check(lambda files: all(f.endswith((".parquet", ".jsonl")) for f in files),
+                                       "*.parquet or *.jsonl paths")]
+
+
+@dataclass
+class DataConfig(Section):
+    """Prompt datasets: parquet/jsonl in the DAPO-Math-17k schema, or plain {problem, answer} jsonl."""
+
+    train_files: DataFiles = field(default_factory=list)
+    """Training files (.parquet or .jsonl). Empty: the built-in toy task."""
+    val_files: DataFiles = field(default_factory=list)
+    """Validation files (same formats). Empty with empty train_files: the toy task's validation split."""
+    max_prompt_length: Positive = 2048
+    """Prompt token budget after the chat template."""
+    truncation: Literal["left", "drop", "error"] = "left"
+    """Prompts over max_prompt_length: keep the last tokens (DAPO), drop them (counted), or stop."""
+    dedup: bool = False
+    """Remove exact-duplicate prompts (the public DAPO-Math-17k file holds each problem ~100 times)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (deterministic for `trainer.seed`)."""
+    toy: ToyTaskConfig = field(default_factory=ToyTaskConfig)
+    """The built-in toy task (used when train_files is empty)."""
+
+
+@dataclass
+class RolloutConfig(Section):
+    """Sampling responses from the policy."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """torch: plain batched sampling with a KV cache (any device). vllm: co-located vLLM (GPU, extra `gpu`)."""
+    n: Positive = 16
+    """Responses per prompt (group size G)."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature (the trainer divides logits by the same value)."""
+    top_p: Annotated[float, within(0, 1, "(]")] = 1.0
+    """Nucleus sampling threshold during training (1.0 = off, as DAPO)."""
+    top_k: Annotated[int, Check(lambda k: k == -1 or k > 0, "-1 (off) or a positive integer")] = -1
+    """Top-k during training (-1 = off, as DAPO)."""
+    max_response_length: Positive = 20480
+    """Max new tokens per response (L_max of the overlong penalty)."""
+    max_num_seqs: Positive = 256
+    """torch engine: sequences decoded together (bounds its KV cache: max_num_seqs x (prompt + response)
+    token slots). vLLM schedules its own batches."""
+    val_n: Positive = 32
+    """Samples per validation prompt (k of mean@k, pass@k, maj@k)."""
+    val_temperature: PositiveFloat = 1.0
+    """Validation sampling temperature (DAPO evaluates at 1.0)."""
+    val_top_p: Annotated[float, within(0, 1, "(]")] = 0.7
+    """Validation nucleus threshold (DAPO evaluates at 0.7)."""
+    tensor_parallel_size: Positive = 1
+    """vLLM tensor-parallel size; contiguous ranks form a group; world size must be divisible by it."""
+    gpu_memory_utilization: Annotated[float, within(0, 1, "()")] = 0.5
+    """Fraction of GPU memory vLLM may take for weights and KV cache."""
+    max_num_batched_tokens: Positive = 8192
+    """vLLM scheduler token budget per iteration."""
+    sleep_level: Literal[1, 2] = 2
+    """vLLM sleep level while training: 2 discards the weights (every weight is pushed before generating),
+    1 offloads them to CPU memory and copies them back."""
+    logprob_check_every: NonNegative = 10
+    """Compare vLLM's and the trainer's log-probs on the same tokens every N steps (0 = only at start)."""
+    logprob_check_threshold: PositiveFloat = 0.05
+    """Warn when the mean |logp_vllm - logp_trainer| exceeds this."""
+
+
+@dataclass
+class AlgorithmConfig(Section):
+    """DAPO (docs/algorithm.md). Defaults are the paper's and the released recipe's values."""
+
+    clip_low: Annotated[float, within(0, 1, "[)")] = 0.2
+    """epsilon_low: the ratio is clipped below at 1 - clip_low."""
+    clip_high: Annotated[float, ge(0)] = 0.28
+    """epsilon_high (Clip-Higher): the ratio is clipped above at 1 + clip_high."""
+    clip_ratio_c: Annotated[float | None, gt(1)] = 10.0
+    """Dual-clip bound c for negative advantages (released recipe: 10.0); None disables it."""
+    advantage_eps: PositiveFloat = 1e-6
+    """epsilon in (R - mean) / (std + epsilon); std is unbiased."""
+    dynamic_sampling: bool = True
+    """Keep only groups whose accuracies are not all equal, refilling until train_batch prompts."""
+    max_gen_batches: int = 10
+    """Generation rounds allowed per step when refilling (<= 0: unbounded)."""
+    on_max_gen_batches: Literal["error", "continue"] = "error"
+    """When the bound is hit: stop with an error (released recipe) or train on the groups found so far."""
+    overlong_buffer: bool = True
+    """Soft overlong punishment added to the correctness reward."""
+    overlong_buffer_len: Positive = 4096
+    """L_cache: the penalty ramps from 0 to -factor over the last L_cache tokens before max length."""
+    overlong_penalty_factor: Annotated[float, ge(0)] = 1.0
+    """Multiplier of the overlong penalty."""
+    overlong_filter: bool = False
+    """Mask the loss of truncated responses (paper ablation; off in the released recipe)."""
+    verifier: Literal["dapo", "math_verify"] = "dapo"
+    """dapo: the released 'Answer:' rule with Minerva normalization. math_verify: equivalence checking
+    with the math-verify package (extra `math`)."""
+
+
+@dataclass
+class OptimConfig(Section):
+    """AdamW with linear warmup then a constant learning rate."""
+
+    lr: PositiveFloat = 1e-6
+    """Peak learning rate."""
+    betas: Annotated[tuple[float, float], Check(lambda b: all(0 <= x < 1 for x in b), "two values in [0, 1)")] = \
+        (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: Annotated[float, ge(0)] = 0.1
+    """AdamW decoupled weight decay."""
+    eps: PositiveFloat = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (<= 0 disables clipping)."""
+    warmup_steps: NonNegative = 10
+    """Optimizer steps of linear warmup from 0 to lr, then constant."""
+
+
+@dataclass
+class TrainerConfig(Section):
+    """Batch geometry, schedule, devices and parallelism."""
+
+    total_steps: Positive = 100
+    """Training steps (each: rollouts of train_batch prompts, then train_batch/mini_batch optimizer steps)."""
+    train_batch: Positive = 512
+    """Prompts kept per step after dynamic sampling (all ranks together)."""
+    gen_batch: Positive = 1536
+    """Prompts sampled per generation round (all ranks together)."""
+    mini_batch: Positive = 32
+    """Prompts per optimizer step; train_batch / mini_batch optimizer steps per training step."""
+    ppo_epochs: Positive = 1
+    """Passes over each step's batch."""
+    micro_batch_tokens: Positive = 22528
+    """Token budget of one forward/backward micro-batch on one rank: real tokens when packed
+    (flash_attention_2), rows x longest row when padded (SDPA / eager)."""
+    kernel_impl: Literal["auto", "naive", "torch", "triton"] = "auto"
+    """Log-prob/loss implementation (auto: triton on CUDA, chunked torch elsewhere)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when available."""
+    seed: NonNegative = 0
+    """Seed of data order, sampling and initialization."""
+    val_every: NonNegative = 5
+    """Validate every N steps (0 = never), plus before training and at the end."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2 CPU offload of parameters, gradients and optimizer state (released 32B recipe)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3) rather than keep them until backward."""
+
+    RULES = (Rule("mini_batch", lambda c: c.train_batch % c.mini_batch == 0,
+                  lambda c: f"a divisor of train_batch ({c.train_batch})"),)
+
+
+@dataclass
+class CheckpointConfig(Section):
+    """Sharded checkpoints (torch.distributed.checkpoint) and the final HF export."""
+
+    save_every: NonNegative = 5
+    """Save every N steps (0 = only at the end)."""
+    keep_last: Positive = 3
+    """Complete checkpoints kept on disk (older ones are deleted)."""
+    resume: str = ""
+    """'' starts fresh; 'auto' resumes from the newest complete checkpoint in the run directory (fresh if
+    none); a path resumes from that checkpoint."""
+    export_hf: bool = True
+    """Write an HF-format export (safetensors, config, tokenizer) of the final policy."""
+
+
+@dataclass
+class LoggingConfig(Section):
+    """Run directory, console output and metric sinks."""
+
+    run_dir: Annotated[str, Check(bool, "a non-empty path")] = "runs/flashdapo"
+    """Directory of this run: config, metrics.jsonl, plot, checkpoints, export."""
+    plot: bool = True
+    """Write training_dynamics.png (the curves of the paper's Fig. 7) at every validation and at the end."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (needs the tensorboard package)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package)."""
+    wandb_project: str = "flashdapo"
+    """W&B project name."""
+    progress: bool = True
+    """Print one line per step (rank 0)."""
+
+
+@dataclass
+class Config(Section):
+    """flashdapo: DAPO reinforcement learning of reasoning LLMs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    RULES = (
+        Rule("algorithm.overlong_buffer_len",
+             lambda c: c.algorithm.overlong_buffer_len <= c.rollout.max_response_length,
+             lambda c: f"<= rollout.max_response_length ({c.rollout.max_response_length})"),
+        Rule("rollout.engine", lambda c: c.rollout.engine == "torch" or bool(c.model.path),
+             lambda c: "'torch' for the built-in toy model (vLLM needs model.path)"),
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The tree as nested dicts (tuples become lists)."""
+        return _plain(dataclasses.asdict(self))
+
+    def to_yaml(self) -> str:
+        """The tree as YAML, loadable with `--config`."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+register_tree(Config)
