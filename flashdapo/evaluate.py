@@ -2,15 +2,13 @@
 pass@k and maj@k, scored by the same verifier as training.
 
 Used by the trainer's validation (every rank samples its share of the prompts) and by
-`flashdapo eval --model DIR --data FILE --k 32` for a saved model.
+`flashdapo eval` (eval_command.py) for a saved model.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -89,78 +87,3 @@ def evaluate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, verifier: 
     return EvalResult(k=k, verdicts=[g[1] for g in gathered],
                       response_lengths=[n for g in gathered for n in g[2]],
                       truncated=sum(g[3] for g in gathered))
-
-
-# ---------------------------------------------------------------------------------------------------
-# `flashdapo eval`
-
-
-@dataclass
-class EvalArgs:
-    """Evaluate a saved model (HF directory) on a parquet/jsonl in the DAPO / AIME-2024 schema."""
-
-    model: str
-    """Local HF model directory (e.g. a run's export/ folder)."""
-    data: str
-    """Evaluation file (.parquet or .jsonl), e.g. aime-2024.parquet."""
-    k: int = 32
-    """Samples per prompt."""
-    temperature: float = 1.0
-    """Sampling temperature (DAPO: 1.0)."""
-    top_p: float = 0.7
-    """Nucleus threshold (DAPO: 0.7)."""
-    max_new_tokens: int = 20480
-    """Max response length (DAPO: 20480)."""
-    max_prompt_length: int = 2048
-    """Prompts are left-truncated to this many tokens."""
-    batch_size: int = 32
-    """Sequences decoded together: the KV cache holds batch_size x (prompt + max_new_tokens) tokens
-    (a 7B model at 20k tokens: ~1.2 GB per sequence)."""
-    verifier: str = "dapo"
-    """dapo or math_verify."""
-    device: str = "auto"
-    """auto, cpu or cuda."""
-    seed: int = 0
-    """Sampling seed."""
-
-
-def eval_main(argv: list[str]) -> EvalResult:
-    """`flashdapo eval`: load, sample, score, print a table."""
-    import tyro
-    from transformers import AutoModelForCausalLM
-
-    from .config import DataConfig
-    from .data import load_prompts
-    from .reward import get_verifier
-    from .rollout.torch_engine import TorchEngine
-    from .tokenizer import eos_token_ids, load_tokenizer
-
-    args = tyro.cli(EvalArgs, args=argv, prog="flashdapo eval")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    tokenizer = load_tokenizer(args.model)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-    dataset = load_prompts([args.data], tokenizer, DataConfig(max_prompt_length=args.max_prompt_length,
-                                                              dedup=True))
-    print(f"flashdapo eval: {dataset.report.summary()}")
-    engine = TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, device, max_batch=args.batch_size)
-    start = time.perf_counter()
-    result = evaluate(engine, dataset.prompts, tokenizer, get_verifier(args.verifier), args.k, args.temperature,
-                      args.top_p, args.max_new_tokens, args.seed)
-    print(format_table(Path(args.data).name, len(dataset), result, time.perf_counter() - start))
-    return result
-
-
-def format_table(name: str, num_prompts: int, result: EvalResult, seconds: float) -> str:
-    """A Markdown table of the eval metrics."""
-    m = result.metrics("eval")
-    rows = [("data", name), ("prompts", str(num_prompts)), ("k", str(result.k)),
-            (f"mean@{result.k}", f"{m['eval/acc/mean@k']:.4f}"), (f"pass@{result.k}", f"{m['eval/acc/pass@k']:.4f}"),
-            (f"maj@{result.k}", f"{m['eval/acc/maj@k']:.4f}"),
-            ("mean response length", f"{m['eval/response_length/mean']:.1f}"),
-            ("truncated fraction", f"{m['eval/response_length/clip_ratio']:.4f}"), ("wall time (s)", f"{seconds:.1f}")]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
-    return "\n".join(lines)

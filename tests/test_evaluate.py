@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashdapo.evaluate import EvalResult, format_table
+from flashdapo.evaluate import EvalResult
 from flashdapo.reward import Verdict
 
 R, W = (lambda p: Verdict(1.0, True, p)), (lambda p: Verdict(-1.0, False, p))
@@ -21,7 +21,6 @@ def test_metrics_by_hand():
     assert result.maj_at_k == pytest.approx(1 / 4)
     m = result.metrics("val")
     assert m["val/acc/mean@k"] == pytest.approx(0.25) and m["val/response_length/clip_ratio"] == 0.25
-    assert "| mean@3" in format_table("x.parquet", 4, result, 1.0)
 
 
 def test_majority_tie_goes_to_the_first_answer_seen():
