@@ -1,31 +1,28 @@
-"""Prompt datasets: DAPO-Math-17k-schema parquet/jsonl or {problem, answer} jsonl, and the toy task.
+"""Prompt datasets: DAPO-Math-17k-schema parquet/jsonl or {problem, answer} jsonl, tokenized, and the sampler.
 
 Choices, stated first:
 - A file row becomes a `Record` (chat messages + ground truth); the tokenizer's chat template with the
   generation prompt turns it into a `Prompt` (token ids). Plain {problem, answer} rows are wrapped in
-  the DAPO prompt template as one user message (DAPO.md section 4).
+  the DAPO prompt template as one user message (docs/algorithm.md, "Data and verifier").
 - Bad input stops with a `DataError` naming the file, the 0-based row and what was expected; no row is
   ever skipped silently. Prompts over the budget are left-truncated (DAPO), dropped or refused, and
   counted; exact-duplicate prompts (same messages) are counted and optionally removed (the public
   DAPO-Math-17k file holds each problem ~100 times). Duplicates are tokenized once and share ids.
 - `PromptSampler` walks a deterministic permutation per epoch; every rank computes the same global
   batch and takes its contiguous slice, so the state (epoch, global position) resumes at any world size.
-- The toy task poses small-integer arithmetic ("Compute 7+12. End with Answer: N"); its ground truth
-  is the integer as a string, checked by the DAPO "Answer:" verifier.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, DataConfig, ToyTaskConfig
+from .config import DataConfig
 from .reward import MAX_GROUND_TRUTH_CHARS
 
 DAPO_TEMPLATE = (
@@ -33,7 +30,6 @@ DAPO_TEMPLATE = (
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
     'Remember to put your answer on its own line after "Answer:".'
 )
-TOY_DATA_SOURCE = "toy_arithmetic"
 
 
 class DataError(ValueError):
@@ -350,71 +346,14 @@ class PromptSampler:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The toy task
-
-
-Problem = tuple[int, str, int]
-
-
-def _answer(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a - b if op == "-" else a * b
-
-
-def toy_problems(cfg: ToyTaskConfig) -> tuple[list[Problem], list[Problem]]:
-    """(train, val) problems. held_out_val: val takes distinct problems and train cycles through all the
-    others; otherwise train cycles through every problem and val is a distinct sample of them."""
-    every = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)
-             if op != "-" or a >= b]
-    limit = len(every) - 1 if cfg.held_out_val else len(every)
-    if cfg.num_val > limit:
-        raise ConfigError(f"data.toy.num_val: expected at most {limit} for the {len(every)} distinct problems of "
-                          f"max_operand={cfg.max_operand}, ops={cfg.ops!r} (held_out_val={cfg.held_out_val}), "
-                          f"got {cfg.num_val}")
-    random.Random(cfg.seed).shuffle(every)
-    val = every[:cfg.num_val]
-    pool = every[cfg.num_val:] if cfg.held_out_val else every
-    return [pool[i % len(pool)] for i in range(cfg.num_train)], val
-
-
-def _toy_record(problem: Problem, cfg: ToyTaskConfig, source: str) -> Record:
-    a, op, b = problem
-    content = cfg.prompt_format.format(expr=f"{a}{op}{b}", a=a, op=op, b=b)
-    return Record([{"role": "user", "content": content}], str(_answer(a, op, b)), source, TOY_DATA_SOURCE)
-
-
-def toy_records(cfg: ToyTaskConfig, split: Literal["train", "val"]) -> list[Record]:
-    """The toy task's records: train and val are disjoint, both deterministic in cfg.seed."""
-    if split not in ("train", "val"):
-        raise ValueError(f"toy_records: split must be 'train' or 'val', got {split!r}")
-    train, val = toy_problems(cfg)
-    problems = train if split == "train" else val
-    return [_toy_record(p, cfg, f"toy:{split}:{i}") for i, p in enumerate(problems)]
-
-
-def toy_sft_examples(cfg: ToyTaskConfig, n: int, rng: random.Random) -> list[tuple[Record, str]]:
-    """`n` (prompt record, response) pairs drawn from the train split: 'Answer: 19', or with probability
-    cfg.verbose_fraction the verbose '7+12=19' newline 'Answer: 19'; with probability cfg.wrong_fraction
-    the answer is a near miss."""
-    train, _ = toy_problems(cfg)
-    picks = [train[rng.randrange(len(train))] for _ in range(n)]
-    out = []
-    for i, problem in enumerate(picks):
-        record = _toy_record(problem, cfg, f"toy:sft:{i}")
-        value = int(record.ground_truth)
-        if rng.random() < cfg.wrong_fraction:
-            value = abs(value + rng.choice((-2, -1, 1, 2)))  # a near miss, never negative
-            value = value if value != int(record.ground_truth) else value + 1
-        answer = f"Answer: {value}"
-        if rng.random() < cfg.verbose_fraction:
-            a, op, b = problem
-            answer = f"{a}{op}{b}={value}\n{answer}"
-        out.append((record, answer))
-    return out
+# Train and validation sets
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
     """(train, val) from cfg.train_files / cfg.val_files, or the toy task when train_files is empty."""
     if not cfg.train_files:
+        from .toy import toy_records  # the toy task is built on this module
+
         train = prompts_from_records(toy_records(cfg.toy, "train"), tokenizer, cfg, ["toy:train"])
         val = (prompts_from_records(toy_records(cfg.toy, "val"), tokenizer, cfg, ["toy:val"])
                if cfg.toy.num_val > 0 and not cfg.val_files else None)

@@ -1,19 +1,17 @@
-"""Prompt files, tokenized datasets, the resumable sharded sampler and the toy task."""
+"""Prompt files, tokenized datasets and the resumable sharded sampler."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flashdapo.config import ConfigError, DataConfig, ToyTaskConfig
+from flashdapo.config import DataConfig, ToyTaskConfig
 from flashdapo.data import (
     DAPO_TEMPLATE,
-    TOY_DATA_SOURCE,
     DataError,
     PromptSampler,
     build_datasets,
@@ -21,11 +19,8 @@ from flashdapo.data import (
     load_prompts,
     prompts_from_records,
     read_records,
-    toy_problems,
-    toy_records,
-    toy_sft_examples,
 )
-from flashdapo.tokenizer import build_toy_tokenizer
+from flashdapo.toy import TOY_DATA_SOURCE, build_toy_tokenizer
 
 AIME = Path("/work/shared/data/aime-2024.parquet")
 
@@ -299,76 +294,6 @@ def test_sampler_resume(ten):
 
     with pytest.raises(DataError, match="seed"):
         PromptSampler(ten, 4, seed=6).load_state_dict(state)
-
-
-# --------------------------------------------------------------------------------------------------- toy task
-
-
-def test_toy_deterministic_disjoint_and_correct():
-    cfg = ToyTaskConfig(num_train=300, num_val=40, max_operand=9, ops="+-*", seed=7, held_out_val=True)
-    train, val = toy_records(cfg, "train"), toy_records(cfg, "val")
-    assert [r.messages for r in train] == [r.messages for r in toy_records(cfg, "train")]
-    assert len(train) == 300 and len(val) == 40
-    train_prompts = {r.messages[0]["content"] for r in train}
-    val_prompts = {r.messages[0]["content"] for r in val}
-    assert len(val_prompts) == 40 and not train_prompts & val_prompts
-    for r in train + val:
-        expr = r.messages[0]["content"].removeprefix("Compute ").split(".")[0]
-        assert r.ground_truth == str(eval(expr)) and int(r.ground_truth) >= 0
-        assert r.data_source == TOY_DATA_SOURCE and r.messages[0]["role"] == "user"
-    assert {op for op in "+-*" if any(op in c for c in train_prompts)} == set("+-*")
-    other = toy_records(ToyTaskConfig(num_train=300, num_val=40, max_operand=9, ops="+-*", seed=8,
-                                      held_out_val=True), "train")
-    assert [r.messages for r in other] != [r.messages for r in train]
-
-
-def test_toy_config_knobs():
-    cfg = ToyTaskConfig(num_train=10, num_val=2, max_operand=3, prompt_format="{a} {op} {b} =")
-    record = toy_records(cfg, "train")[0]
-    assert record.messages[0]["content"].endswith("=") and "{" not in record.messages[0]["content"]
-    with pytest.raises(ConfigError, match="data.toy.num_val"):
-        toy_problems(ToyTaskConfig(max_operand=3, num_val=16, held_out_val=True))  # 16 problems, none left
-    with pytest.raises(ConfigError, match="data.toy.num_val"):
-        toy_problems(ToyTaskConfig(max_operand=3, num_val=17))  # only 16 distinct problems
-    _, every = toy_problems(ToyTaskConfig(max_operand=3, num_val=16))  # validation on the whole task
-    assert len(set(every)) == 16
-    with pytest.raises(ConfigError, match="data.toy.ops"):
-        ToyTaskConfig(ops="+/")
-    with pytest.raises(ConfigError, match="data.toy.prompt_format"):
-        ToyTaskConfig(prompt_format="Compute {x}.")
-    with pytest.raises(ConfigError, match="data.toy.prompt_format"):
-        ToyTaskConfig(prompt_format="no fields")
-
-
-def test_toy_sft_examples():
-    cfg = ToyTaskConfig(num_train=100, num_val=20, held_out_val=True, wrong_fraction=0.0, verbose_fraction=0.0)
-    examples = toy_sft_examples(cfg, 50, random.Random(0))
-    assert examples == toy_sft_examples(cfg, 50, random.Random(0))
-    val_prompts = {r.messages[0]["content"] for r in toy_records(cfg, "val")}
-    for record, response in examples:
-        assert response == f"Answer: {record.ground_truth}"
-        assert record.messages[0]["content"] not in val_prompts
-
-
-def test_toy_sft_examples_wrong_and_verbose_fractions():
-    cfg = ToyTaskConfig(num_train=100, wrong_fraction=0.5, verbose_fraction=0.5)
-    examples = toy_sft_examples(cfg, 2000, random.Random(1))
-    wrong = verbose = 0
-    for record, response in examples:
-        value = int(response.rsplit("Answer: ", 1)[1])
-        truth = int(record.ground_truth)
-        assert value >= 0 and (value == truth or 1 <= abs(value - truth) <= 3)
-        wrong += value != truth
-        if "\n" in response:
-            verbose += 1
-            expr = record.messages[0]["content"].removeprefix("Compute ").split(".")[0]
-            assert response.startswith(f"{expr}={value}\nAnswer: ")
-    assert 0.45 < wrong / 2000 < 0.55 and 0.45 < verbose / 2000 < 0.55
-
-
-def test_toy_prompt_is_short(tok):
-    record = toy_records(ToyTaskConfig(), "train")[0]
-    assert len(chat_ids(tok, record.messages)) <= 32
 
 
 # --------------------------------------------------------------------------------------------------- AIME 2024

@@ -19,13 +19,13 @@ from ..data import Prompt, PromptSampler, build_datasets
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
-from ..tokenizer import build_toy_tokenizer, eos_token_ids, load_tokenizer
+from ..tokenizer import eos_token_ids, load_tokenizer
+from ..toy import build_toy_model, build_toy_tokenizer, supervised_warmup
 from .checkpoint import TrainerState, load_first_loadable, resume_candidates
 from .distributed import DistEnv, init_distributed
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, StageTimer
 from .policy import PolicyModel, parallelize
-from .warmup import build_toy_model, supervised_warmup
 from .weight_sync import iter_full_state_dict
 
 

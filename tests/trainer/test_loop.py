@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from flashdapo.__main__ import main as cli
 from flashdapo.config import ToyTaskConfig, merge, toy
-from flashdapo.data import PromptSampler, toy_records
+from flashdapo.data import PromptSampler
 from flashdapo.reward import Verdict
+from flashdapo.toy import toy_records
 from flashdapo.trainer.checkpoint import export_hf
 from flashdapo.trainer.distributed import DistEnv, shutdown
 from flashdapo.trainer.loop import train, train_step

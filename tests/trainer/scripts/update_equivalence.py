@@ -10,11 +10,11 @@ import torch
 
 from flashdapo.algorithm import group_advantages
 from flashdapo.config import merge, toy
+from flashdapo.toy import build_toy_model
 from flashdapo.trainer.batch import Group, TrainBatch, rank_share
 from flashdapo.trainer.distributed import init_distributed, shutdown
 from flashdapo.trainer.policy import PolicyModel, parallelize
 from flashdapo.trainer.update import compute_old_logprobs, update_actor
-from flashdapo.trainer.warmup import build_toy_model
 from flashdapo.trainer.weight_sync import iter_full_state_dict
 
 out = Path(sys.argv[1])

@@ -1,0 +1,208 @@
+"""The built-in toy task, everything the default preset needs without a download: small-integer
+arithmetic posed as a math problem, a tokenizer trained on it, a tiny Qwen2-style model, and the
+supervised warm-up that makes that model the "base model" DAPO starts from.
+
+Choices, stated first:
+- A problem is "Compute 7+12. End with Answer: N" (the format is `data.toy.prompt_format`); its ground
+  truth is the integer as a string, checked by the DAPO "Answer:" verifier. Problems are deterministic
+  in `data.toy.seed`; validation takes distinct problems, held out of training or not (`held_out_val`).
+- The tokenizer mirrors Qwen2's: byte-level BPE (every byte is a token, so any text encodes and decoding
+  round-trips exactly), Qwen2's pre-tokenizer regex with digits split one per token, special tokens
+  `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos), a ChatML chat template without the default
+  system message (the toy model's context is small). It is trained at run time (well under a second) on
+  the task's prompts and responses, deterministically.
+- The warm-up is deliberately brief and partly wrong (`wrong_fraction`, `verbose_fraction`): DAPO then
+  starts from a policy that knows the answer format but is often wrong, which is what RL sharpens.
+Real runs load an HF checkpoint (`model.path`) and data files instead, and use none of this.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from .config import Config, ConfigError, ModelConfig, ToyTaskConfig, field_path
+from .data import Record, chat_ids
+from .tokenizer import IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS, ensure_pad
+
+if TYPE_CHECKING:  # the trainer imports this module; the policy is only a parameter here
+    from .trainer.policy import PolicyModel
+
+TOY_DATA_SOURCE = "toy_arithmetic"
+TOY_VOCAB_SIZE = 512
+"""Upper bound of the toy vocabulary (256 bytes + 3 special tokens + learned merges)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Problems and records
+
+
+Problem = tuple[int, str, int]
+
+
+def _answer(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def toy_problems(cfg: ToyTaskConfig) -> tuple[list[Problem], list[Problem]]:
+    """(train, val) problems. held_out_val: val takes distinct problems and train cycles through all the
+    others; otherwise train cycles through every problem and val is a distinct sample of them."""
+    every = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)
+             if op != "-" or a >= b]
+    limit = len(every) - 1 if cfg.held_out_val else len(every)
+    if cfg.num_val > limit:
+        raise ConfigError(f"{field_path(ToyTaskConfig, 'num_val')}: expected at most {limit} for the {len(every)} "
+                          f"distinct problems of "
+                          f"max_operand={cfg.max_operand}, ops={cfg.ops!r} (held_out_val={cfg.held_out_val}), "
+                          f"got {cfg.num_val}")
+    random.Random(cfg.seed).shuffle(every)
+    val = every[:cfg.num_val]
+    pool = every[cfg.num_val:] if cfg.held_out_val else every
+    return [pool[i % len(pool)] for i in range(cfg.num_train)], val
+
+
+def _toy_record(problem: Problem, cfg: ToyTaskConfig, source: str) -> Record:
+    a, op, b = problem
+    content = cfg.prompt_format.format(expr=f"{a}{op}{b}", a=a, op=op, b=b)
+    return Record([{"role": "user", "content": content}], str(_answer(a, op, b)), source, TOY_DATA_SOURCE)
+
+
+def toy_records(cfg: ToyTaskConfig, split: Literal["train", "val"]) -> list[Record]:
+    """The toy task's records: train and val are disjoint, both deterministic in cfg.seed."""
+    if split not in ("train", "val"):
+        raise ValueError(f"toy_records: split must be 'train' or 'val', got {split!r}")
+    train, val = toy_problems(cfg)
+    problems = train if split == "train" else val
+    return [_toy_record(p, cfg, f"toy:{split}:{i}") for i, p in enumerate(problems)]
+
+
+def toy_sft_examples(cfg: ToyTaskConfig, n: int, rng: random.Random) -> list[tuple[Record, str]]:
+    """`n` (prompt record, response) pairs drawn from the train split: 'Answer: 19', or with probability
+    cfg.verbose_fraction the verbose '7+12=19' newline 'Answer: 19'; with probability cfg.wrong_fraction
+    the answer is a near miss."""
+    train, _ = toy_problems(cfg)
+    picks = [train[rng.randrange(len(train))] for _ in range(n)]
+    out = []
+    for i, problem in enumerate(picks):
+        record = _toy_record(problem, cfg, f"toy:sft:{i}")
+        value = int(record.ground_truth)
+        if rng.random() < cfg.wrong_fraction:
+            value = abs(value + rng.choice((-2, -1, 1, 2)))  # a near miss, never negative
+            value = value if value != int(record.ground_truth) else value + 1
+        answer = f"Answer: {value}"
+        if rng.random() < cfg.verbose_fraction:
+            a, op, b = problem
+            answer = f"{a}{op}{b}={value}\n{answer}"
+        out.append((record, answer))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+# Qwen2's pre-tokenization regex: contractions, letter runs, single digits, punctuation runs, spaces.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen2-style ChatML without the default system message."""
+
+
+def _toy_corpus(cfg: ToyTaskConfig) -> list[str]:
+    """The text the toy tokenizer learns from: the role lines, prompts and responses of the toy task."""
+    lines = []
+    for split in ("train", "val"):
+        for record in toy_records(cfg, split)[:1000]:
+            lines.append("user\n" + record.messages[0]["content"])
+            lines.append("assistant\nAnswer: " + record.ground_truth)
+    return lines
+
+
+def build_toy_tokenizer(cfg: ToyTaskConfig, vocab_size: int = TOY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Train a small byte-level BPE (Qwen2-style, digits split) on the toy task's text; deterministic."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_toy_corpus(cfg), trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+    hf.add_special_tokens({"additional_special_tokens": [IM_START]})
+    hf.chat_template = CHATML_TEMPLATE
+    return ensure_pad(hf)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model and warm-up
+
+
+def build_toy_model(cfg: ModelConfig, vocab_size: int, max_positions: int, seed: int) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 from a config (no download), initialized from `seed`, fp32."""
+    toy = cfg.toy
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=toy.hidden_size, intermediate_size=toy.intermediate_size,
+        num_hidden_layers=toy.num_layers, num_attention_heads=toy.num_heads, num_key_value_heads=toy.num_kv_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=True, attn_implementation=cfg.attn_implementation,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config)
+
+
+def supervised_warmup(policy: PolicyModel, tokenizer, cfg: Config, log=print) -> list[float]:
+    """Train on (toy prompt, correct 'Answer: N' response) pairs for model.toy.sft_steps steps.
+
+    Cross-entropy on response tokens only, through the same packing and fused log-prob path as DAPO.
+    Deterministic for trainer.seed, so every rank produces the same base model. Returns the losses.
+    """
+    toy = cfg.model.toy
+    if toy.sft_steps == 0:
+        return []
+    rng = random.Random(cfg.trainer.seed)
+    examples = toy_sft_examples(cfg.data.toy, toy.sft_steps * toy.sft_batch, rng)
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    pairs = [(torch.tensor(chat_ids(tokenizer, rec.messages)),
+              torch.tensor(tokenizer.encode(text, add_special_tokens=False) + [eos])) for rec, text in examples]
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=toy.sft_lr, weight_decay=0.0)
+    device = next(policy.parameters()).device
+    losses = []
+    policy.train()
+    for step in range(toy.sft_steps):
+        chunk = pairs[step * toy.sft_batch:(step + 1) * toy.sft_batch]
+        packed = policy.token_batch([p for p, _ in chunk], [r for _, r in chunk], device)
+        logp, _ = policy(packed)
+        loss = -logp.mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    log(f"toy warm-up: {toy.sft_steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return losses
