@@ -3,7 +3,7 @@
 Choices, stated first:
 - A file row becomes a `Record` (chat messages + ground truth); the tokenizer's chat template with the
   generation prompt turns it into a `Prompt` (token ids). Plain {problem, answer} rows are wrapped in
-  the DAPO prompt template as one user message (docs/algorithm.md, "Data and verifier").
+  the DAPO prompt template as one user message (docs/algorithm.md, section 4).
 - Bad input stops with a `DataError` naming the file, the 0-based row and what was expected; no row is
   ever skipped silently. Prompts over the budget are left-truncated (DAPO), dropped or refused, and
   counted; exact-duplicate prompts (same messages) are counted and optionally removed (the public

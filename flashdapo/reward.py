@@ -1,7 +1,7 @@
 """Rule-based verifiers: the DAPO "Answer:" rule (default) and an optional math-verify backend.
 
 The DAPO rule, exactly as released (verl `utils/reward_score/math_dapo.py`, `compute_score` with
-`strict_box_verify=False`; see DAPO.md section 4):
+`strict_box_verify=False`; see docs/algorithm.md, section 4):
 
 1. Keep only the last 300 characters of the decoded response.
 2. Take the LAST case-insensitive match of `Answer\\s*:\\s*([^\\n]+)` in that window (the rest of the

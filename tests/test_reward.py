@@ -28,7 +28,7 @@ from flashdapo.reward import (
 PREAMBLE = "Let me think step by step.\nSo the total is computed below.\n"
 
 # ---------------------------------------------------------------------------------------------
-# The consequences DAPO.md section 4 lists
+# The consequences docs/algorithm.md (section 4) lists
 # ---------------------------------------------------------------------------------------------
 
 

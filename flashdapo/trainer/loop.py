@@ -1,6 +1,6 @@
 """`flashdapo train`: the DAPO loop. The only module that knows every stage.
 
-One step (DESIGN.md "One training step"), each stage timed:
+One step (docs/architecture.md), each stage timed:
 
     gen + reward   roll out gen_batch prompts x n, verify, add the overlong penalty   (sampling.py)
     filter         dynamic sampling: refill until train_batch informative groups     (sampling.py)
@@ -117,7 +117,7 @@ def validate(run: Run, step: int) -> dict[str, float]:
 
 
 def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, timer: StageTimer) -> dict[str, float]:
-    """verl-named metrics of one step (DAPO.md section 8), global over ranks."""
+    """verl-named metrics of one step (docs/algorithm.md, section 8), global over ranks."""
     env = run.env
     local = (batch.scores, batch.advantages, batch.responses_lengths_tensor(), batch.prompt_lengths_tensor(),
              batch.truncated.float())

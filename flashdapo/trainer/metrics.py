@@ -1,6 +1,6 @@
 """Metrics: stage timers, sinks (metrics.jsonl, console line, TensorBoard, W&B), the dynamics plot.
 
-Metric names follow verl (DAPO.md section 8) so users can compare curves. Only rank 0 writes.
+Metric names follow verl (docs/algorithm.md, section 8) so users can compare curves. Only rank 0 writes.
 """
 
 from __future__ import annotations
