@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,9 @@ def _coerce(value: Any, tp: Any) -> Any:
             return float(value)
         if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
             return float(value)
-    if getattr(tp, "__origin__", None) is tuple and isinstance(value, list):
-        return tuple(_coerce(v, a) for v, a in zip(value, tp.__args__, strict=False)) + tuple(
-            value[len(tp.__args__):])
+    if typing.get_origin(tp) is tuple and isinstance(value, list):
+        args = typing.get_args(tp)  # a list of the wrong length stays that long, for the checks to name
+        return tuple(_coerce(v, args[min(i, len(args) - 1)]) for i, v in enumerate(value))
     return value
 
 
