@@ -8,6 +8,7 @@ import yaml
 
 from flashdapo.__main__ import main as cli
 from flashdapo.config import (
+    PRESETS,
     AlgorithmConfig,
     Config,
     ConfigError,
@@ -167,3 +168,17 @@ def test_section_checks_name_the_field():
         RolloutConfig(top_p=0.0)
     with pytest.raises(ConfigError, match="algorithm.clip_ratio_c"):
         AlgorithmConfig(clip_ratio_c=0.5)
+
+
+def _differences(overrides, defaults, prefix=""):
+    for name, value in overrides.items():
+        if isinstance(value, dict):
+            yield from _differences(value, getattr(defaults, name), f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value, getattr(defaults, name)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_state_only_what_differs_from_the_defaults(name):
+    for path, value, default in _differences(PRESETS[name], Config()):
+        assert value != default and not (isinstance(default, tuple) and tuple(value) == default), (name, path)

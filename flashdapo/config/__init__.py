@@ -2,7 +2,7 @@
 
 from .checks import ConfigError, field_path
 from .io import load_file, merge
-from .presets import DEFAULT_PRESET, PRESETS, preset, qwen25_7b_math, qwen25_32b_dapo, starting_point, toy
+from .presets import DEFAULT_PRESET, PRESETS, preset, starting_point, toy
 from .tree import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -20,6 +20,5 @@ from .tree import (
 __all__ = [
     "DEFAULT_PRESET", "PRESETS", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "ToyModelConfig", "ToyTaskConfig",
-    "TrainerConfig", "field_path", "load_file", "merge", "preset", "qwen25_32b_dapo", "qwen25_7b_math", "starting_point",
-    "toy",
+    "TrainerConfig", "field_path", "load_file", "merge", "preset", "starting_point", "toy",
 ]
