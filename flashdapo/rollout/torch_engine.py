@@ -14,12 +14,15 @@ The choices, before the code:
 - **Stopping.** A row is finished after its first EOS (kept in the response). Finished rows keep
   being decoded (their inputs are pads and their outputs are dropped) until every row is finished or
   `max_new_tokens` is reached; rows are never compacted, so the cache keeps its shape.
-- **Sampling.** logits / temperature, then top-k, then top-p, then an exponential race
-  (argmax p / q with q ~ Exp(1), a multinomial draw without a host sync) from a `torch.Generator`
+- **Sampling.** logits / temperature (skipped at T = 1), then top-k, then top-p, then an inverse-CDF
+  draw: one uniform number per row against the running sum of the exponentials (no host sync; an
+  exponential race would draw one random number per vocabulary entry, which cost more than the LM
+  head at V = 152k on CPU). Without filters there is no sort. The uniforms come from a `torch.Generator`
   seeded with `sampling.seed` (plus the rank in a process group, so ranks draw independently).
   Same seed, inputs, `max_batch` and rank -> identical Rollouts.
 - **Log-probs** are `log_softmax(logits.float() / T)` of the sampled token, taken BEFORE top-k/top-p
-  filtering: the quantity the trainer recomputes with `kernels.token_logprobs(..., temperature=T)`.
+  filtering (from the same exponentials as the draw): the quantity the trainer recomputes with
+  `kernels.token_logprobs(..., temperature=T)`.
   (vLLM's `processed_logprobs` are after filtering; the two agree when top_k/top_p are off, the DAPO
   default.) They are fp32; in a bf16 model the LM-head matmul itself is bf16.
 - **Distributed.** Under FSDP2 every forward all-gathers parameters, so all ranks of `process_group`
@@ -63,24 +66,39 @@ def left_pad(
     return ids.to(device), mask.to(device), positions.to(device)
 
 
-def _top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Set every logit below the k-th largest of its row to -inf (ties at the k-th value are kept)."""
-    if top_k <= 0 or top_k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Index drawn per row with probability weights[i] / sum(weights) (weights >= 0, [B, V]).
+
+    One uniform number per row against the running sum: u * total falls in entry i's interval
+    [cdf[i-1], cdf[i]) with probability weights[i] / total; an entry of weight 0 has an empty interval
+    and is never drawn. The running sum of non-negative fp32 values never decreases, and u * total is
+    kept strictly below total, so the index is always that of an entry of positive weight.
+    """
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=weights.device, dtype=weights.dtype)
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches `top_p` (nucleus)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
-    drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+def _sample_filtered(scaled: torch.Tensor, top_p: float, top_k: int,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """Tokens from softmax(scaled) restricted by top-k, then top-p over the renormalized survivors.
+
+    top-k keeps every logit >= the k-th largest (ties at the k-th value are kept); top-p then keeps
+    the smallest prefix (by decreasing probability) whose mass reaches top_p; the top token always
+    stays. Both read one descending sort of the row, and the draw runs over the sorted survivors.
+    """
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    if 0 < top_k < scaled.shape[-1]:
+        kth = sorted_logits[:, top_k - 1 : top_k]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    weights = (sorted_logits - sorted_logits[:, :1]).exp_()  # the top entry is the row maximum
+    if top_p < 1.0:
+        probs = weights / weights.sum(dim=-1, keepdim=True)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        weights = weights.masked_fill((probs.cumsum(-1) - probs) >= top_p, 0.0)
+    return order.gather(-1, _inverse_cdf(weights, generator)[:, None]).squeeze(-1)
 
 
 def sample(
@@ -92,18 +110,25 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of `logits` [B, V]; return (tokens [B] int64, log-probs [B] fp32).
 
-    The log-prob is that of the drawn token under log_softmax(logits / temperature), before the
-    top-k/top-p filters (what the trainer recomputes). top_k <= 0 and top_p >= 1 disable the filters.
+    The distribution is softmax(logits / temperature) after the top-k/top-p filters (top_k <= 0 and
+    top_p >= 1 disable them), drawn by inverse CDF: one uniform number per row, not one per vocabulary
+    entry. The log-prob is that of the drawn token under log_softmax(logits / temperature), before the
+    filters (what the trainer recomputes), taken from the same exponentials as the draw.
     """
-    scaled = logits.float() / temperature
-    filtered = _top_p_filter(_top_k_filter(scaled, top_k), top_p)
-    probs = torch.softmax(filtered, dim=-1)
-    # Exponential race: argmax_i p_i / q_i with q_i ~ Exp(1) is distributed as Categorical(p), and
-    # unlike torch.multinomial it needs no host sync. The clamp keeps a (vanishingly rare) q = 0 finite.
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-30)
-    tokens = (probs / race).argmax(dim=-1)
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    row_max = scaled.amax(dim=-1, keepdim=True)
+    filtered = (0 < top_k < scaled.shape[-1]) or top_p < 1.0
+    if filtered:
+        tokens = _sample_filtered(scaled, top_p, top_k, generator)
+        log_total = torch.logsumexp(scaled - row_max, dim=-1)
+    else:
+        weights = (scaled - row_max).exp_()
+        tokens = _inverse_cdf(weights, generator)
+        log_total = weights.sum(dim=-1).log()  # a tree reduction: more accurate than the running sum
+    picked = scaled.gather(-1, tokens[:, None]).squeeze(-1) - row_max.squeeze(-1)
+    return tokens, picked - log_total
 
 
 def _check_request(prompts: list[list[int]], sampling: SamplingParams) -> None:
