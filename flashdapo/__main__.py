@@ -6,11 +6,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-import tyro
+# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning, so that a busy
+# CPU does not stall every operator (flashdapo/threads.py). A value in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
+import tyro  # noqa: E402
+
+from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point  # noqa: E402
 
 USAGE = """usage: flashdapo {train,config,eval} [options]
 

@@ -19,6 +19,7 @@ from ..data import Prompt, PromptSampler, build_datasets
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
+from ..threads import configure_threads
 from ..tokenizer import eos_token_ids, load_tokenizer
 from ..toy import build_toy_model, build_toy_tokenizer, supervised_warmup
 from .checkpoint import TrainerState, load_first_loadable, resume_candidates
@@ -91,9 +92,12 @@ def gather_for_generation(policy: PolicyModel, gather: bool, reshard_after_forwa
 
 def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> PolicyModel:
     if cfg.model.path:
-        return load_sharded_policy(cfg, env)
+        policy = load_sharded_policy(cfg, env)
+        configure_threads(sum(p.numel() for p in policy.parameters()), env.device)
+        return policy
     max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
     hf_model = build_toy_model(cfg.model, len(tokenizer), max_positions, cfg.trainer.seed)
+    configure_threads(sum(p.numel() for p in hf_model.parameters()), env.device)  # before the warm-up
     policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
     if not resuming:
         # Same seed, same data, same arithmetic on every rank: every rank gets the same base model.
