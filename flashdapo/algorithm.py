@@ -1,25 +1,40 @@
-"""DAPO's math on tensors: no I/O, no model (DAPO.md sections 1-3).
+"""DAPO's math on tensors: rewards, advantages, the group filter, the token loss and its normalizer.
 
-The choices, as the paper and the released recipe make them:
+No I/O and no model: every function here takes and returns tensors (docs/algorithm.md has the
+derivations). The choices, as the paper and the released recipe make them:
 
 - Reward = rule-based correctness (+1 / -1) PLUS the soft overlong punishment: 0 up to
   L_max - L_cache tokens, then a linear ramp down to -1 at L_max, -1 beyond, times a factor.
-  A truncated wrong answer therefore scores -2.
+  A truncated wrong answer therefore scores -2 (`shaped_scores`).
 - Advantage = (R - group mean) / (group std + eps) with the UNBIASED std (n - 1), shared by every
-  token of the response. A group of one response has mean 0 and std 1, so A = R.
+  token of the response. A group of one response has mean 0 and std 1, so A = R (`group_advantages`).
 - Dynamic sampling keeps a group iff the std of its `acc` (correct/incorrect, not the shaped score)
-  is > 0; all-correct and all-wrong groups carry no gradient. A group of one response is kept.
-- Token-level loss: the per-token clipped surrogate (Clip-Higher eps_low=0.2, eps_high=0.28, dual
-  clip c=10 for A<0; `flashdapo.kernels.loss`) summed over every valid response token of a
-  mini-batch and divided by the number of those tokens over ALL micro-batches and ALL data-parallel
-  ranks (`global_token_count`). Not a per-sequence mean, not a per-micro-batch mean.
+  is > 0; all-correct and all-wrong groups carry no gradient. A group of one response is kept
+  (`informative_groups`). Overlong filtering (an ablation, off by default) masks truncated
+  responses out of the loss (`response_loss_mask`).
+- Token-level loss (`token_loss`): the per-token clipped surrogate
+
+      r = exp(logp - old)                     (log-ratio clamped to +-20 as in verl, to keep r finite)
+      l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))        Clip-Higher: eps_low=0.2, eps_high=0.28
+      l = min(l, -A c)  where A < 0, when clip_ratio_c is set     dual clip (released recipe, c = 10)
+
+  summed over every valid response token of a mini-batch and divided by the number of those tokens
+  over ALL micro-batches and ALL data-parallel ranks (`global_token_count`). Not a per-sequence mean,
+  not a per-micro-batch mean. Its gradient dL/dlogp is exactly zero on masked and clipped tokens;
+  the log-prob kernels (`flashdapo.kernels`) skip those rows' backward work.
 - No KL term, no reference model, no entropy bonus.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 import torch.distributed as dist
+
+from .config import AlgorithmConfig
+
+LOG_RATIO_CLAMP = 20.0
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
@@ -36,6 +51,15 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
     penalty = torch.where(lengths <= expected, torch.zeros_like(ramp), ramp)
     penalty = torch.where(lengths > max_len, torch.full_like(ramp, -1.0), penalty)
     return penalty * factor
+
+
+def shaped_scores(correctness: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                  algo: AlgorithmConfig) -> torch.Tensor:
+    """The reward per response (fp32): the verifier's score plus, when enabled, the overlong penalty."""
+    scores = correctness.to(torch.float32)
+    if algo.overlong_buffer:
+        scores = scores + overlong_penalty(lengths, max_len, algo.overlong_buffer_len, algo.overlong_penalty_factor)
+    return scores
 
 
 def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -71,6 +95,11 @@ def informative_groups(acc: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
     return (std > 0) | (size == 1)
 
 
+def response_loss_mask(truncated: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
+    """[B] bool: the response's tokens enter the loss (overlong filtering drops truncated responses)."""
+    return ~truncated.bool() if algo.overlong_filter else torch.ones(truncated.shape, dtype=torch.bool)
+
+
 def global_token_count(mask: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The token-mean normalizer: valid tokens of a whole mini-batch summed over data-parallel ranks.
 
@@ -85,3 +114,103 @@ def global_token_count(mask: torch.Tensor, group: dist.ProcessGroup | None = Non
         dist.all_reduce(count, group=group)
         count = count.to(device)
     return count[0]
+
+
+@dataclass
+class LossStats:
+    """Detached token sums of one loss call; add them across micro-batches and ranks, then take `means`.
+
+    Sums rather than means so that a reduction over micro-batches and data-parallel ranks is exact.
+    """
+
+    num_tokens: torch.Tensor
+    """Valid (mask=1) response tokens."""
+    pg_clipfrac: torch.Tensor
+    """Tokens where the clipped branch is active (either side), as in verl's `pg_clipfrac`."""
+    pg_clipfrac_lower: torch.Tensor
+    """Tokens where the dual clip (A < 0, r > c) is active, as in verl's `pg_clipfrac_lower`."""
+    ppo_kl: torch.Tensor
+    """Sum of (logp_old - logp_new): verl's `ppo_kl` estimator."""
+    entropy: torch.Tensor
+    """Sum of per-token entropies (fp32)."""
+    token_prob: torch.Tensor
+    """Sum of exp(logp_new): the paper's mean token probability once divided by num_tokens."""
+    ratio: torch.Tensor
+    """Sum of importance ratios r."""
+
+    def __add__(self, other: LossStats) -> LossStats:
+        return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def as_vector(self) -> torch.Tensor:
+        """All sums in one fp64 vector, for a single all-reduce."""
+        return torch.stack([getattr(self, f.name).double().reshape(()) for f in fields(self)])
+
+    @classmethod
+    def from_vector(cls, vector: torch.Tensor) -> LossStats:
+        return cls(*vector.unbind(0))
+
+    @classmethod
+    def zeros(cls, device: torch.device | str = "cpu") -> LossStats:
+        """All sums zero (fp64), e.g. to start an accumulation."""
+        return cls.from_vector(torch.zeros(len(fields(cls)), dtype=torch.float64, device=device))
+
+    def means(self) -> dict[str, float]:
+        """Per-token means of every statistic (0 when there are no tokens)."""
+        count = max(float(self.num_tokens), 1.0)
+        return {f.name: float(getattr(self, f.name)) / count for f in fields(self) if f.name != "num_tokens"}
+
+
+def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, algo: AlgorithmConfig):
+    """Per-token loss with its clip branches: (loss, ratio, clipped, dual_clipped), all in logp's dtype."""
+    ratio = torch.exp(torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * torch.clamp(ratio, 1.0 - algo.clip_low, 1.0 + algo.clip_high)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    dual_clipped = torch.zeros_like(clipped)
+    if algo.clip_ratio_c is not None:
+        loss_dual = -adv * algo.clip_ratio_c
+        dual_clipped = (adv < 0) & (per_token > loss_dual)
+        per_token = torch.where(dual_clipped, loss_dual, per_token)
+    return per_token, ratio, clipped, dual_clipped
+
+
+def token_loss(
+    logp: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    algo: AlgorithmConfig,
+    *,
+    normalizer: torch.Tensor | float | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """Scalar DAPO loss from per-token log-probs (differentiable in `logp`) and detached token sums.
+
+    All inputs are per token [N]. `normalizer` is the global number of valid tokens of the mini-batch
+    (all micro-batches, all ranks); None uses this call's own count. `entropy` only feeds the
+    statistics (DAPO has no entropy bonus). A fully masked input gives loss 0 and zero gradient, never NaN.
+    Computes in fp32, or fp64 for fp64 log-probs.
+    """
+    dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    logp = logp.to(dtype)
+    old, adv, valid = old_logprobs.to(dtype), advantages.to(dtype), mask.to(dtype)
+    per_token, ratio, clipped, dual_clipped = clipped_surrogate(logp, old, adv, algo)
+    if normalizer is None:
+        normalizer = valid.sum()
+    normalizer = torch.as_tensor(normalizer, dtype=dtype, device=logp.device).clamp_min(1.0)
+    # where(), not multiply: a masked token's value must not leak a NaN/inf into the sum or gradient.
+    loss = torch.where(valid > 0, per_token, torch.zeros_like(per_token)).sum() / normalizer
+
+    with torch.no_grad():
+        new = logp.detach()
+        stats = LossStats(
+            num_tokens=valid.sum(),
+            pg_clipfrac=((clipped | dual_clipped).to(dtype) * valid).sum(),
+            pg_clipfrac_lower=(dual_clipped.to(dtype) * valid).sum(),
+            ppo_kl=((old - new) * valid).sum(),
+            entropy=(entropy.detach().to(dtype) * valid).sum() if entropy is not None else valid.new_zeros(()),
+            token_prob=(new.exp() * valid).sum(),
+            ratio=(ratio.detach() * valid).sum(),
+        )
+    return loss, stats

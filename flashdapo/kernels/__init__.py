@@ -1,6 +1,9 @@
-"""Fused LM head -> per-token log-prob / entropy -> DAPO loss, without `[tokens, vocab]` logits.
+"""LM head -> per-token log-prob / entropy, without `[tokens, vocab]` logits.
 
-A leaf package: it imports nothing else from flashdapo. Three implementations share one contract:
+A leaf package: it imports nothing else from flashdapo, and knows no loss. A loss (the DAPO token
+loss of `flashdapo.algorithm`) is composed on the returned log-probs; its gradient reaches the
+kernels' backward as a per-token upstream gradient, and rows where that gradient is exactly zero
+(masked and clipped tokens) are skipped there. Three implementations share one contract:
 
 - `naive`:  materialized fp32 logits (the reference and the benchmark baseline);
 - `torch`:  chunked over tokens/vocab with a custom autograd.Function that saves per-token statistics
@@ -16,13 +19,12 @@ from typing import Literal
 
 import torch
 
-from .loss import LossStats, dapo_token_loss
 from .naive import naive_token_logprobs
 
 Impl = Literal["auto", "naive", "torch", "triton"]
 IMPLS: tuple[str, ...] = ("auto", "naive", "torch", "triton")
 
-__all__ = ["IMPLS", "Impl", "LossStats", "dapo_loss", "dapo_token_loss", "resolve_impl", "token_logprobs"]
+__all__ = ["IMPLS", "Impl", "resolve_impl", "token_logprobs"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -76,37 +78,3 @@ def token_logprobs(
     logp, entropy = _logprobs(hidden, weight, targets, temperature, with_entropy, impl)
     return (logp, entropy) if with_entropy else logp
 
-
-def dapo_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_ratio_c: float | None = 10.0,
-    temperature: float = 1.0,
-    normalizer: torch.Tensor | float | None = None,
-    impl: str = "auto",
-) -> tuple[torch.Tensor, LossStats]:
-    """DAPO's token-level clipped surrogate over packed tokens, and detached statistics.
-
-    Returns sum over valid tokens of the per-token loss divided by `normalizer` (the global valid-token
-    count of the mini-batch; None uses this call's own count). The entropy statistic is computed in the
-    same pass but carries no gradient (DAPO uses no entropy bonus).
-    """
-    logp, entropy = _logprobs(hidden, weight, targets, temperature, True, impl)
-    return dapo_token_loss(
-        logp,
-        old_logprobs,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        clip_ratio_c=clip_ratio_c,
-        normalizer=normalizer,
-        entropy=entropy.detach(),
-    )

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..algorithm import group_advantages
+from ..algorithm import group_advantages, response_loss_mask
 from ..evaluate import evaluate
 from ..rollout.vllm_engine import should_check_logprobs, warn_logprob_mismatch
 from .batch import TrainBatch
@@ -76,8 +76,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         rollout_check = logprob_agreement(run, step, batch)
         with timer("adv"):
             batch.advantages = group_advantages(batch.scores, batch.group_ids, cfg.algorithm.advantage_eps)
-            keep = ~batch.truncated if cfg.algorithm.overlong_filter else torch.ones(len(batch.responses), dtype=torch.bool)
-            batch.loss_mask = keep
+            batch.loss_mask = response_loss_mask(batch.truncated, cfg.algorithm)
         lr = run.scheduler.get_last_lr()[0]
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)

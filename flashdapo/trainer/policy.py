@@ -1,5 +1,6 @@
-"""The policy: an HF causal LM run to its final hidden states, with log-probs and the DAPO loss taken
-through `flashdapo.kernels` from the LM-head weight (never through the model's `[tokens, vocab]` logits).
+"""The policy: an HF causal LM run to its final hidden states, with per-token log-probs and entropies
+taken through `flashdapo.kernels` from the LM-head weight (never through the model's `[tokens, vocab]`
+logits). The loss is composed on those log-probs by the update (`flashdapo.algorithm.token_loss`).
 
 `PolicyModel` is the FSDP2 root. All training computation happens inside its `forward`, so FSDP2's
 hooks gather the root-level parameters (embeddings, final norm, LM head) around it and reduce their
@@ -25,7 +26,7 @@ from torch.distributed.fsdp import (
 )
 
 from ..config import ModelConfig, TrainerConfig
-from ..kernels import dapo_loss, token_logprobs
+from ..kernels import token_logprobs
 from .distributed import DistEnv
 
 
@@ -50,19 +51,6 @@ class TokenBatch:
     """[N] the response tokens predicted at `predict_index`."""
     token_counts: list[int]
     """Response tokens of each sequence, in order (to split per-token outputs back)."""
-
-
-@dataclass
-class LossInputs:
-    """Per response token of a TokenBatch: what the DAPO loss needs besides the log-probs."""
-
-    old_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    normalizer: torch.Tensor
-    clip_low: float
-    clip_high: float
-    clip_ratio_c: float | None
 
 
 def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], device: torch.device,
@@ -99,7 +87,7 @@ def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor],
 
 
 class PolicyModel(nn.Module):
-    """The HF causal LM plus the fused log-prob / loss head. The FSDP2 root."""
+    """The HF causal LM plus the fused log-prob head. The FSDP2 root."""
 
     def __init__(self, hf_model: nn.Module, attn_implementation: str, kernel_impl: str, temperature: float):
         super().__init__()
@@ -121,9 +109,8 @@ class PolicyModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.hf.get_output_embeddings().weight
 
-    def forward(self, batch: TokenBatch | None = None, loss_inputs: LossInputs | None = None,
-                with_entropy: bool = False, cache=None, **hf_kwargs):
-        """Training: per-token (logp, entropy) of `batch`, or (loss, LossStats) given `loss_inputs`.
+    def forward(self, batch: TokenBatch | None = None, with_entropy: bool = False, cache=None, **hf_kwargs):
+        """Training: per-token (logp, entropy or None) of `batch`, fp32, differentiable in the weights.
         Sampling: with HF keyword arguments and no batch, the HF model's own forward (`cache` is the KV
         cache, passed under the name this transformers version uses)."""
         if batch is None:
@@ -131,16 +118,9 @@ class PolicyModel(nn.Module):
                 hf_kwargs[self._cache_arg] = cache
             return self.hf(**hf_kwargs)
         hidden = self._hidden_states(batch)
-        weight = self.lm_head_weight()
-        if loss_inputs is None:
-            return token_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
-                                  with_entropy=True, impl=self.kernel_impl) if with_entropy else (
-                token_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
-                               impl=self.kernel_impl), None)
-        li = loss_inputs
-        return dapo_loss(hidden, weight, batch.targets, li.old_logprobs, li.advantages, li.mask,
-                         clip_low=li.clip_low, clip_high=li.clip_high, clip_ratio_c=li.clip_ratio_c,
-                         temperature=self.temperature, normalizer=li.normalizer, impl=self.kernel_impl)
+        out = token_logprobs(hidden, self.lm_head_weight(), batch.targets, temperature=self.temperature,
+                             with_entropy=with_entropy, impl=self.kernel_impl)
+        return out if with_entropy else (out, None)
 
     @property
     def packed_layout(self) -> bool:
@@ -188,5 +168,5 @@ def per_token_split(values: torch.Tensor, batch: TokenBatch) -> list[torch.Tenso
     return list(torch.split(values, batch.token_counts))
 
 
-__all__ = ["LossInputs", "PolicyModel", "TokenBatch", "make_token_batch", "parallelize",
+__all__ = ["PolicyModel", "TokenBatch", "make_token_batch", "parallelize",
            "per_token_split"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..algorithm import informative_groups, overlong_penalty
+from ..algorithm import informative_groups, shaped_scores
 from ..config import Config
 from ..data import Prompt, PromptSampler
 from ..reward import Verifier
@@ -54,12 +54,9 @@ def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier:
     texts = tokenizer.batch_decode([r.tolist() for r in rollouts.response_ids], skip_special_tokens=True)
     truths = [prompts[int(g)].ground_truth for g in rollouts.group_ids]
     verdicts = [verifier(text, truth) for text, truth in zip(texts, truths)]
-    scores = torch.tensor([v.score for v in verdicts], dtype=torch.float32)
     acc = torch.tensor([v.acc for v in verdicts], dtype=torch.bool)
-    algo = cfg.algorithm
-    if algo.overlong_buffer:
-        scores = scores + overlong_penalty(rollouts.response_lengths, cfg.rollout.max_response_length,
-                                           algo.overlong_buffer_len, algo.overlong_penalty_factor)
+    scores = shaped_scores(torch.tensor([v.score for v in verdicts]), rollouts.response_lengths,
+                           cfg.rollout.max_response_length, cfg.algorithm)
     groups = []
     for p in range(len(prompts)):
         idx = (rollouts.group_ids == p).nonzero().flatten().tolist()

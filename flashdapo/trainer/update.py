@@ -12,12 +12,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..algorithm import global_token_count
+from ..algorithm import LossStats, global_token_count, token_loss
 from ..config import Config
-from ..kernels import LossStats
 from .batch import TrainBatch, mini_batch_slices, plan_micro_batches
 from .distributed import DistEnv, all_reduce
-from .policy import LossInputs, PolicyModel, per_token_split
+from .policy import PolicyModel, per_token_split
 
 
 def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int,
@@ -75,7 +74,6 @@ def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: T
 
 
 def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Config, env: DistEnv, pad_id: int):
-    algo = cfg.algorithm
     prompts, responses = batch.prompts[rows], batch.responses[rows]
     old = batch.old_logprobs[rows]
     advantages = batch.advantages[rows]
@@ -98,9 +96,9 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
         else:
             old_t, adv_t, mask_t = (torch.zeros(1, device=env.device), torch.zeros(1, device=env.device),
                                     torch.zeros(1, dtype=torch.bool, device=env.device))
-        inputs = LossInputs(old_t, adv_t.float(), mask_t, normalizer.to(env.device), algo.clip_low, algo.clip_high,
-                            algo.clip_ratio_c)
-        loss, micro_stats = policy(packed, loss_inputs=inputs)
+        logp, entropy = policy(packed, with_entropy=True)
+        loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm,
+                                       normalizer=normalizer.to(env.device), entropy=entropy.detach())
         loss.backward()
         totals += torch.cat([loss.detach().double().reshape(1), micro_stats.as_vector()])
     grad_norm = _clip_grad_norm(policy, cfg.optim.grad_clip)

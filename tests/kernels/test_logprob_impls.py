@@ -18,7 +18,9 @@ from kernel_accuracy import check as _check
 from kernel_accuracy import logprobs as _logprobs
 from kernel_accuracy import run as _run
 
-from flashdapo.kernels import dapo_loss
+from flashdapo.algorithm import token_loss
+from flashdapo.config import AlgorithmConfig
+from flashdapo.kernels import token_logprobs
 from flashdapo.kernels.naive import naive_token_logprobs
 
 ON_CUDA = torch.cuda.is_available()
@@ -108,7 +110,15 @@ def test_zero_weight(impl, seed):
     _check(impl, h, w, y, 0.7, g, ge)
 
 
-# 5: DAPO branches through dapo_loss.
+# 5: DAPO branches through the kernels' boundary: log-probs from `impl`, the loss composed on them.
+def dapo_loss(h, w, y, old, adv, mask, *, impl, clip_low=0.2, clip_high=0.28, clip_ratio_c=10.0, temperature=1.0,
+              normalizer=None):
+    """The trainer's composition: per-token log-probs and entropy from `impl`, then the DAPO token loss."""
+    logp, entropy = token_logprobs(h, w, y, temperature=temperature, with_entropy=True, impl=impl)
+    algo = AlgorithmConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c)
+    return token_loss(logp, old, adv, mask, algo, normalizer=normalizer, entropy=entropy.detach())
+
+
 def _dapo_inputs(impl, n, hdim, vocab, clip_low, clip_high, c):
     h, w, y = _inputs(impl, n, hdim, vocab)
     logp = naive_token_logprobs(h.double().cpu(), w.double().cpu(), y.cpu())[0]
