@@ -8,10 +8,14 @@ same number of micro-batches (agreed by an all-reduce), because each FSDP2 forwa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ..algorithm import group_advantages, response_loss_mask
+from ..config import AlgorithmConfig
 from .distributed import all_reduce
 
 
@@ -37,38 +41,54 @@ class Group:
         return len(self.responses)
 
 
-@dataclass
-class TrainBatch:
-    """This rank's groups of the step, flattened per response, with what the update needs."""
+def flat_prompts(groups: Sequence[Group]) -> list[torch.Tensor]:
+    """The prompt of every response, in order (a group's prompt repeated once per response)."""
+    return [g.prompt for g in groups for _ in g.responses]
 
-    groups: list[Group]
-    advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    """[B] one advantage per response (broadcast to its tokens)."""
-    old_logprobs: list[torch.Tensor] | None = None
+
+def flat_responses(groups: Sequence[Group]) -> list[torch.Tensor]:
+    """Every response of `groups`, in order."""
+    return [r for g in groups for r in g.responses]
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """This rank's groups of the step with every per-response field the update reads.
+
+    Built once, by `build_train_batch`, after the old log-probs are known; never changed afterwards.
+    """
+
+    groups: tuple[Group, ...]
+    mini_batches: tuple[slice, ...]
+    """Contiguous runs of `groups`, one per optimizer step (as laid out by `mini_batch_layout`)."""
+    old_logprobs: tuple[torch.Tensor, ...]
     """Per response: log-probs of the response tokens under the policy before the update."""
-    loss_mask: torch.Tensor | None = None
-    """[B] 1 if the response's tokens enter the loss (0: overlong-filtered)."""
+    advantages: torch.Tensor
+    """[B] one advantage per response (broadcast to its tokens)."""
+    loss_mask: torch.Tensor
+    """[B] bool: the response's tokens enter the loss (False: overlong-filtered)."""
+
+    def __post_init__(self) -> None:
+        sizes = [len(r) for r in self.responses]
+        if [len(t) for t in self.old_logprobs] != sizes:
+            raise ValueError(f"old_logprobs must hold one tensor per response of the same length ({len(sizes)} "
+                             f"responses), got lengths {[len(t) for t in self.old_logprobs]}")
+        for name in ("advantages", "loss_mask"):
+            if tuple(getattr(self, name).shape) != (len(sizes),):
+                raise ValueError(f"{name} must be [{len(sizes)}] (one per response), got "
+                                 f"{tuple(getattr(self, name).shape)}")
 
     @property
     def prompts(self) -> list[torch.Tensor]:
-        return [g.prompt for g in self.groups for _ in g.responses]
+        return flat_prompts(self.groups)
 
     @property
     def responses(self) -> list[torch.Tensor]:
-        return [r for g in self.groups for r in g.responses]
-
-    @property
-    def group_ids(self) -> torch.Tensor:
-        return torch.cat([torch.full((g.size,), i, dtype=torch.long) for i, g in enumerate(self.groups)]) \
-            if self.groups else torch.zeros(0, dtype=torch.long)
+        return flat_responses(self.groups)
 
     @property
     def scores(self) -> torch.Tensor:
         return _cat([g.scores.float() for g in self.groups], torch.float32)
-
-    @property
-    def acc(self) -> torch.Tensor:
-        return _cat([g.acc for g in self.groups], torch.bool)
 
     @property
     def truncated(self) -> torch.Tensor:
@@ -78,7 +98,7 @@ class TrainBatch:
         return torch.tensor([len(r) for r in self.responses], dtype=torch.long)
 
     def prompt_lengths_tensor(self) -> torch.Tensor:
-        return torch.tensor([len(g.prompt) for g in self.groups for _ in g.responses], dtype=torch.long)
+        return torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
 
     def response_slices(self, group_slice: slice) -> slice:
         """Response-index range covered by a contiguous range of groups."""
@@ -87,33 +107,45 @@ class TrainBatch:
         return slice(start, start + sum(sizes[group_slice]))
 
 
+def build_train_batch(mini_batches: Sequence[Sequence[Group]], old_logprobs: Sequence[torch.Tensor],
+                      algo: AlgorithmConfig) -> TrainBatch:
+    """The step's TrainBatch from this rank's groups per mini-batch and their old log-probs (in the same
+    order): advantages and the loss mask computed here, by `flashdapo.algorithm`, once."""
+    groups = tuple(g for part in mini_batches for g in part)
+    bounds = list(itertools.accumulate((len(part) for part in mini_batches), initial=0))
+    group_ids = _cat([torch.full((g.size,), i, dtype=torch.long) for i, g in enumerate(groups)], torch.long)
+    scores = _cat([g.scores.float() for g in groups], torch.float32)
+    truncated = _cat([g.truncated for g in groups], torch.bool)
+    return TrainBatch(
+        groups=groups,
+        mini_batches=tuple(slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])),
+        old_logprobs=tuple(old_logprobs),
+        advantages=group_advantages(scores, group_ids, algo.advantage_eps),
+        loss_mask=response_loss_mask(truncated, algo),
+    )
+
+
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
-def mini_batch_slices(num_groups: int, num_mini_batches: int) -> list[slice]:
-    """Split this rank's groups into contiguous mini-batches of whole groups, as equal as possible (they
-    are equal unless dynamic sampling came back short and trained on what it found)."""
-    count = max(1, min(num_mini_batches, num_groups))
-    bounds = [round(i * num_groups / count) for i in range(count + 1)]
-    return [slice(bounds[i], bounds[i + 1]) for i in range(count)]
+def mini_batch_layout(num_groups: int, num_mini_batches: int, world_size: int, rank: int) -> list[list[int]]:
+    """Which of the step's `num_groups` globally ordered groups rank `rank` trains on, per mini-batch.
 
-
-def rank_share(num_groups: int, num_mini_batches: int, world_size: int, rank: int) -> list[int]:
-    """Which of the step's globally ordered groups rank `rank` trains on.
-
-    Global mini-batch k is a contiguous run of groups (as it would be on one rank); each rank takes its
-    contiguous part of every mini-batch. So rank r's local mini-batch k, cut by `mini_batch_slices`, holds
-    exactly its part of global mini-batch k, and N ranks reproduce one rank's optimizer steps.
-    `num_groups` must be a multiple of the world size.
+    The one place the mini-batch layout is decided. Global mini-batch k is a contiguous run of groups
+    (as it would be on one rank), cut as equally as possible (equal unless dynamic sampling came back
+    short); each rank takes its contiguous part of every mini-batch. So N ranks take the optimizer
+    steps that one rank would. `num_groups` must be a multiple of the world size.
     """
     per_rank = num_groups // world_size
-    indices, offset = [], 0
-    for part in mini_batch_slices(per_rank, num_mini_batches):
-        size = part.stop - part.start
-        indices += range(offset + rank * size, offset + (rank + 1) * size)
+    count = max(1, min(num_mini_batches, per_rank))
+    bounds = [round(i * per_rank / count) for i in range(count + 1)]
+    layout, offset = [], 0
+    for k in range(count):
+        size = bounds[k + 1] - bounds[k]
+        layout.append(list(range(offset + rank * size, offset + (rank + 1) * size)))
         offset += size * world_size
-    return indices
+    return layout
 
 
 def plan_micro_batches(token_counts: list[int], budget: int, padded: bool = False) -> list[list[int]]:

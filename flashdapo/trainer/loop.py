@@ -5,7 +5,7 @@ One step (docs/architecture.md), each stage timed:
     gen + reward   roll out gen_batch prompts x n, verify, add the overlong penalty   (sampling.py)
     filter         dynamic sampling: refill until train_batch informative groups     (sampling.py)
     old_log_prob   log-probs of the kept responses under the policy before updating (update.py)
-    adv            group advantages; overlong filtering of the loss mask             (algorithm.py)
+    adv            the TrainBatch, built once: advantages, overlong loss mask        (batch.py)
     update_actor   mini-batches x micro-batches, global token-mean, clip, AdamW      (update.py)
     weight_sync    push the new weights into the rollout engine                      (vLLM only)
 
@@ -18,10 +18,9 @@ import time
 
 import torch
 
-from ..algorithm import group_advantages, response_loss_mask
 from ..evaluate import evaluate
 from ..rollout.vllm_engine import should_check_logprobs, warn_logprob_mismatch
-from .batch import TrainBatch
+from .batch import TrainBatch, build_train_batch
 from .checkpoint import export_hf, save_checkpoint
 from .distributed import all_gather_objects, all_reduce, shutdown
 from .metrics import StageTimer, describe, plot_dynamics
@@ -70,13 +69,11 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         run.engine_wake(timer)
         collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer)
         run.engine_sleep()
-        batch = TrainBatch(collected.groups)
         with timer("old_log_prob"):
-            batch.old_logprobs = compute_old_logprobs(run.policy, batch, cfg, run.pad_id, env.device)
-        rollout_check = logprob_agreement(run, step, batch)
+            old_logprobs = compute_old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
-            batch.advantages = group_advantages(batch.scores, batch.group_ids, cfg.algorithm.advantage_eps)
-            batch.loss_mask = response_loss_mask(batch.truncated, cfg.algorithm)
+            batch = build_train_batch(collected.mini_batches, old_logprobs, cfg.algorithm)
+        rollout_check = logprob_agreement(run, step, batch)
         lr = run.scheduler.get_last_lr()[0]
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)

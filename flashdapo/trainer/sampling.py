@@ -21,7 +21,7 @@ from ..config import Config
 from ..data import Prompt, PromptSampler
 from ..reward import Verifier
 from ..rollout import RolloutEngine, Rollouts, SamplingParams
-from .batch import Group, rank_share
+from .batch import Group, mini_batch_layout
 from .distributed import DistEnv, all_gather_objects, all_reduce
 from .metrics import StageTimer
 
@@ -32,9 +32,10 @@ class DynamicSamplingError(RuntimeError):
 
 @dataclass
 class Collected:
-    """This rank's share of the step's kept groups, and what the search cost (global figures)."""
+    """This rank's share of the step's kept groups, per mini-batch, and what the search cost (global figures)."""
 
-    groups: list[Group]
+    mini_batches: list[list[Group]]
+    """This rank's groups of each mini-batch (the layout of `mini_batch_layout`)."""
     num_gen_batches: int
     groups_generated: int
     groups_informative: int
@@ -42,6 +43,11 @@ class Collected:
     gen_score: float
     gen_truncated: float
     """Fraction of all generated responses that hit the max length."""
+
+    @property
+    def groups(self) -> list[Group]:
+        """This rank's kept groups, mini-batch after mini-batch."""
+        return [g for part in self.mini_batches for g in part]
 
 
 def rollout_seed(seed: int, step: int, round_index: int) -> int:
@@ -113,7 +119,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
     return Collected(
-        groups=_deal_out(kept_per_round, tc.train_batch, tc.train_batch // tc.mini_batch, env),
+        mini_batches=_deal_out(kept_per_round, tc.train_batch, tc.train_batch // tc.mini_batch, env),
         num_gen_batches=rounds,
         groups_generated=rounds * tc.gen_batch,
         groups_informative=total_kept,
@@ -124,10 +130,11 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
 
 
 def _deal_out(kept_per_round: list[list[Group]], train_batch: int, num_mini_batches: int,
-              env: DistEnv) -> list[Group]:
+              env: DistEnv) -> list[list[Group]]:
     """Order kept groups by (round, rank, position), keep the first train_batch (or, when short, the
     largest multiple of the world size), and give each rank its part of every global mini-batch."""
     everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
     ordered = [g for r in range(len(kept_per_round)) for rank_rounds in everyone for g in rank_rounds[r]]
     usable = min(len(ordered), train_batch) // env.world_size * env.world_size
-    return [ordered[i] for i in rank_share(usable, num_mini_batches, env.world_size, env.rank)]
+    return [[ordered[i] for i in part] for part in mini_batch_layout(usable, num_mini_batches, env.world_size,
+                                                                     env.rank)]

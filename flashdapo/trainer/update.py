@@ -14,7 +14,7 @@ import torch
 
 from ..algorithm import LossStats, global_token_count, token_loss
 from ..config import Config
-from .batch import TrainBatch, mini_batch_slices, plan_micro_batches
+from .batch import Group, TrainBatch, flat_prompts, flat_responses, plan_micro_batches
 from .distributed import DistEnv, all_reduce
 from .policy import PolicyModel, per_token_split
 
@@ -32,12 +32,14 @@ def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], b
 
 
 @torch.no_grad()
-def compute_old_logprobs(policy: PolicyModel, batch: TrainBatch, cfg: Config, pad_id: int,
+def compute_old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, pad_id: int,
                          device: torch.device) -> list[torch.Tensor]:
-    """log pi_old(y_t) of every response token, recomputed by the policy before the update (fp32, CPU)."""
-    out: list[torch.Tensor | None] = [None] * len(batch.responses)
-    for indices, prompts, responses in _micro_batches(batch.prompts, batch.responses, cfg.trainer.micro_batch_tokens,
-                                                      pad_id, not policy.packed_layout):
+    """log pi_old(y_t) of every response token of `groups` (in order), recomputed by the policy before the
+    update (fp32, CPU)."""
+    all_responses = flat_responses(groups)
+    out: list[torch.Tensor | None] = [None] * len(all_responses)
+    for indices, prompts, responses in _micro_batches(flat_prompts(groups), all_responses,
+                                                      cfg.trainer.micro_batch_tokens, pad_id, not policy.packed_layout):
         packed = policy.token_batch(prompts, responses, device)
         logp, _ = policy(packed)
         if indices:
@@ -61,10 +63,9 @@ class UpdateResult:
 def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg: Config,
                  env: DistEnv, pad_id: int) -> UpdateResult:
     """ppo_epochs x mini-batches optimizer steps over this rank's share of the batch."""
-    num_mini = cfg.trainer.train_batch // cfg.trainer.mini_batch
     result = UpdateResult([], [], LossStats.zeros())
     for _ in range(cfg.trainer.ppo_epochs):
-        for groups in mini_batch_slices(len(batch.groups), num_mini):
+        for groups in batch.mini_batches:
             loss, grad_norm, stats = _mini_batch_step(policy, optimizer, batch, batch.response_slices(groups),
                                                       cfg, env, pad_id)
             result.pg_losses.append(loss)

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from flashdapo.algorithm import group_advantages
 from flashdapo.config import merge, toy
 from flashdapo.toy import build_toy_model
-from flashdapo.trainer.batch import Group, TrainBatch, rank_share
+from flashdapo.trainer.batch import Group, build_train_batch, mini_batch_layout
 from flashdapo.trainer.distributed import init_distributed, shutdown
 from flashdapo.trainer.policy import PolicyModel, parallelize
 from flashdapo.trainer.update import compute_old_logprobs, update_actor
@@ -47,11 +46,10 @@ for _ in range(GROUPS):
                         torch.zeros(N, dtype=torch.bool)))
 optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
 initial = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
-mine = rank_share(GROUPS, cfg.trainer.train_batch // cfg.trainer.mini_batch, env.world_size, env.rank)
-batch = TrainBatch([groups[i] for i in mine])
-batch.old_logprobs = compute_old_logprobs(policy, batch, cfg, pad_id=0, device=env.device)
-batch.advantages = group_advantages(batch.scores, batch.group_ids)
-batch.loss_mask = torch.ones(len(batch.responses), dtype=torch.bool)
+layout = mini_batch_layout(GROUPS, cfg.trainer.train_batch // cfg.trainer.mini_batch, env.world_size, env.rank)
+mine = [[groups[i] for i in part] for part in layout]
+old_logprobs = compute_old_logprobs(policy, [g for part in mine for g in part], cfg, pad_id=0, device=env.device)
+batch = build_train_batch(mine, old_logprobs, cfg.algorithm)
 result = update_actor(policy, optimizer, batch, cfg, env, pad_id=0)
 params = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
 if env.is_main:
