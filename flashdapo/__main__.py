@@ -21,7 +21,7 @@ USAGE = """usage: flashdapo {train,config,eval} [options]
 
   train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
   config   print the resolved config (YAML; reusable with --config)
-  eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [--k 32] [--config FILE]
+  eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32] [--config FILE]
 
 presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field."
 

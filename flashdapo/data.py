@@ -47,7 +47,7 @@ class Record:
     source: str
     """'file:row' (0-based row), for error messages and debugging."""
     data_source: str = ""
-    """The row's `data_source` column (e.g. 'math_dapo'), '' when absent."""
+    """The row's `data_source` column (e.g. 'math_dapo'); the file's name without extension when absent."""
 
 
 @dataclass
@@ -175,7 +175,10 @@ def read_records(path: str | Path) -> list[Record]:
         raise DataError(f"{path}: unknown extension {path.suffix!r}; expected .parquet or .jsonl")
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    return _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
+    records = _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
+    for record in records:  # evaluation reports per data source: rows without one are named by their file
+        record.data_source = record.data_source or path.stem
+    return records
 
 
 # ---------------------------------------------------------------------------------------------------

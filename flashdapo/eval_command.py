@@ -1,24 +1,33 @@
-"""`flashdapo eval`: evaluate a saved model (HF directory) on a parquet/jsonl file, as DAPO reports it.
+"""`flashdapo eval`: evaluate a saved model (HF directory) on parquet/jsonl files, as DAPO reports it.
 
 Its options are fields of the config tree: each takes its type, checks, help and default from the field
 it stands for (`--k` is `rollout.val_n`), starting from the tree's defaults (the paper's evaluation
 settings), or from `--preset NAME` / `--config FILE` (e.g. a run's config.yaml). Every option is
 checked before the model is loaded.
+
+Under torchrun every rank loads the whole model (torch engine: a plain replica per device, no
+collectives inside generate) or its tensor-parallel part (vLLM, `--tensor-parallel-size`), samples its
+share of the prompts (evaluate.py), and rank 0 gathers the results, appends them to OUT/samples.jsonl,
+writes OUT/metrics.json (eval_store.py) and prints a table per data source. A plain `flashdapo eval`
+is the same with one rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 
-from .config import Config, ConfigError, starting_point
-from .config.checks import Check, Rule, Section, field_docs, field_path, field_spec, register_tree
-from .evaluate import EvalResult, evaluate
+from .config import Config, ConfigError, DataConfig, RolloutConfig, starting_point
+from .config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
+from .data import load_prompts
+from .eval_results import EvalReport, format_report
+from .evaluate import EvalSampling, Shard, evaluate_to_dir
+from .tokenizer import eos_token_ids, load_tokenizer
+from .trainer.distributed import DistEnv, init_distributed, shutdown
 
 OPTIONS = {
     "k": "rollout.val_n",
@@ -30,12 +39,18 @@ OPTIONS = {
     "verifier": "algorithm.verifier",
     "device": "trainer.device",
     "seed": "trainer.seed",
+    "engine": "rollout.engine",
+    "tensor_parallel_size": "rollout.tensor_parallel_size",
 }
 """Each option of `flashdapo eval` and the config field it stands for."""
 
 
-def _is_file(path: str) -> bool:
-    return path.endswith((".parquet", ".jsonl")) and Path(path).is_file()
+VLLM_PROMPTS_PER_CALL = 64
+"""Prompts per rank per vLLM generate call when --prompts-per-call is 0 (vLLM batches them together)."""
+
+
+def _are_files(paths: list[str]) -> bool:
+    return bool(paths) and all(p.endswith((".parquet", ".jsonl")) and Path(p).is_file() for p in paths)
 
 
 def eval_args_class(base: Config) -> type:
@@ -46,8 +61,16 @@ def eval_args_class(base: Config) -> type:
     fields: list[tuple[str, Any, Any]] = [
         ("model", Annotated[str, Check(lambda p: Path(p).is_dir(), "an existing directory"),
                             tyro.conf.arg(help="Local HF model directory (e.g. a run's export/ folder).")], ...),
-        ("data", Annotated[str, Check(_is_file, "an existing .parquet or .jsonl file"),
-                           tyro.conf.arg(help="Evaluation file, e.g. aime-2024.parquet.")], ...),
+        ("data", Annotated[list[str], Check(_are_files, "one or more existing .parquet or .jsonl files"),
+                           tyro.conf.arg(help="Evaluation files, e.g. aime-2024.parquet math500.parquet; metrics "
+                                              "are reported per data source (the data_source column, else the "
+                                              "file name) and pooled.")], ...),
+        ("out", Annotated[str, tyro.conf.arg(help="Output directory: samples.jsonl (appended per prompt; a rerun "
+                                                  "with the same OUT resumes) and metrics.json.")], ...),
+        ("prompts_per_call", Annotated[int, ge(0), tyro.conf.arg(
+            help="Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
+                 f"only on the seed and the prompt), {VLLM_PROMPTS_PER_CALL} with vllm.")], 0),
+        ("progress", Annotated[bool, tyro.conf.arg(help="Show prompts done / total, tokens/s and the ETA.")], True),
     ]
     for name, path in OPTIONS.items():
         section_path, _, leaf = path.rpartition(".")
@@ -56,7 +79,8 @@ def eval_args_class(base: Config) -> type:
         help_text = " ".join(field_docs(type(section))[leaf].split()) + f" (config field {path})"
         fields.append((name, Annotated[(tp, *checks, tyro.conf.arg(help=help_text))],
                        dataclasses.field(default=getattr(section, leaf))))
-    fields = [(n, t) if d is ... else (n, t, d) for n, t, d in fields]
+    fields = [(n, t) if d is ... else (n, t, dataclasses.field(default=d) if not isinstance(d, dataclasses.Field)
+              else d) for n, t, d in fields]
     cls = dataclasses.make_dataclass("EvalArgs", fields, bases=(Section,))
     cls.__doc__ = "Evaluate a saved model (HF directory) on a parquet/jsonl in the DAPO / AIME-2024 schema."
     cls.RULES = (Rule("device", lambda a: a.device != "cuda" or torch.cuda.is_available(),
@@ -65,50 +89,79 @@ def eval_args_class(base: Config) -> type:
     return cls
 
 
-def eval_main(argv: list[str]) -> EvalResult:
-    """`flashdapo eval`: check the options, load, sample, score, print a table."""
+def eval_main(argv: list[str]) -> EvalReport:
+    """`flashdapo eval`: check the options, then evaluate (`run_eval`)."""
     import tyro
-    from transformers import AutoModelForCausalLM
-
-    from .config import DataConfig
-    from .data import load_prompts
-    from .reward import get_verifier
-    from .rollout.torch_engine import TorchEngine
-    from .tokenizer import eos_token_ids, load_tokenizer
 
     base, rest, start = starting_point(argv, None)
     cls = eval_args_class(base)
     args = tyro.cli(cls, args=rest, prog="flashdapo eval",
                     description=f"{cls.__doc__}\n\nDefaults: {start} (--preset NAME, --config FILE).")
     try:
-        verifier = get_verifier(args.verifier)
+        from .reward import get_verifier
+
+        get_verifier(args.verifier)
     except ImportError as err:
         raise ConfigError(f"{field_path(cls, 'verifier')}: {err}") from err
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    tokenizer = load_tokenizer(args.model)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-    dataset = load_prompts([args.data], tokenizer, DataConfig(max_prompt_length=args.max_prompt_length,
-                                                              dedup=True))
-    print(f"flashdapo eval: {dataset.report.summary()}")
-    engine = TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, device, max_batch=args.batch_size)
-    start_time = time.perf_counter()
-    result = evaluate(engine, dataset.prompts, tokenizer, verifier, args.k, args.temperature,
-                      args.top_p, args.max_new_tokens, args.seed)
-    print(format_table(Path(args.data).name, len(dataset), result, time.perf_counter() - start_time))
-    return result
+    return run_eval(args)
 
 
-def format_table(name: str, num_prompts: int, result: EvalResult, seconds: float) -> str:
-    """A Markdown table of the eval metrics."""
-    m = result.metrics("eval")
-    rows = [("data", name), ("prompts", str(num_prompts)), ("k", str(result.k)),
-            (f"mean@{result.k}", f"{m['eval/acc/mean@k']:.4f}"), (f"pass@{result.k}", f"{m['eval/acc/pass@k']:.4f}"),
-            (f"maj@{result.k}", f"{m['eval/acc/maj@k']:.4f}"),
-            ("mean response length", f"{m['eval/response_length/mean']:.1f}"),
-            ("truncated fraction", f"{m['eval/response_length/clip_ratio']:.4f}"), ("wall time (s)", f"{seconds:.1f}")]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
-    return "\n".join(lines)
+def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
+    """The rollout engine `args.engine` names, holding the model at `args.model` on this rank."""
+    if args.engine == "vllm":
+        from .rollout.vllm_engine import VLLMEngine
+
+        rollout = RolloutConfig(engine="vllm", tensor_parallel_size=args.tensor_parallel_size)
+        return VLLMEngine(rollout, args.model, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                          dtype="bfloat16", max_model_len=args.max_prompt_length + args.max_new_tokens,
+                          seed=args.seed, dummy_weights=False, vllm_module=vllm_module)
+    from transformers import AutoModelForCausalLM
+
+    from .rollout.torch_engine import TorchEngine
+
+    dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(env.device)
+    # No process group: each rank holds a full replica and generates on its own, seeded per prompt only.
+    return TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, max_batch=args.batch_size)
+
+
+def prompts_per_call(args: Any) -> int:
+    return args.prompts_per_call or (VLLM_PROMPTS_PER_CALL if args.engine == "vllm" else 1)
+
+
+def eval_settings(args: Any) -> dict[str, Any]:
+    """What determines the samples; a resumed evaluation must match it (see eval_store)."""
+    return {"model": str(Path(args.model).resolve()), "data": [str(Path(f).resolve()) for f in args.data],
+            "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "max_prompt_length": args.max_prompt_length,
+            "seed": args.seed, "verifier": args.verifier, "engine": args.engine,
+            "prompts_per_call": prompts_per_call(args)}
+
+
+def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
+    """Evaluate `args.model` on `args.data` into `args.out`; print the table on rank 0; return the report."""
+    from .reward import get_verifier
+
+    env = init_distributed(args.device)
+    try:
+        tokenizer = load_tokenizer(args.model)
+        dataset = load_prompts(list(args.data), tokenizer,
+                               DataConfig(max_prompt_length=args.max_prompt_length, dedup=True))
+        if env.is_main:
+            print(f"flashdapo eval: {dataset.report.summary()}; {env.world_size} rank(s) on {env.device}, "
+                  f"{args.engine} engine", flush=True)
+        engine = build_engine(args, env, tokenizer, vllm_module)
+        sampling = EvalSampling(k=args.k, temperature=args.temperature, top_p=args.top_p,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                prompts_per_call=prompts_per_call(args))
+        report = evaluate_to_dir(engine, dataset.prompts, tokenizer, get_verifier(args.verifier), sampling,
+                                 args.out, eval_settings(args), Shard(env.rank, env.world_size), args.progress)
+        if env.is_main:
+            print(format_report(report))
+            print(f"flashdapo eval: per-prompt samples in {Path(args.out) / 'samples.jsonl'}; metrics (pass@j and "
+                  f"maj@j for every j) in {Path(args.out) / 'metrics.json'}", flush=True)
+    except BaseException:
+        shutdown(synchronize=False)
+        raise
+    shutdown()
+    return report

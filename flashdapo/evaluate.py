@@ -1,89 +1,142 @@
-"""Evaluation as DAPO reports it: k samples per prompt (temperature 1.0, top_p 0.7), mean@k (avg@k),
-pass@k and maj@k, scored by the same verifier as training.
+"""Sampling an evaluation set: k responses per prompt, sharded over ranks, judged, gathered in rounds.
 
-Used by the trainer's validation (every rank samples its share of the prompts) and by
-`flashdapo eval` (eval_command.py) for a saved model.
+The choices, stated first:
+- Prompts still to do (not in `skip`) are dealt out in rounds: in each round every rank takes the next
+  `prompts_per_call` prompts, makes ONE `engine.generate` call for them, and judges its responses;
+  then the round's results are all-gathered (every rank returns the same list) and handed to
+  `on_round` (rank 0 appends them to samples.jsonl). The last round is padded with a repeat of a
+  prompt whose results are dropped, so every rank makes the same number of generate calls (an
+  FSDP2-sharded or tensor-parallel engine runs collectives inside generate).
+- Seeds: a call's seed is `derive_seed(seed, first prompt id of the call)`. With one prompt per call
+  (the default) a prompt's samples therefore depend only on (seed, prompt id), not on the world
+  size, the rank or what was already done: 1 and N ranks, and killed-then-resumed runs, sample the
+  same tokens with an engine that does not mix the rank into its seed (the torch engine without a
+  process group). More prompts per call (what vLLM wants) keeps runs repeatable for a fixed world
+  size and set of pending prompts only.
+- Progress (rank 0): prompts done / total, response tokens per second, and the ETA (tqdm).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
+from tqdm import tqdm
 
 from .data import Prompt
-from .reward import Verdict, Verifier
-from .rollout import RolloutEngine, SamplingParams
-from .trainer.distributed import all_gather_objects
+from .eval_results import EvalReport, PromptResult, SampleResult, summarize
+from .eval_store import EvalStoreError, SampleLog
+from .reward import Verifier
+from .rollout import RolloutEngine, Rollouts, SamplingParams
+from .rollout.vllm_engine import derive_seed
+from .trainer.distributed import all_gather_objects, broadcast_object
 
 
-@dataclass
-class EvalResult:
-    """Per-prompt verdicts of k samples, and the summary metrics."""
+@dataclass(frozen=True)
+class EvalSampling:
+    """How an evaluation samples (DAPO: k = 32, temperature 1.0, top_p 0.7, up to 20480 tokens)."""
 
-    k: int
-    verdicts: list[list[Verdict]]
-    """verdicts[prompt][sample]."""
-    response_lengths: list[int]
-    truncated: int
-
-    @property
-    def mean_at_k(self) -> float:
-        flat = [v.acc for row in self.verdicts for v in row]
-        return sum(flat) / max(len(flat), 1)
-
-    @property
-    def pass_at_k(self) -> float:
-        return sum(any(v.acc for v in row) for row in self.verdicts) / max(len(self.verdicts), 1)
-
-    @property
-    def maj_at_k(self) -> float:
-        return sum(_majority_correct(row) for row in self.verdicts) / max(len(self.verdicts), 1)
-
-    def metrics(self, prefix: str = "val") -> dict[str, float]:
-        lengths = torch.tensor(self.response_lengths, dtype=torch.float64)
-        return {
-            f"{prefix}/acc/mean@k": self.mean_at_k,
-            f"{prefix}/acc/pass@k": self.pass_at_k,
-            f"{prefix}/acc/maj@k": self.maj_at_k,
-            f"{prefix}/k": float(self.k),
-            f"{prefix}/response_length/mean": lengths.mean().item() if len(lengths) else 0.0,
-            f"{prefix}/response_length/clip_ratio": self.truncated / max(len(self.response_lengths), 1),
-        }
+    k: int = 32
+    temperature: float = 1.0
+    top_p: float = 0.7
+    top_k: int = -1
+    max_new_tokens: int = 20480
+    seed: int = 0
+    prompts_per_call: int = 1
+    """Prompts each rank passes to one engine.generate call (and results written per round)."""
 
 
-def _majority_correct(row: list[Verdict]) -> bool:
-    """Majority vote over the extracted (normalized) answers; invalid extractions do not vote."""
-    votes = Counter(v.pred for v in row if v.pred)
-    if not votes:
-        return False
-    winner, _ = votes.most_common(1)[0]  # ties: the answer seen first (Counter keeps insertion order)
-    return any(v.acc for v in row if v.pred == winner)
+@dataclass(frozen=True)
+class Shard:
+    """This process's place among the ranks that share the evaluation."""
+
+    rank: int = 0
+    world_size: int = 1
 
 
-def evaluate(engine: RolloutEngine, prompts: list[Prompt], tokenizer, verifier: Verifier, k: int,
-             temperature: float, top_p: float, max_new_tokens: int, seed: int) -> EvalResult:
-    """Sample k responses per prompt with `engine` and score them; with several ranks, each rank samples
-    its round-robin share (padded so every rank runs the same number of prompts) and results are gathered.
-    """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    per_rank = -(-len(prompts) // world)
-    mine = [(i, prompts[i % len(prompts)]) for i in range(rank, per_rank * world, world)]
-    sampling = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                              seed=seed)
-    rollouts = engine.generate([p.ids for _, p in mine], sampling)
+def judge(rollouts: Rollouts, prompts: list[Prompt], ids: list[int], tokenizer, verifier: Verifier,
+          k: int) -> list[PromptResult]:
+    """Decode and verify the k responses of each prompt (responses of prompt j at rows j*k..j*k+k-1)."""
     texts = tokenizer.batch_decode([r.tolist() for r in rollouts.response_ids], skip_special_tokens=True)
-    local = []
-    for j, (index, prompt) in enumerate(mine):
-        rows = range(j * k, (j + 1) * k)
-        local.append((index, [verifier(texts[r], prompt.ground_truth) for r in rows],
-                      [len(rollouts.response_ids[r]) for r in rows],
-                      int(rollouts.truncated[list(rows)].sum())))
-    gathered = sorted((item for part in all_gather_objects(local) for item in part), key=lambda t: t[0])
-    gathered = [item for item in gathered if item[0] < len(prompts)]  # drop the padding
-    return EvalResult(k=k, verdicts=[g[1] for g in gathered],
-                      response_lengths=[n for g in gathered for n in g[2]],
-                      truncated=sum(g[3] for g in gathered))
+    results = []
+    for j, (pid, prompt) in enumerate(zip(ids, prompts)):
+        samples = []
+        for row in range(j * k, (j + 1) * k):
+            verdict = verifier(texts[row], prompt.ground_truth)
+            samples.append(SampleResult(response=texts[row], pred=verdict.pred, score=verdict.score,
+                                        acc=verdict.acc, length=len(rollouts.response_ids[row]),
+                                        finish_reason="length" if bool(rollouts.truncated[row]) else "stop"))
+        results.append(PromptResult(prompt_id=pid, source=prompt.source, data_source=prompt.data_source,
+                                    ground_truth=prompt.ground_truth, samples=samples,
+                                    prompt=tokenizer.decode(prompt.ids, skip_special_tokens=False)))
+    return results
+
+
+def _rounds(pending: list[int], per_call: int, world: int) -> list[list[list[int]]]:
+    """rounds[r][rank] = the prompt ids rank `rank` generates in round r; -1 marks padding."""
+    per_round = per_call * world
+    padded = pending + [-1] * (-len(pending) % per_round)
+    return [[padded[r + i * per_call:r + (i + 1) * per_call] for i in range(world)]
+            for r in range(0, len(padded), per_round)]
+
+
+def sample_prompts(engine: RolloutEngine, prompts: list[Prompt], tokenizer, verifier: Verifier,
+                   sampling: EvalSampling, shard: Shard = Shard(), skip: set[int] | frozenset = frozenset(),
+                   on_round: Callable[[list[PromptResult]], None] | None = None,
+                   progress: bool = False) -> list[PromptResult]:
+    """Sample and judge every prompt whose id (index in `prompts`) is not in `skip`; returns their results,
+    ordered by prompt id, on every rank. Every rank must call this with the same arguments."""
+    pending = [i for i in range(len(prompts)) if i not in skip]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(pending), unit="prompt", dynamic_ncols=True,
+               disable=not progress or shard.rank != 0, desc="eval")
+    start, tokens, done = time.perf_counter(), 0, []
+    try:
+        for assignment in _rounds(pending, sampling.prompts_per_call, shard.world_size):
+            mine = assignment[shard.rank]
+            real = [i for i in mine if i >= 0]
+            ids = real or [assignment[0][0]]  # an all-padding share repeats a real prompt
+            params = SamplingParams(n=sampling.k, temperature=sampling.temperature, top_p=sampling.top_p,
+                                    top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
+                                    seed=derive_seed(sampling.seed, ids[0]))
+            rollouts = engine.generate([prompts[i].ids for i in ids], params)
+            local = judge(rollouts, [prompts[i] for i in ids], ids, tokenizer, verifier, sampling.k)[:len(real)]
+            merged = sorted((r for part in all_gather_objects(local) for r in part), key=lambda r: r.prompt_id)
+            if on_round is not None:
+                on_round(merged)
+            done += merged
+            tokens += sum(s.length for r in merged for s in r.samples)
+            bar.update(len(merged))
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s")
+    finally:
+        bar.close()
+    return done
+
+
+def evaluate_to_dir(engine: RolloutEngine, prompts: list[Prompt], tokenizer, verifier: Verifier,
+                    sampling: EvalSampling, out_dir: str, settings: dict, shard: Shard = Shard(),
+                    progress: bool = True) -> EvalReport:
+    """Evaluate into `out_dir` (samples.jsonl, eval_settings.json, metrics.json), resuming what is there.
+
+    Rank 0 reads and writes the files; every rank samples its share and returns the same report."""
+    log, done, error = None, [], ""
+    if shard.rank == 0:
+        try:
+            log = SampleLog(out_dir, settings)
+            done = log.load(prompts)
+        except EvalStoreError as err:
+            error = str(err)
+    error, done_ids = broadcast_object((error, sorted(r.prompt_id for r in done)))
+    if error:
+        raise EvalStoreError(error)
+    if done_ids and shard.rank == 0:
+        print(f"flashdapo eval: resuming, {len(done_ids)} of {len(prompts)} prompts already in "
+              f"{log.path}", flush=True)
+    start = time.perf_counter()
+    new = sample_prompts(engine, prompts, tokenizer, verifier, sampling, shard, set(done_ids),
+                         on_round=log.append if log is not None else None, progress=progress)
+    report = summarize(done + new) if shard.rank == 0 else None
+    if log is not None:
+        log.write_metrics(report, {"settings": settings, "wall_time_s": time.perf_counter() - start,
+                                   "prompts_sampled_now": len(new), "world_size": shard.world_size})
+    return broadcast_object(report)

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from ..evaluate import evaluate
+from ..eval_results import summarize
+from ..evaluate import EvalSampling, Shard, sample_prompts
 from ..rollout.vllm_engine import should_check_logprobs, warn_logprob_mismatch
 from .batch import TrainBatch, build_train_batch
 from .checkpoint import export_hf, save_checkpoint
@@ -100,16 +101,20 @@ def logprob_agreement(run: Run, step: int, batch: TrainBatch) -> dict[str, float
 
 
 def validate(run: Run, step: int) -> dict[str, float]:
-    """mean@k / pass@k / maj@k on the validation prompts (k = rollout.val_n, top_p = rollout.val_top_p)."""
+    """mean@k / pass@k / maj@k per data source and pooled on the validation prompts (k = rollout.val_n,
+    top_p = rollout.val_top_p); each rank samples its share in one generate call."""
     if not run.val_prompts:
         return {}
-    rc = run.cfg.rollout
+    rc, env = run.cfg.rollout, run.env
     start = time.perf_counter()
     run.engine_wake(None)
-    result = evaluate(run.engine, run.val_prompts, run.tokenizer, run.verifier, rc.val_n, rc.val_temperature,
-                      rc.val_top_p, rc.max_response_length, seed=run.cfg.trainer.seed * 7919 + step)
+    sampling = EvalSampling(k=rc.val_n, temperature=rc.val_temperature, top_p=rc.val_top_p,
+                            max_new_tokens=rc.max_response_length, seed=run.cfg.trainer.seed * 7919 + step,
+                            prompts_per_call=-(-len(run.val_prompts) // env.world_size))
+    results = sample_prompts(run.engine, run.val_prompts, run.tokenizer, run.verifier, sampling,
+                             Shard(env.rank, env.world_size))
     run.engine_sleep()
-    return {**result.metrics("val"), "timing_s/val": time.perf_counter() - start}
+    return {**summarize(results).metrics("val"), "timing_s/val": time.perf_counter() - start}
 
 
 def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, timer: StageTimer) -> dict[str, float]:

@@ -154,8 +154,10 @@ def format_line(m: dict, total_steps: int) -> str:
 
 
 def _val_part(m: dict) -> str:
-    keys = [k for k in m if k.startswith("val/")]
-    return " ".join(f"{k[4:]} {m[k]:.3f}" for k in sorted(keys))
+    """Pooled mean@k / pass@k / maj@k, then each data source's mean@k (every key is in metrics.jsonl)."""
+    pooled = [f"val/acc/{name}@k" for name in ("mean", "pass", "maj")]
+    per_source = sorted(k for k in m if k.startswith("val/") and k.endswith("/acc/mean@k") and k not in pooled)
+    return " ".join(f"{k[4:]} {m[k]:.3f}" for k in pooled + per_source if k in m)
 
 
 def _optional_tensorboard(run_dir: Path):

@@ -104,9 +104,9 @@ def test_train_cli_path_runs_validation_checkpoint_plot_and_eval(tmp_path, capsy
     records = toy_records(ToyTaskConfig(num_val=5), "val")
     _write_aime_style_parquet(tmp_path / "eval.parquet", records + records)
     assert cli(["eval", "--model", str(run_dir / "export"), "--data", str(tmp_path / "eval.parquet"),
-                "--k", "3", "--max-new-tokens", "8"]) == 0
+                "--out", str(tmp_path / "eval"), "--k", "3", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "5 unique prompts, 5 duplicates" in out and "| mean@3" in out and "| maj@3" in out
+    assert "5 unique prompts, 5 duplicates" in out and "mean@3 |" in out and "maj@3 |" in out
 
 
 def test_same_seed_same_first_step(tmp_path):

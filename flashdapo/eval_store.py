@@ -1,0 +1,110 @@
+"""The results of an evaluation on disk: OUT/samples.jsonl (one prompt per line) and OUT/metrics.json.
+
+The choices, stated first:
+- Every finished prompt is appended as one JSON line (`PromptResult`: prompt id, 'file:row', data
+  source, ground truth, and per sample the response, extracted answer, score, length, finish reason),
+  then the file is flushed and fsync'ed, so a killed evaluation loses at most the prompts in flight.
+- OUT/eval_settings.json records what determines the samples (model, data files, k, sampling, seed,
+  verifier, engine). A rerun into the same OUT must match it (else a one-line error naming the first
+  differing setting) and skips the prompts already in samples.jsonl; the metrics are computed from the
+  file, so a resumed evaluation reports what an uninterrupted one does.
+- A last line without its newline is a write cut short: it is dropped (with a warning) and the file is
+  truncated before it. Any other unreadable line, a duplicated prompt, or a prompt whose 'file:row'
+  differs from the data's is an error naming the line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .data import Prompt
+from .eval_results import EvalReport, PromptResult
+
+
+class EvalStoreError(ValueError):
+    """OUT holds results that do not belong to this evaluation; the message names the file and line."""
+
+
+SAMPLES = "samples.jsonl"
+SETTINGS = "eval_settings.json"
+METRICS = "metrics.json"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class SampleLog:
+    """Append-only per-prompt results of one evaluation in `out_dir` (used on rank 0 only)."""
+
+    def __init__(self, out_dir: str | Path, settings: dict[str, Any]) -> None:
+        """Create `out_dir` or check that the evaluation already there used the same `settings`."""
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / SAMPLES
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        settings_path = self.out_dir / SETTINGS
+        settings = json.loads(json.dumps(settings))  # tuples -> lists, as they read back
+        if settings_path.is_file():
+            old = json.loads(settings_path.read_text(encoding="utf-8"))
+            for key in sorted(set(old) | set(settings)):
+                if old.get(key) != settings.get(key):
+                    raise EvalStoreError(
+                        f"{settings_path}: {key} was {old.get(key)!r}, this evaluation has {settings.get(key)!r}; "
+                        f"use a fresh output directory (or the same settings to resume)")
+        else:
+            _write_atomic(settings_path, json.dumps(settings, indent=2) + "\n")
+
+    def load(self, prompts: list[Prompt]) -> list[PromptResult]:
+        """The results already written, checked against `prompts` (the evaluation set, by prompt id)."""
+        if not self.path.is_file():
+            return []
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            warnings.warn(f"{self.path}: dropping an incomplete last line ({len(data) - end} bytes, an interrupted "
+                          f"write); its prompt is evaluated again", stacklevel=2)
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+                os.fsync(f.fileno())
+        results: list[PromptResult] = []
+        seen: set[int] = set()
+        for number, line in enumerate(data[:end].decode("utf-8").splitlines(), start=1):
+            where = f"{self.path}: line {number}"
+            try:
+                result = PromptResult.from_dict(json.loads(line))
+            except (json.JSONDecodeError, TypeError, KeyError) as err:
+                raise EvalStoreError(f"{where}: not a prompt result ({err})") from err
+            if not 0 <= result.prompt_id < len(prompts) or prompts[result.prompt_id].source != result.source:
+                expected = prompts[result.prompt_id].source if 0 <= result.prompt_id < len(prompts) else "no prompt"
+                raise EvalStoreError(f"{where}: prompt {result.prompt_id} is {result.source!r} but the data has "
+                                     f"{expected!r}; the data changed: use a fresh output directory")
+            if result.prompt_id in seen:
+                raise EvalStoreError(f"{where}: prompt {result.prompt_id} appears twice")
+            seen.add(result.prompt_id)
+            results.append(result)
+        return results
+
+    def append(self, results: list[PromptResult]) -> None:
+        """Append results, one line each, and fsync: on disk once this returns."""
+        if not results:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r.to_dict()) + "\n" for r in results))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_metrics(self, report: EvalReport, extra: dict[str, Any]) -> Path:
+        """OUT/metrics.json: the flat metrics (`eval/...`), every source's pass@j / maj@j, and `extra`."""
+        path = self.out_dir / METRICS
+        payload = {**extra, "metrics": report.metrics("eval"), "report": report.to_dict()}
+        _write_atomic(path, json.dumps(payload, indent=2) + "\n")
+        return path
