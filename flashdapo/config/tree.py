@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
+from ..kernels import KernelImpl
 from .checks import Check, Rule, Section, ge, gt, register_tree, within
 
 Positive = Annotated[int, ge(1)]
@@ -235,7 +236,7 @@ class TrainerConfig(Section):
     micro_batch_tokens: Positive = 22528
     """Token budget of one forward/backward micro-batch on one rank: real tokens when packed
     (flash_attention_2), rows x longest row when padded (SDPA / eager)."""
-    kernel_impl: Literal["auto", "naive", "torch", "triton"] = "auto"
+    kernel_impl: KernelImpl = "auto"
     """Log-prob/loss implementation (auto: triton on CUDA, chunked torch elsewhere)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available."""

@@ -3,28 +3,32 @@
 A leaf package: it imports nothing else from flashdapo, and knows no loss. A loss (the DAPO token
 loss of `flashdapo.algorithm`) is composed on the returned log-probs; its gradient reaches the
 kernels' backward as a per-token upstream gradient, and rows where that gradient is exactly zero
-(masked and clipped tokens) are skipped there. Three implementations share one contract:
+(masked and clipped tokens) are skipped there. Implementations (`KernelImpl`, the one registry of
+their names, read by flashdapo.config, the tests and the benchmarks) share one contract:
 
 - `naive`:  materialized fp32 logits (the reference and the benchmark baseline);
-- `torch`:  chunked over tokens/vocab with a custom autograd.Function that saves per-token statistics
-            and recomputes logits in backward (any device; the CPU default);
-- `triton`: fused forward/backward kernels (the CUDA default; runs under TRITON_INTERPRET=1 on CPU).
+- `torch`:  the chunked driver (library matmuls, logits recomputed in backward) with its elementwise
+            passes as torch ops (any device; the CPU default);
+- `triton`: the same driver with its elementwise passes as Triton kernels (the CUDA default; runs
+            under TRITON_INTERPRET=1 on CPU).
 
-`impl="auto"` picks triton on CUDA and torch elsewhere.
+`impl="auto"` picks triton on CUDA and torch elsewhere. Math and design: docs/kernels.md.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from .naive import naive_token_logprobs
 
-Impl = Literal["auto", "naive", "torch", "triton"]
-IMPLS: tuple[str, ...] = ("auto", "naive", "torch", "triton")
+KernelImpl = Literal["auto", "naive", "torch", "triton"]
+IMPLS: tuple[str, ...] = get_args(KernelImpl)
+CHUNKED_IMPLS: tuple[str, ...] = ("torch", "triton")
+"""The impls run by the chunked driver (what the kernel tests and benchmarks compare to naive)."""
 
-__all__ = ["IMPLS", "Impl", "resolve_impl", "token_logprobs"]
+__all__ = ["CHUNKED_IMPLS", "IMPLS", "KernelImpl", "resolve_impl", "token_logprobs"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -52,13 +56,9 @@ def _logprobs(hidden, weight, targets, temperature, with_entropy, impl):
     impl = resolve_impl(impl, hidden.device)
     if impl == "naive":
         return naive_token_logprobs(hidden, weight, targets, temperature, with_entropy)
-    if impl == "torch":
-        from .chunked import chunked_token_logprobs
+    from .chunked import chunked_token_logprobs
 
-        return chunked_token_logprobs(hidden, weight, targets, temperature, with_entropy)
-    from .triton_logprobs import triton_token_logprobs
-
-    return triton_token_logprobs(hidden, weight, targets, temperature, with_entropy)
+    return chunked_token_logprobs(hidden, weight, targets, temperature, with_entropy, impl=impl)
 
 
 def token_logprobs(

@@ -1,189 +1,215 @@
-"""Chunked torch path: per-token log-prob / entropy through the LM head without `[N, V]` logits.
+"""Chunked LM head -> per-token log-prob / entropy: one driver for impl="torch" and impl="triton".
 
-The forward walks token chunks (and vocabulary chunks when one chunk row-block times V would be large),
-keeping per token an online (max m, sum s = sum exp(z - m), sum u = sum exp(z - m) (z - m)) triple,
-exactly as the Triton kernel does; it saves only m, log s and the entropy, O(N) floats. The backward
-recomputes each logit tile from h and W and forms
+The matrix multiplies are library calls (cuBLAS on CUDA, MKL/oneDNN on CPU); only the elementwise work
+on each logit tile differs between the impls (`tile_ops`: torch ops; `triton_tiles`: Triton kernels).
+The math and the chunk plan are written out in docs/kernels.md.
 
-    dz = g (onehot(y) - p) + gH p (E_p[z] - z),    dh = dz W / T,   dW = dz^T h / T,
+Forward, per vocabulary chunk c (fixed order) and token chunk t:
+    z = h_t W_c^T (fp32 result), then one elementwise pass merges the tile's per-row online statistics
+    (max, sum exp, sum p z, z_y) into the running ones. Only m, log s and the entropy are saved: O(N).
+Backward, over the rows whose upstream gradient is not zero (one host sync compacts them), per
+vocabulary chunk c and token chunk t:
+    recompute z; one elementwise pass forms dz (the one-hot term added in fp32) in the dot dtype;
+    dW_c += dz^T h_t into an fp32 slab written once into dW per chunk; dh_t += dz W_c into fp32.
+    Every sum runs in a fixed order: same inputs, same bits.
 
-accumulated in fp32 (fp64 for fp64 inputs, so that gradcheck applies). Rows whose g and gH are both
-zero (masked, prompt and clipped tokens under the DAPO loss) are dropped before any matmul.
-
-Numerics: log p = (z - m) - log s in backward, not z - lse: lse = m + log s rounds to eps |m|, which at
-T = 0.05 (|z| ~ 1e3) would put a 1e-4 relative error on p. u is kept relative to the running max, so
-entropy = log s - u / s needs no cancellation of large terms and is >= 0 by construction (u <= 0);
-logp = (z_y - m) - log s <= 0 by construction (z_y is one of the values that made m, and s >= 1). 16-bit inputs are upcast chunk-wise to fp32, so
-this path has naive torch's accuracy. It runs on any device and is the CPU default.
+Operands: impl="torch" computes in fp32 (fp64 when both inputs are fp64, for gradcheck); impl="triton"
+in the inputs' dtype as autocast would pick it (bf16/fp16 tensor cores, fp32 results). fp16 dz is scaled
+by a power of two before the cast so that realistic gradients (|g| ~ 1e-6) do not underflow; the scale
+is divided out of the fp32 results exactly.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-# Elements of one fp32 logit tile (4 MiB: 512 tokens x 2048 vocabulary), and the token rows a chunk aims
-# for. The tile and one temporary of its size are the working set of the elementwise passes, which run at
-# cache speed only while they stay in a CPU's L2/L3; the rows per chunk are the K of the dW matmul, and
-# every chunk reads and writes its [bv, H] slab of dW once, so taller chunks move less memory. Measured
-# on a 2-core EPYC at N=8192, H=256, V=32768 (bench/results/NOTES.md): 0.5-1 Mi elements 2.85 s,
-# 4 Mi 3.1 s, 16 Mi 3.7 s; 512 vs 1024 rows within noise. Callers may pass `tile_elems` etc.
-DEFAULT_TILE_ELEMS = 1 << 20
-TARGET_CHUNK_TOKENS = 512
+from . import tile_ops
+
+# Logit tile elements (token rows x vocabulary columns). CPU: 1 Mi fp32 elements (4 MiB) keep the
+# elementwise passes in L2/L3 (measured: 0.5-1 Mi 2.85 s, 4 Mi 3.1 s, 16 Mi 3.7 s at N=8192, H=256,
+# V=32768 on a 2-core EPYC; bench/results/NOTES.md), 512-row chunks are the dW matmul's K.
+# CUDA: 32 Mi elements (128 MiB fp32 z + 64 MiB bf16 dz) of 8192 vocabulary columns: matmuls of
+# M x 8192 x H stay near cuBLAS's peak while the extra memory stays ~20x below naive at the 7B shape.
+CPU_TILE_ELEMS, CPU_CHUNK_TOKENS = 1 << 20, 512
+CUDA_TILE_ELEMS, CUDA_CHUNK_VOCAB = 1 << 25, 8192
+_HALF = (torch.bfloat16, torch.float16)
 
 
-def _plan(num_tokens: int, vocab: int, tile_elems: int) -> tuple[int, int]:
-    """(token chunk, vocab chunk) with chunk x vocab-chunk <= tile_elems where possible."""
-    bn = max(1, min(num_tokens, TARGET_CHUNK_TOKENS))
-    bv = max(1, min(vocab, tile_elems // bn))
+@dataclass(frozen=True)
+class Plan:
+    """Token rows and vocabulary columns of one logit tile."""
+
+    chunk_tokens: int
+    chunk_vocab: int
+
+
+def plan_chunks(num_tokens: int, vocab: int, device_type: str, tile_elems: int | None = None) -> Plan:
+    """The tile of a call: <= tile_elems elements (default per device), the whole vocabulary if it fits."""
+    if device_type == "interpret":  # Triton's interpreter: tiny tiles, so tests cover every merge path
+        return Plan(max(1, min(num_tokens, 16)), max(1, min(vocab, 32)))
+    tile = tile_elems or (CUDA_TILE_ELEMS if device_type == "cuda" else CPU_TILE_ELEMS)
+    if device_type == "cuda":
+        bv = max(1, min(vocab, CUDA_CHUNK_VOCAB))
+        return Plan(max(1, min(num_tokens, tile // bv)), bv)
+    bn = max(1, min(num_tokens, CPU_CHUNK_TOKENS))
+    bv = max(1, min(vocab, tile // bn))
     if bv == vocab:  # the whole vocabulary fits: take as many rows as the tile holds
-        bn = max(1, min(num_tokens, tile_elems // vocab))
-    return bn, bv
+        bn = max(1, min(num_tokens, tile // vocab))
+    return Plan(bn, bv)
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if all(t.dtype == torch.float64 for t in tensors) else torch.float32
+def operand_dtype(impl: str, h_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
+    """Matmul operand dtype. torch: fp32 (fp64 if both are fp64). triton: as autocast would pick it, a
+    16-bit operand wins over an fp32/fp64 one; equal dtypes stay; fp64 and a bf16/fp16 mix run fp32."""
+    if impl == "torch":
+        return torch.float64 if h_dtype == w_dtype == torch.float64 else torch.float32
+    if h_dtype == w_dtype:
+        return torch.float32 if h_dtype == torch.float64 else h_dtype
+    if (h_dtype in _HALF) != (w_dtype in _HALF):
+        return h_dtype if h_dtype in _HALF else w_dtype
+    return torch.float32
 
 
-def _logits(hs, w_chunk, temperature):
-    """One logit tile z = h W^T / T: the 2 n bv H FLOPs. Divided after the matmul, as naive torch does."""
-    z = hs @ w_chunk.T
-    return z.div_(temperature) if temperature != 1.0 else z
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result for 16-bit operands (cuBLAS out_dtype; upcast on CPU), else a's dtype."""
+    if a.dtype in _HALF:
+        return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
+    return a @ b
 
 
-def _chunk_stats(hs, w_chunk, y_local, temperature, with_entropy):
-    """Tile statistics of one (token chunk, vocab chunk): max, sum exp, sum exp*(z - max), target logit.
-
-    hs [n, H] is h in the compute dtype; y_local [n] the targets minus the chunk start (out of range
-    when the target lies in another chunk: those rows get -inf and are filled by another chunk).
-    """
-    z = _logits(hs, w_chunk, temperature)
-    inside = (y_local >= 0) & (y_local < z.shape[1])
-    z_y = z.gather(1, y_local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
-    z_y = torch.where(inside, z_y, torch.full_like(z_y, float("-inf")))
-    m = z.amax(dim=1)
-    z.sub_(m.unsqueeze(1))  # in place: z - m <= 0 from here on
-    if with_entropy:
-        e = torch.exp(z)
-        u = torch.linalg.vecdot(e, z, dim=1)
-        s = e.sum(dim=1)
+def _mm_add(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b (fp32/fp64 acc)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
     else:
-        s = z.exp_().sum(dim=1)
-        u = None
-    return m, s, u, z_y
+        acc.add_(_mm(a, b))
 
 
-def _merge(m, s, u, m2, s2, u2):
-    """Merge two online (max, sum exp, sum exp*(z - max)) triples; m, m2 finite."""
-    m_new = torch.maximum(m, m2)
-    a, b = torch.exp(m - m_new), torch.exp(m2 - m_new)
-    if u is not None:
-        u = a * (u + (m - m_new) * s) + b * (u2 + (m2 - m_new) * s2)
-    return m_new, a * s + b * s2, u
+def _ops(impl: str):
+    if impl == "triton":
+        from . import triton_tiles
+
+        return triton_tiles
+    return tile_ops
 
 
-def _forward(hidden, weight, targets, temperature, with_entropy, bn, bv):
-    """Per-token (logp, m, log s, entropy or None) in the compute dtype, chunk by chunk."""
-    cdtype = _compute_dtype(hidden, weight)
-    n_tok, vocab = hidden.shape[0], weight.shape[0]
-    w = weight.to(cdtype)  # no copy for fp32/fp64 weights; one fp32 copy of W for 16-bit weights
-    logp = hidden.new_empty(n_tok, dtype=cdtype)
-    m_all, log_s_all = torch.empty_like(logp), torch.empty_like(logp)
-    entropy = torch.empty_like(logp) if with_entropy else None
-    for r0 in range(0, n_tok, bn):
-        r1 = min(r0 + bn, n_tok)
-        hs = hidden[r0:r1].to(cdtype)
-        y = targets[r0:r1].long()
-        m = s = u = z_y = None
-        for v0 in range(0, vocab, bv):
-            m2, s2, u2, zy2 = _chunk_stats(hs, w[v0 : v0 + bv], y - v0, temperature, with_entropy)
-            if m is None:
-                m, s, u, z_y = m2, s2, u2, zy2
-            else:
-                m, s, u = _merge(m, s, u, m2, s2, u2)
-                z_y = torch.maximum(z_y, zy2)
-        log_s = torch.log(s)
-        logp[r0:r1] = (z_y - m) - log_s
-        m_all[r0:r1], log_s_all[r0:r1] = m, log_s
-        if with_entropy:
-            entropy[r0:r1] = log_s - u / s
-    return logp, m_all, log_s_all, entropy
+def _forward(h, w, y, temperature, with_entropy, plan, impl):
+    """logp, entropy (or None), m, log s: [N] each, fp32 (fp64 for the fp64 torch path)."""
+    ops, n, vocab = _ops(impl), h.shape[0], w.shape[0]
+    sdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+    m, s, u, z_y = (torch.empty(n, dtype=sdtype, device=h.device) for _ in range(4))
+    for v0 in range(0, vocab, plan.chunk_vocab):  # fixed order: the merge is deterministic
+        w_c, y_local = w[v0 : v0 + plan.chunk_vocab], y - v0
+        for r0 in range(0, n, plan.chunk_tokens):
+            rows = slice(r0, r0 + plan.chunk_tokens)
+            z = _mm(h[rows], w_c.T)
+            ops.tile_stats(z, y_local[rows], (m[rows], s[rows], u[rows], z_y[rows]), v0 == 0, temperature,
+                           with_entropy)
+    log_s = torch.log(s)
+    logp = (z_y - m) - log_s  # <= 0: z_y is one of the values that made m, and s >= 1
+    entropy = log_s - u / s if with_entropy else None
+    return logp, entropy, m, log_s
 
 
-def _tile_grad(z, m, log_s, ent, g, g_ent, y_local):
-    """dz of one recomputed tile, in place over z: g (onehot - p) + gH p (E_p z - z).
-
-    With t = (z - m) - log s = log p and E_p z = lse - entropy: E_p z - z = -entropy - t.
-    """
-    if g_ent is None:  # p = exp(z - m) / s: three passes over the tile instead of four
-        dz = z.sub_(m.unsqueeze(1)).exp_().mul_((-g * torch.exp(-log_s)).unsqueeze(1))
-    else:
-        t = z.sub_(m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
-        p = torch.exp(t)
-        coef = t.neg_().sub_(ent.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).sub_(g.unsqueeze(1))
-        dz = p.mul_(coef)
-    rows = torch.nonzero((y_local >= 0) & (y_local < z.shape[1])).squeeze(1)
-    if rows.numel():
-        dz[rows, y_local[rows]] += g[rows]
-    return dz
+def _fp16_scale(g, ge, vocab: int) -> float:
+    """Power of two that lifts max |dz| to ~2^14 in fp16. |dz| <= |g| + |gH| (log V + 1): p <= 1 and
+    p |log p + entropy| <= 1/e + log V."""
+    bound = g.abs().max() + (ge.abs().max() * (math.log(vocab) + 1) if ge is not None else 0)
+    bound = float(bound)  # one host sync (fp16 only)
+    return 2.0 ** math.floor(math.log2(2.0**14 / bound)) if bound > 0 else 1.0
 
 
-def _backward(ctx, grad_logp, grad_ent):
-    """dh, dW over the rows with a nonzero upstream gradient; fp32/fp64 accumulation."""
-    hidden, weight, targets, m_all, log_s_all, entropy = ctx.saved_tensors
-    temperature, bn, bv = ctx.temperature, ctx.bn, ctx.bv
-    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    cdtype = m_all.dtype
-    active = torch.zeros_like(m_all, dtype=torch.bool)
-    if grad_logp is not None:
-        active |= grad_logp != 0
-    if grad_ent is not None:
-        active |= grad_ent != 0
-    rows = torch.nonzero(active).squeeze(1)  # one host sync: sizes the work to the rows that need it
-    n_act, vocab = rows.numel(), weight.shape[0]
-    dh = torch.zeros_like(hidden) if need_h else None
-    dw = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
-    if n_act == 0 or not (need_h or need_w):
-        return dh, (dw.to(weight.dtype) if need_w else None)
-    dense = n_act == hidden.shape[0]  # every row active: slices (views) instead of gathers
-    w = weight.to(cdtype)
-    # 1/T of dz = (dL/dz) / T folded into the per-row upstream gradients (N multiplies, not N V).
-    g_all = (grad_logp if grad_logp is not None else torch.zeros_like(m_all)).to(cdtype) / temperature
-    ge_all = grad_ent.to(cdtype) / temperature if grad_ent is not None else None
-    for r0 in range(0, n_act, bn):
-        sel = slice(r0, min(r0 + bn, n_act)) if dense else rows[r0 : r0 + bn]
-        hs = hidden[sel].to(cdtype)
-        y, g, m, log_s = targets[sel].long(), g_all[sel], m_all[sel], log_s_all[sel]
-        ge, ent = (ge_all[sel], entropy[sel]) if ge_all is not None else (None, None)
-        dh_chunk = torch.zeros_like(hs) if need_h else None
-        for v0 in range(0, vocab, bv):
-            w_chunk = w[v0 : v0 + bv]
-            dz = _tile_grad(_logits(hs, w_chunk, temperature), m, log_s, ent, g, ge, y - v0)
-            if need_h:
-                dh_chunk.addmm_(dz, w_chunk)
-            if need_w:
-                dw[v0 : v0 + bv].addmm_(dz.T, hs)
-        if need_h:
-            dh[sel] = dh_chunk.to(hidden.dtype)
-    return dh, (dw.to(weight.dtype) if need_w else None)
+def _active_rows(grad_logp, grad_ent, n, device):
+    active = torch.zeros(n, dtype=torch.bool, device=device)
+    for grad in (grad_logp, grad_ent):
+        if grad is not None:
+            active |= grad != 0
+    return torch.nonzero(active).squeeze(1)  # one host sync: sizes the work to the rows that need it
+
+
+def _check_targets(y_act: torch.Tensor, vocab: int) -> None:
+    """ValueError if an active row's target lies outside [0, V): its one-hot term would be lost."""
+    if y_act.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(y_act)).tolist())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"target {bad} of a row with nonzero gradient is outside [0, V={vocab}); "
+                         "give ignored rows (e.g. target -100) a zero upstream gradient")
+
+
+def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl):
+    """dh [n_act, H] (fp32/fp64) or None, dW [V, H] in w's dtype (each chunk written once) or None, and
+    the active rows."""
+    ops, vocab = _ops(impl), w.shape[0]
+    rows = _active_rows(grad_logp, grad_ent, h.shape[0], h.device)
+    y_a = y[rows]
+    _check_targets(y_a, vocab)
+    dense = rows.numel() == h.shape[0]
+    h_a = h if dense else h[rows]
+    m, log_s, ent = (None if t is None else (t if dense else t[rows]) for t in stats)
+    sdtype = m.dtype
+    zeros = torch.zeros(rows.numel(), dtype=sdtype, device=h.device)
+    g = grad_logp.to(sdtype)[rows] if grad_logp is not None else zeros
+    ge = grad_ent.to(sdtype)[rows] if grad_ent is not None else None
+    scale = _fp16_scale(g, ge, vocab) if h.dtype == torch.float16 and rows.numel() else 1.0
+    g = g * (scale / temperature)  # 1/T of dz and the fp16 scale: N multiplies, not N V
+    ge = ge * (scale / temperature) if ge is not None else None
+    n_act, hdim = h_a.shape
+    dh = torch.zeros((n_act, hdim), dtype=sdtype, device=h.device) if need[0] else None
+    dw = torch.empty_like(w) if need[1] else None
+    for v0 in range(0, vocab, plan.chunk_vocab):
+        w_c, y_local = w[v0 : v0 + plan.chunk_vocab], y_a - v0
+        dw_c = torch.zeros((w_c.shape[0], hdim), dtype=sdtype, device=h.device) if need[1] else None
+        for r0 in range(0, n_act, plan.chunk_tokens):
+            r = slice(r0, r0 + plan.chunk_tokens)
+            z = _mm(h_a[r], w_c.T)
+            dz = ops.tile_grad(z, y_local[r], (m[r], log_s[r], None if ge is None else ent[r]), g[r],
+                               None if ge is None else ge[r], temperature, h.dtype)
+            del z
+            if need[0]:
+                _mm_add(dh[r], dz, w_c)
+            if need[1]:
+                _mm_add(dw_c, dz.T, h_a[r])
+        if need[1]:
+            dw[v0 : v0 + plan.chunk_vocab] = dw_c.mul_(1.0 / scale) if scale != 1.0 else dw_c
+    if dh is not None and scale != 1.0:
+        dh.mul_(1.0 / scale)
+    return dh, dw, rows
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """(logp, entropy) with saved per-token statistics only; logits recomputed in backward."""
+    """(logp, entropy) with per-token statistics saved; logits recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, with_entropy, bn, bv):
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, plan, impl):
         # An output whose gradient is not needed (the entropy, in the DAPO loss) reaches backward as None,
         # not as zeros: its term is then skipped instead of computed on zeros.
         ctx.set_materialize_grads(False)
-        logp, m, log_s, entropy = _forward(hidden, weight, targets, temperature, with_entropy, bn, bv)
-        ctx.temperature, ctx.bn, ctx.bv = temperature, bn, bv
-        ctx.save_for_backward(hidden, weight, targets, m, log_s, entropy if with_entropy else log_s)
-        return logp, entropy  # compute dtype: fp32, or fp64 for fp64 inputs
+        dtype = operand_dtype(impl, hidden.dtype, weight.dtype)
+        h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
+        logp, entropy, m, log_s = _forward(h, w, targets, temperature, with_entropy, plan, impl)
+        ctx.save_for_backward(hidden, weight, targets, m, log_s, entropy)
+        ctx.temperature, ctx.plan, ctx.impl = temperature, plan, impl
+        return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        dh, dw = _backward(ctx, grad_logp, grad_ent)
-        return dh, dw, None, None, None, None, None
+        hidden, weight, targets, m, log_s, entropy = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        dh_out = torch.zeros_like(hidden) if need[0] else None
+        if not any(need) or (grad_logp is None and grad_ent is None):
+            return dh_out, (torch.zeros_like(weight) if need[1] else None), None, None, None, None, None
+        dtype = operand_dtype(ctx.impl, hidden.dtype, weight.dtype)
+        h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
+        dh, dw, rows = _backward(h, w, targets, (m, log_s, entropy), grad_logp, grad_ent, ctx.temperature,
+                                 need, ctx.plan, ctx.impl)
+        if need[0]:
+            dh_out[rows] = dh.to(hidden.dtype)
+        return dh_out, (dw.to(weight.dtype) if need[1] else None), None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -193,20 +219,29 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     *,
+    impl: str = "torch",
     tile_elems: int | None = None,
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log p(target) [N] fp32 and optionally entropy [N] fp32, chunked (see module doc).
+    """Per-token log p(target) [N] and optionally entropy [N], fp32 (fp64 for fp64 inputs and impl="torch").
 
-    hidden [N, H], weight [V, H], targets [N] in [0, V). Differentiable in hidden and weight through
-    logp and entropy (upstream gradients of any sign; None for either is fine). fp64 inputs compute
-    and return fp64 (for gradcheck). `tile_elems` bounds the logit tile (default DEFAULT_TILE_ELEMS,
-    read at call time); `chunk_tokens`/`chunk_vocab`
-    force a chunking (tests use them to cover the multi-chunk paths on tiny shapes).
+    hidden [N, H], weight [V, H], targets [N] in [0, V) on every row with a nonzero upstream gradient
+    (else backward raises ValueError; other rows may carry any target and get a meaningless log-prob).
+    Differentiable in hidden and weight through both outputs (upstream gradients of any sign; None for
+    either is fine); gradients come back in each input's dtype. `impl` picks the elementwise passes
+    ("torch" or "triton": CUDA, or CPU under TRITON_INTERPRET=1); `tile_elems`, `chunk_tokens`,
+    `chunk_vocab` override the chunk plan (tests use them to cover multi-chunk paths on tiny shapes).
     """
-    n_tok, vocab = hidden.shape[0], weight.shape[0]
-    bn, bv = _plan(n_tok, vocab, tile_elems or DEFAULT_TILE_ELEMS)
-    bn = max(1, chunk_tokens or bn)
-    bv = max(1, min(vocab, chunk_vocab or bv))
-    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), bool(with_entropy), bn, bv)
+    device_type = hidden.device.type
+    if impl == "triton" and device_type != "cuda":
+        from .triton_tiles import INTERPRET
+
+        if not INTERPRET:
+            raise RuntimeError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing "
+                               "triton (CPU, small shapes only); use impl='torch' on CPU")
+        device_type = "interpret"
+    plan = plan_chunks(hidden.shape[0], weight.shape[0], device_type, tile_elems)
+    plan = Plan(max(1, chunk_tokens or plan.chunk_tokens),
+                max(1, min(weight.shape[0], chunk_vocab or plan.chunk_vocab)))
+    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), bool(with_entropy), plan, impl)

@@ -2,10 +2,16 @@
 
 Criterion (Apple CCE's, made robust): the max error vs float64 is no larger than naive torch's in the
 same dtype plus 2 eps of the output dtype at the problem's scale (max |logit| for log-prob/entropy,
-max |gradient| for gradients). Naive's error is itself one draw from its rounding: with the hidden
-dimension permuted (the same math, another summation order) it varies by up to ~8x on small shapes,
-and BLAS rounds few-row matmuls differently, so "naive's error" is the worst of four equally valid
-runs: as is, in 8-row blocks, and with H permuted twice.
+max |gradient| for gradients). Naive's error is itself one draw from its rounding: with the hidden or the
+vocabulary dimension permuted (the same math, another summation order) it varies by up to ~8x on small
+shapes, and BLAS rounds few-row matmuls differently, so "naive's error" is the worst of six equally
+valid runs: as is, in 8-row blocks, with H permuted twice and with V permuted twice.
+
+Gradients get one more allowance, for fp32 summation in another order: dh = dz W sums V terms and
+dW = dz^T h sums N, and any order rounds within ~sqrt(K) eps32 sum|terms| (the probabilistic bound of a
+K-term sum). Without it the criterion rejected valid computations: naive itself with V permuted once
+more failed it on 4 of 150 random inputs of test_matches_float64 (5 of 300 with the V permutations in
+the envelope; worst 0.44 of this allowance). It is negligible next to 2 eps of a 16-bit output.
 """
 
 from __future__ import annotations
@@ -54,8 +60,8 @@ def reference(h, w, y, temperature, g, ge, on_cpu=True):
 
 
 def naive_envelope(h, w, y, temperature, g, ge, on_cpu=True, blocked=True, orders=2):
-    """Naive torch in the inputs' dtype: as is, in 8-row blocks (if `blocked`), and with H jointly
-    permuted `orders` times: the same math, other rounding."""
+    """Naive torch in the inputs' dtype: as is, in 8-row blocks (if `blocked`), with H jointly permuted
+    `orders` times and with V permuted `orders` times: the same math, other rounding."""
     names = ("naive_dtype", "naive_blocked") if blocked else ("naive_dtype",)
     runs = [run(name, h, w, y, temperature, g, ge, on_cpu) for name in names]
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +71,30 @@ def naive_envelope(h, w, y, temperature, g, ge, on_cpu=True, blocked=True, order
         logp, ent, dh, dw = run("naive_dtype", h[:, perm].contiguous(), w[:, perm].contiguous(), y,
                                 temperature, g, ge, on_cpu)
         runs.append([logp, ent, dh[:, inv.to(dh.device)], dw[:, inv.to(dw.device)]])
+    for _ in range(orders):
+        perm = torch.randperm(w.shape[0], generator=gen).to(w.device)
+        inv = torch.argsort(perm)
+        logp, ent, dh, dw = run("naive_dtype", h, w[perm].contiguous(), inv[y], temperature, g, ge, on_cpu)
+        runs.append([logp, ent, dh, dw[inv.to(dw.device)]])
     return runs
+
+
+def gradient_term_scales(h, w, y, temperature, g, ge) -> tuple[float, float]:
+    """max_j sum_v |dz_iv W_vj| and max sum_i |dz_iv h_ij|, in float64: the sizes of the summed terms,
+    which bound the rounding of dh = dz W and dW = dz^T h in any summation order (cancellation included)."""
+    h, w = h.double(), w.double()
+    z = (h @ w.T) / temperature
+    logp = torch.log_softmax(z, dim=1)
+    p = logp.exp()
+    dz = torch.zeros_like(z)
+    if g is not None:
+        dz -= g.to(z).unsqueeze(1) * p
+        dz[torch.arange(len(y)), y.long()] += g.to(z)
+    if ge is not None:
+        ent = -(p * logp).sum(1, keepdim=True)
+        dz += ge.to(z).unsqueeze(1) * p * (-ent - logp)
+    dz = dz.abs() / temperature
+    return (dz @ w.abs()).max().item(), (dz.T @ h.abs()).max().item()
 
 
 def check(impl, h, w, y, temperature, g, ge, on_cpu=True, blocked=True):
@@ -74,6 +103,8 @@ def check(impl, h, w, y, temperature, g, ge, on_cpu=True, blocked=True):
     naive = naive_envelope(h, w, y, temperature, g, ge, on_cpu, blocked)
     ref = reference(h, w, y, temperature, g, ge, on_cpu)
     z_scale = max(1.0, ((h.double() @ w.double().T) / temperature).abs().max().item())
+    term_scales = gradient_term_scales(h, w, y, temperature, g, ge)
+    sum_lengths = (w.shape[0], h.shape[0])  # dh sums over V, dW over N
     names = ("logp", "entropy", "dh", "dW")
     for i, (name, a, r) in enumerate(zip(names, got, ref)):
         assert torch.isfinite(a).all(), f"{name}: non-finite values"
@@ -82,5 +113,7 @@ def check(impl, h, w, y, temperature, g, ge, on_cpu=True, blocked=True):
         err = (a - r).abs().max().item()
         base = max((other[i] - r).abs().max().item() for other in naive)
         tol = SLACK * eps * scale
+        if i >= 2:
+            tol += sum_lengths[i - 2] ** 0.5 * EPS[torch.float32] * term_scales[i - 2]
         assert err <= base + tol, f"{impl} {name}: error {err:.3e} > naive's {base:.3e} + {tol:.3e}"
     return got

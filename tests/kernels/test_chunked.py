@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from flashdapo.kernels.chunked import TARGET_CHUNK_TOKENS, _plan, chunked_token_logprobs
+from flashdapo.kernels.chunked import (
+    CPU_CHUNK_TOKENS,
+    CUDA_CHUNK_VOCAB,
+    Plan,
+    chunked_token_logprobs,
+    plan_chunks,
+)
 
 
 @pytest.mark.parametrize("outputs", ["logp", "entropy", "both"])
@@ -35,11 +41,13 @@ def test_gradcheck_skipped_rows(seed):
 
 def test_plan_bounds_the_tile():
     tile = 1 << 20
-    assert _plan(10_000, 1000, tile) == (1048, 1000)  # whole vocabulary: as many rows as fit
-    bn, bv = _plan(10_000, 151_936, tile)
-    assert bn == TARGET_CHUNK_TOKENS and bn * bv <= tile
-    assert _plan(3, 50, tile) == (3, 50)
-    assert _plan(100, 151_936, tile) == (100, 10485)
+    assert plan_chunks(10_000, 1000, "cpu", tile) == Plan(1048, 1000)  # whole vocabulary: as many rows as fit
+    plan = plan_chunks(10_000, 151_936, "cpu", tile)
+    assert plan.chunk_tokens == CPU_CHUNK_TOKENS and plan.chunk_tokens * plan.chunk_vocab <= tile
+    assert plan_chunks(3, 50, "cpu", tile) == Plan(3, 50)
+    assert plan_chunks(100, 151_936, "cpu", tile) == Plan(100, 10485)
+    assert plan_chunks(16384, 152_064, "cuda") == Plan(4096, CUDA_CHUNK_VOCAB)  # 7B: 128 MiB fp32 tiles
+    assert plan_chunks(5, 100, "cuda") == Plan(5, 100)
 
 
 def test_no_grad_and_frozen_weight(seed):

@@ -20,7 +20,7 @@ from kernel_accuracy import run as _run
 
 from flashdapo.algorithm import token_loss
 from flashdapo.config import AlgorithmConfig
-from flashdapo.kernels import token_logprobs
+from flashdapo.kernels import CHUNKED_IMPLS, token_logprobs
 from flashdapo.kernels.naive import naive_token_logprobs
 
 ON_CUDA = torch.cuda.is_available()
@@ -28,8 +28,8 @@ _TRITON_MARKS = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, 
 if ON_CUDA:
     _TRITON_MARKS.append(pytest.mark.cuda)
 TRITON = pytest.param("triton", marks=_TRITON_MARKS)
-IMPLS = ["torch", "tiled", TRITON]
-LOSS_IMPLS = ["torch", TRITON]
+LOSS_IMPLS = [TRITON if impl == "triton" else impl for impl in CHUNKED_IMPLS]
+IMPLS = [*LOSS_IMPLS, "tiled"]
 INTERP = not ON_CUDA  # triton shapes must stay tiny under the interpreter
 
 
@@ -240,10 +240,9 @@ def test_deterministic_and_row_independent(impl, seed):
     assert torch.equal(again[0][: n // 2], first[0][: n // 2]), "a row's log-prob depends on other rows"
     assert torch.equal(again[2][: n // 2], first[2][: n // 2]), "a row's dh depends on other rows"
     alone = _run(impl, h[:3], w, y[:3], 0.7, g[:3], ge[:3])
-    if impl == "triton":  # programs own row blocks; the vocab splits depend on V only
-        assert torch.equal(alone[0], first[0][:3]) and torch.equal(alone[2], first[2][:3])
-    else:  # BLAS may round a 3-row matmul differently from a 37-row one (naive torch does too)
-        torch.testing.assert_close(alone[0], first[0][:3], rtol=0, atol=1e-6)
+    # BLAS may round a 3-row matmul differently from a 37-row one (naive torch does too): the chunk plan
+    # and every elementwise pass are per row, so only that rounding may differ.
+    torch.testing.assert_close(alone[0], first[0][:3], rtol=0, atol=1e-6)
 
 
 # 12: input dtypes; fp32 outputs.
@@ -277,19 +276,24 @@ def test_zero_gradient_rows_skipped(impl, seed):
     torch.testing.assert_close(dw, dw_live, rtol=1e-5, atol=1e-6 * dw.abs().max().item())
 
 
-@pytest.mark.parametrize("impl", [TRITON])
-def test_triton_atomic_variant(impl, seed):
-    """The opt-in nondeterministic backward computes the same gradients."""
-    from flashdapo.kernels.triton_logprobs import triton_token_logprobs
-
+# Zipfian targets: real text repeats common tokens ~10^3 times a batch; many rows share a few columns.
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zipfian_targets(impl, seed):
     n, hdim, vocab = _shape(impl)
-    h, w, y = _inputs(impl, n, hdim, vocab)
+    n = 3 * n
+    h, w, _ = _inputs(impl, n, hdim, vocab)
+    zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 1.5  # top token ~38% of rows
+    y = torch.multinomial(zipf, n, replacement=True).to(h.device)
+    assert torch.bincount(y).max().item() >= n // 5, "the case should repeat its top token"
+    _check(impl, h, w, y, 0.7, *_upstream(n))
+
+
+# fp16 at realistic loss-gradient magnitudes: dz = p g with g ~ A / (T normalizer) ~ 1e-6 lies below
+# fp16's normal range (6e-5); it must not be flushed before the matmuls (naive computes in fp32).
+@pytest.mark.parametrize("impl", LOSS_IMPLS)
+def test_fp16_small_gradients(impl, seed):
+    n, hdim, vocab = _shape(impl)
+    h, w, y = _inputs(impl, n, hdim, vocab, dtype=torch.float16)
     g, ge = _upstream(n)
-    outs = []
-    for deterministic in (True, False):
-        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        logp, ent = triton_token_logprobs(hh, ww, y, 0.7, True, deterministic=deterministic)
-        torch.autograd.backward([logp, ent], [g.to(logp), ge.to(ent)])
-        outs.append((hh.grad.double().cpu(), ww.grad.double().cpu()))
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+    _, _, dh, _ = _check(impl, h, w, y, 1.0, g * 1e-6, ge * 1e-7)
+    assert (dh.abs().sum(1) > 0).all(), "a row's gradient was flushed to zero"

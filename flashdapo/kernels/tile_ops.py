@@ -1,0 +1,75 @@
+"""The per-tile elementwise passes of the chunked driver, as torch ops (any device; the CPU path).
+
+A tile is z = h_t W_c^T for a token chunk t and a vocabulary chunk c, in fp32 (fp64 for fp64 inputs),
+before the division by the temperature. Two passes read it:
+
+- `tile_stats`: merge the tile's per-row online statistics into the running ones of its rows, in place:
+  m (max of z/T), s = sum exp(z/T - m), u = sum exp(z/T - m) (z/T - m), z_y (the target's logit, -inf
+  until the chunk holding it is seen). u is kept relative to the running max, so the entropy
+  log s - u / s needs no cancellation of large terms and is >= 0 (u <= 0).
+- `tile_grad`: dz = g (onehot(y) - p) + gH p (E_p[z] - z) of the tile, with g and gH already divided by
+  T. log p = (z/T - m) - log s, not z/T - lse: lse = m + log s rounds to eps |m|, which at T = 0.05
+  (|z/T| ~ 1e3) would put a 1e-4 relative error on p.
+
+`flashdapo.kernels.triton_tiles` implements the same two functions as Triton kernels (one read of z,
+one write of dz); the driver picks one module per call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy: bool) -> None:
+    """Merge the statistics of tile z [n, bv] into state = (m, s, u, z_y), each [n], in place.
+
+    y_local [n] are the targets minus the chunk's first column (outside [0, bv): the target lies in
+    another chunk). z is overwritten. u is None when `with_entropy` is off.
+    """
+    m, s, u, z_y = state
+    if temperature != 1.0:
+        z.div_(temperature)
+    inside = (y_local >= 0) & (y_local < z.shape[1])
+    zy2 = z.gather(1, y_local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    zy2 = torch.where(inside, zy2, torch.full_like(zy2, float("-inf")))
+    m2 = z.amax(dim=1)
+    z.sub_(m2.unsqueeze(1))  # in place: z - m2 <= 0 from here on
+    if with_entropy:
+        e = torch.exp(z)
+        u2, s2 = torch.linalg.vecdot(e, z, dim=1), e.sum(dim=1)
+    else:
+        s2, u2 = z.exp_().sum(dim=1), None
+    if first:
+        m.copy_(m2), s.copy_(s2), z_y.copy_(zy2)
+        if with_entropy:
+            u.copy_(u2)
+        return
+    m_new = torch.maximum(m, m2)
+    a, b = torch.exp(m - m_new), torch.exp(m2 - m_new)
+    if with_entropy:
+        u.copy_(a * (u + (m - m_new) * s) + b * (u2 + (m2 - m_new) * s2))
+    s.copy_(a * s + b * s2)
+    m.copy_(m_new)
+    torch.maximum(z_y, zy2, out=z_y)
+
+
+def tile_grad(z, y_local, rowstats, g, ge, temperature: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """dz of tile z [n, bv] (overwritten), in `out_dtype`; the one-hot term g is added at column y.
+
+    rowstats = (m, log s, entropy or None) [n]; g, ge [n] the upstream gradients of logp and entropy
+    divided by T (ge None: no entropy term).
+    """
+    m, log_s, ent = rowstats
+    if temperature != 1.0:
+        z.div_(temperature)
+    if ge is None:  # p = exp(z - m) / s: three passes over the tile instead of four
+        dz = z.sub_(m.unsqueeze(1)).exp_().mul_((-g * torch.exp(-log_s)).unsqueeze(1))
+    else:
+        t = z.sub_(m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
+        p = torch.exp(t)
+        coef = t.neg_().sub_(ent.unsqueeze(1)).mul_(ge.unsqueeze(1)).sub_(g.unsqueeze(1))
+        dz = p.mul_(coef)
+    inside = (y_local >= 0) & (y_local < z.shape[1])  # no host sync: rows elsewhere add 0 at a clamped column
+    one_hot = torch.where(inside, g, torch.zeros_like(g)).unsqueeze(1)
+    dz.scatter_add_(1, y_local.clamp(0, z.shape[1] - 1).unsqueeze(1), one_hot)
+    return dz.to(out_dtype)

@@ -1,0 +1,144 @@
+"""The per-tile elementwise passes of the chunked driver as Triton kernels (the CUDA path).
+
+Same contract as `flashdapo.kernels.tile_ops` (read its docstring for the math); the matrix multiplies
+around them are library calls. Each kernel reads the fp32 logit tile once; `tile_grad` writes dz once in
+the dot dtype, the one-hot term g added at column y in fp32 before that cast. A program owns BLOCK_R
+rows and walks their columns in BLOCK_V steps, so a row's result never depends on other rows, and the
+running statistics of a row are merged chunk after chunk in the driver's fixed order (no atomics).
+
+On a machine without a GPU the kernels run under TRITON_INTERPRET=1 (set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of both kernels: rows per program, columns per step, warps."""
+
+    block_r: int
+    block_v: int
+    num_warps: int
+
+
+# GPU: 4 rows x 1024 columns of fp32 per step (16 KB in flight per program, 8 warps: 16 B per thread
+# per load), a pure streaming pass. Interpreter: one program per 16 rows keeps the program count low.
+GPU_CONFIG = TileConfig(block_r=4, block_v=1024, num_warps=8)
+INTERPRET_CONFIG = TileConfig(block_r=16, block_v=64, num_warps=1)
+
+
+def config() -> TileConfig:
+    return INTERPRET_CONFIG if INTERPRET else GPU_CONFIG
+
+
+@triton.jit
+def _stats_kernel(z_ptr, y_ptr, m_ptr, s_ptr, u_ptr, zy_ptr, n, bv, temperature,
+                  FIRST: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Online (max, sum exp, sum exp * (z - max), z_y) of BLOCK_R rows of one tile, merged into the
+    running statistics: reads 4 bv bytes and 20 bytes a row, writes 16 bytes a row."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    base = rows.to(tl.int64) * bv
+    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_R,), tl.float32)
+    u = tl.zeros((BLOCK_R,), tl.float32)
+    z_y = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for c0 in range(0, bv, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (cols < bv)[None, :]
+        z = tl.load(z_ptr + base[:, None] + cols[None, :], mask=ok, other=0.0) / temperature
+        # Padded columns never enter max or sum (V prime, all-negative logits).
+        m_new = tl.maximum(m, tl.max(tl.where(ok, z, float("-inf")), axis=1))
+        m_new = tl.where(row_ok, m_new, 0.0)  # padded rows: finite, never stored
+        zs = tl.where(ok, z - m_new[:, None], 0.0)
+        e = tl.where(ok, tl.exp(zs), 0.0)
+        if WITH_ENT:
+            shift = (tl.where(s > 0, m, m_new) - m_new) * s  # not -inf * 0 on the first step
+            u = tl.exp(m - m_new) * (u + shift) + tl.sum(e * zs, axis=1)
+        s = tl.exp(m - m_new) * s + tl.sum(e, axis=1)
+        z_y = tl.maximum(z_y, tl.max(tl.where(ok & (cols[None, :] == y[:, None]), z, float("-inf")), axis=1))
+        m = m_new
+    if not FIRST:  # merge with the chunks before, in the driver's order
+        m0 = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+        s0 = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+        m_new = tl.maximum(m0, m)
+        a, b = tl.exp(m0 - m_new), tl.exp(m - m_new)
+        if WITH_ENT:
+            u0 = tl.load(u_ptr + rows, mask=row_ok, other=0.0)
+            u = a * (u0 + (m0 - m_new) * s0) + b * (u + (m - m_new) * s)
+        s = a * s0 + b * s
+        m = m_new
+        z_y = tl.maximum(z_y, tl.load(zy_ptr + rows, mask=row_ok, other=0.0))
+    tl.store(m_ptr + rows, m, mask=row_ok)
+    tl.store(s_ptr + rows, s, mask=row_ok)
+    tl.store(zy_ptr + rows, z_y, mask=row_ok)
+    if WITH_ENT:
+        tl.store(u_ptr + rows, u, mask=row_ok)
+
+
+@triton.jit
+def _grad_kernel(z_ptr, dz_ptr, y_ptr, g_ptr, ge_ptr, m_ptr, log_s_ptr, ent_ptr, n, bv, temperature,
+                 HAS_GE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dz = g (onehot - p) + gH p (-entropy - log p) of BLOCK_R rows: reads 4 bv bytes a row, writes
+    bv elements of dz's dtype a row (the one-hot term added in fp32 before the cast)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
+    m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+    log_s = tl.load(log_s_ptr + rows, mask=row_ok, other=0.0)
+    coef = -g[:, None]
+    if HAS_GE:
+        ge = tl.load(ge_ptr + rows, mask=row_ok, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    base = rows.to(tl.int64) * bv
+    for c0 in range(0, bv, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (cols < bv)[None, :]
+        z = tl.load(z_ptr + base[:, None] + cols[None, :], mask=ok, other=0.0) / temperature
+        t = (z - m[:, None]) - log_s[:, None]
+        if HAS_GE:
+            dz = tl.exp(t) * (ge[:, None] * (-ent[:, None] - t) + coef)
+        else:
+            dz = tl.exp(t) * coef
+        dz += tl.where(cols[None, :] == y[:, None], g[:, None], 0.0)
+        tl.store(dz_ptr + base[:, None] + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_args(n: int) -> tuple[tuple[int], dict]:
+    c = config()
+    return (triton.cdiv(n, c.block_r),), dict(BLOCK_R=c.block_r, BLOCK_V=c.block_v, num_warps=c.num_warps)
+
+
+def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy: bool) -> None:
+    """As `tile_ops.tile_stats` (z is only read here). y_local: int32 targets minus the chunk start."""
+    n, bv = z.shape
+    if n == 0:
+        return
+    m, s, u, z_y = state
+    grid, meta = _launch_args(n)
+    _stats_kernel[grid](z, y_local, m, s, u, z_y, n, bv, temperature,
+                        FIRST=first, WITH_ENT=with_entropy, **meta)
+
+
+def tile_grad(z, y_local, rowstats, g, ge, temperature: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """As `tile_ops.tile_grad`: dz [n, bv] in `out_dtype` from tile z (only read here)."""
+    n, bv = z.shape
+    dz = torch.empty((n, bv), dtype=out_dtype, device=z.device)
+    if n == 0:
+        return dz
+    m, log_s, ent = rowstats
+    grid, meta = _launch_args(n)
+    _grad_kernel[grid](z, dz, y_local, g, ge if ge is not None else g, m, log_s, ent if ent is not None else m,
+                       n, bv, temperature, HAS_GE=ge is not None, **meta)
+    return dz
