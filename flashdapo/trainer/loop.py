@@ -51,11 +51,13 @@ def train(cfg) -> Run:
         if cfg.checkpoint.export_hf:
             export_hf(run.full_state_dict(), run.policy.config, run.tokenizer, run.run_dir / "export", run.env.is_main)
             run.log(f"exported the final policy to {run.run_dir / 'export'}")
-    except BaseException:
+    except BaseException as err:
         run.logger.close()
+        run.failfast.fail(err)  # with peers: reports, ends this process and, through the store, the others
         shutdown(synchronize=False)
         raise
     run.logger.close()
+    run.failfast.close()
     shutdown()
     return run
 

@@ -24,6 +24,7 @@ from ..tokenizer import eos_token_ids, load_tokenizer
 from ..toy import build_toy_model, build_toy_tokenizer, supervised_warmup
 from .checkpoint import TrainerState, load_first_loadable, resume_candidates
 from .distributed import DistEnv, init_distributed
+from .failfast import FailFast
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, StageTimer
 from .policy import PolicyModel, parallelize
@@ -48,6 +49,7 @@ class Run:
     logger: MetricsLogger
     pad_id: int
     start_step: int
+    failfast: FailFast
 
     def log(self, message: str) -> None:
         if self.env.is_main:
@@ -130,8 +132,19 @@ def _optimizer(cfg: Config, policy: PolicyModel):
 
 
 def setup_run(cfg: Config) -> Run:
-    """Build every piece of a run; resume from a checkpoint when configured."""
+    """Build every piece of a run; resume from a checkpoint when configured. From the process group on, a
+    failure on any rank ends every rank (`failfast.py`)."""
     env = init_distributed(cfg.trainer.device)
+    failfast = FailFast.connect(env.rank, env.world_size)
+    failfast.watch()
+    try:
+        return _build_run(cfg, env, failfast)
+    except BaseException as err:
+        failfast.fail(err)
+        raise
+
+
+def _build_run(cfg: Config, env: DistEnv, failfast: FailFast) -> Run:
     _check_world(cfg, env)
     run_dir = Path(cfg.logging.run_dir)
     log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
@@ -168,7 +181,7 @@ def setup_run(cfg: Config) -> Run:
     return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
                scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
-               pad_id=tokenizer.pad_token_id, start_step=start_step)
+               pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast)
 
 
 def _check_world(cfg: Config, env: DistEnv) -> None:

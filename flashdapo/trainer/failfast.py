@@ -1,0 +1,127 @@
+"""One rank's failure ends the whole job within seconds, with that rank's error printed once.
+
+Why: a rank that raises (reward scoring, data, generation, the weight push) leaves its peers waiting in
+the next collective. gloo notices a dead peer's closed socket, NCCL does not: its ranks wait for the
+collective timeout (30 minutes by default), and torchrun only kills the workers of its own node.
+
+How: the rendezvous store (torchrun's, reached through MASTER_ADDR / MASTER_PORT) is the job's shared
+blackboard. The first rank to fail counts itself in with an atomic `add`, writes its rank, prints its
+traceback and exits with status 1. Every rank polls the blackboard from a daemon thread (`poll_s`,
+default 0.5 s); a rank that sees a failure prints one line naming the failed rank and exits with status
+1 at once, from whatever wait it is in. A rank whose own error follows another's (gloo's "connection
+closed by peer") prints that one line too, not a second traceback. Exits use `os._exit`: interpreter
+teardown can hang on a communicator or a thread that still waits on the dead peer. A single-rank run
+has no peers: its errors propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+_EXIT_STATUS = 1
+
+
+def _key(name: str) -> str:
+    # One namespace per (elastic) attempt: a restarted worker group must not read the last one's failure.
+    return f"flashdapo/failfast/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+@dataclass
+class FailFast:
+    """A rank's view of the job's failure state; `watch` starts polling, `fail` reports this rank."""
+
+    rank: int
+    store: dist.Store | None
+    poll_s: float = 0.5
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _exiting: threading.Lock = field(default_factory=threading.Lock)
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def connect(cls, rank: int, world_size: int, poll_s: float = 0.5) -> FailFast:
+        """Connect to the rendezvous store (a client of its own); no store for one rank without peers."""
+        if world_size == 1 or "MASTER_ADDR" not in os.environ:
+            return cls(rank, None, poll_s)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        return cls(rank, store, poll_s)
+
+    def watch(self) -> None:
+        """Start the daemon thread that ends this process when another rank has failed."""
+        if self.store is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._poll, name="flashdapo-failfast", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop watching (a clean end: before the process group and its store go away)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def failed_rank(self) -> int | None:
+        """The rank that failed first, if any has."""
+        if self.store is None or not self.store.check([_key("rank")]):
+            return None
+        return int(self.store.get(_key("rank")))
+
+    def fail(self, err: BaseException) -> None:
+        """Report this rank's exception and end the process (status 1). The first failure of the job prints
+        its traceback; a later one prints a line naming the first. Returns only without peers."""
+        if self.store is None:
+            return
+        first = self._count_in()
+        with self._exiting:  # the watcher thread may be exiting already: one message per process
+            self._stop.set()
+            if first:
+                print(f"flashdapo: rank {self.rank} failed; stopping every rank", file=sys.stderr, flush=True)
+                traceback.print_exception(err, file=sys.stderr)
+            else:
+                print(f"flashdapo: rank {self.rank} stops ({type(err).__name__}) after rank "
+                      f"{self._first_rank()} failed (its error is above)", file=sys.stderr, flush=True)
+            _exit()
+
+    def _count_in(self) -> bool:
+        try:
+            first = self.store.add(_key("count"), 1) == 1
+            if first:
+                self.store.set(_key("rank"), str(self.rank))
+            return first
+        except Exception:  # the store is gone with its host: report this error in full
+            return True
+
+    def _first_rank(self) -> str:
+        try:
+            return self.store.get(_key("rank")).decode()
+        except Exception:
+            return "?"
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                failed = self.failed_rank()
+            except Exception:  # the store's host (the launcher or rank 0) is gone: so is the job
+                failed = "?"
+            if failed is not None and self._exiting.acquire(blocking=False):
+                if self._stop.is_set():  # a clean close raced the poll
+                    self._exiting.release()
+                    return
+                print(f"flashdapo: rank {self.rank} stops: rank {failed} failed (its error is above)",
+                      file=sys.stderr, flush=True)
+                _exit()
+
+
+def _exit() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS)
+
+
+__all__ = ["FailFast"]
