@@ -129,6 +129,10 @@ class DataConfig(Section):
     """The built-in toy task (used when train_files is empty)."""
 
 
+VLLM_TEMPERATURE = (0.01, 2.0)
+"""The temperatures vLLM samples at as asked (vLLM 0.33.0 SamplingParams)."""
+
+
 @dataclass
 class RolloutConfig(Section):
     """Sampling responses from the policy."""
@@ -167,6 +171,14 @@ class RolloutConfig(Section):
     """Compare vLLM's and the trainer's log-probs on the same tokens every N steps (0 = only at start)."""
     logprob_check_threshold: PositiveFloat = 0.05
     """Warn when the mean |logp_vllm - logp_trainer| exceeds this."""
+
+    # vLLM 0.33.0's SamplingParams (sampling_params.py `_verify_args`, `__post_init__`) rejects temperatures
+    # above 2 and raises those below 0.01 to 0.01, where the trainer would still divide by the smaller value.
+    # n, top_p, top_k and max_tokens (max_response_length) already satisfy its ranges for both engines.
+    RULES = tuple(
+        Rule(name, lambda c, name=name: c.engine == "torch" or VLLM_TEMPERATURE[0] <= getattr(c, name)
+             <= VLLM_TEMPERATURE[1], lambda c: "a value in [0.01, 2] with engine='vllm' (vLLM's range)")
+        for name in ("temperature", "val_temperature"))
 
 
 @dataclass

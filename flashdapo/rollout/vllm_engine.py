@@ -79,7 +79,7 @@ import torch
 
 from ..config import RolloutConfig
 from .base import Rollouts, SamplingParams
-from .vllm_process import keep_trainer_state, set_launcher_env, torch_threads
+from .vllm_process import gpu_memory, keep_trainer_state, set_launcher_env, torch_threads
 
 __all__ = ["VLLM_VERSION_READ", "VLLMEngine", "LogprobMismatchWarning", "derive_seed", "should_check_logprobs",
            "warn_logprob_mismatch", "tp_layout", "to_rollouts", "vllm_target"]
@@ -269,6 +269,7 @@ class VLLMEngine:
         self._weights_asleep = self._kv_asleep = False
         self._weights_valid = not dummy_weights
         self._cache_used = False  # generated since the last sleep: the prefix cache may hold old-weight KV
+        self._wake_bytes = 0  # GPU memory the last sleep released
         self.last_weight_sync_s = 0.0
 
     # -- memory ------------------------------------------------------------------------------------
@@ -278,7 +279,11 @@ class VLLMEngine:
         sleep): free the KV cache and drop (2) or offload (1) the weights. Clears the prefix cache."""
         if self._weights_asleep:
             return
+        before = gpu_memory()
         self.llm.sleep(level=self.config.sleep_level)
+        after = gpu_memory()
+        if before is not None and after is not None:  # what waking will map again (weights, KV cache, runtime)
+            self._wake_bytes = max(after[0] - before[0], 0)
         self._weights_asleep = self._kv_asleep = True
         self._cache_used = False
         if self.config.sleep_level >= 2:
@@ -288,8 +293,24 @@ class VLLMEngine:
         """`wake_up(tags=["weights"])` if asleep; the KV cache wakes after the push (or in `generate`)."""
         if self._weights_asleep:
             _cuda_empty_cache()
+            self._check_memory_budget()
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False
+
+    def _check_memory_budget(self) -> None:
+        """Before waking: the GPU must have room for all vLLM freed when it fell asleep (weights and KV cache,
+        sized at start from rollout.gpu_memory_utilization), with the trainer's state now resident."""
+        memory = gpu_memory()
+        if memory is None or self._wake_bytes == 0:
+            return
+        free, total, allocated = memory
+        if free < self._wake_bytes:
+            gib = 2**30
+            raise RuntimeError(
+                f"waking vLLM needs {self._wake_bytes / gib:.2f} GiB of GPU memory (its weights and KV cache, "
+                f"sized at start by rollout.gpu_memory_utilization={self.config.gpu_memory_utilization} of "
+                f"{total / gib:.2f} GiB) but {free / gib:.2f} GiB are free, with {allocated / gib:.2f} GiB held "
+                "by the trainer: lower rollout.gpu_memory_utilization or set trainer.fsdp_cpu_offload=true")
 
     def _wake_kv_cache(self) -> None:
         if self._kv_asleep:

@@ -82,6 +82,15 @@ def torch_threads(count: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def gpu_memory() -> tuple[int, int, int] | None:
+    """(free, total, allocated by torch) bytes on the current CUDA device; None without CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return free, total, torch.cuda.memory_allocated()
+
+
 def library_versions() -> str:
     """'torch X, triton Y, vllm Z' as installed ('-' where absent): the three that must agree on a GPU."""
     found = []
@@ -93,4 +102,4 @@ def library_versions() -> str:
     return ", ".join(found)
 
 
-__all__ = ["KeptState", "keep_trainer_state", "library_versions", "set_launcher_env", "torch_threads"]
+__all__ = ["KeptState", "gpu_memory", "keep_trainer_state", "library_versions", "set_launcher_env", "torch_threads"]

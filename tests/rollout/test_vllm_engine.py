@@ -28,7 +28,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flashdapo.config import RolloutConfig
+from flashdapo.config import ConfigError, RolloutConfig
 from flashdapo.rollout.base import SamplingParams
 from flashdapo.rollout.vllm_engine import (
     VLLM_VERSION_READ,
@@ -460,6 +460,50 @@ def test_bad_outputs_raise():
         to_rollouts(outputs, [[1]], n=2)
 
 
+def test_wake_checks_the_memory_budget_first(monkeypatch):
+    """A simulated GPU: vLLM's sleep frees 30 GiB that waking maps again; the trainer then grows."""
+    import flashdapo.rollout.vllm_engine as module
+
+    gib, gpu = 2**30, {"free": 10 * 2**30, "allocated": 40 * 2**30}
+    monkeypatch.setattr(module, "gpu_memory", lambda: (gpu["free"], 80 * gib, gpu["allocated"]))
+
+    class MeteredLLM(FakeLLM):
+        def sleep(self, level=1, mode="abort"):
+            if "weights" not in self.sleeping:
+                gpu["free"] += 30 * gib
+            super().sleep(level, mode)
+
+        def wake_up(self, tags=None):
+            gpu["free"] -= {"weights": 14, "kv_cache": 16}[tags[0]] * gib
+            return super().wake_up(tags)
+
+    engine = make_engine(vllm_module=SimpleNamespace(LLM=MeteredLLM, SamplingParams=FakeSamplingParams,
+                                                     __version__=VLLM_VERSION_READ))
+    push(engine)
+    engine.generate([[1]], SamplingParams(max_new_tokens=2))
+    engine.sleep()
+    push(engine)  # 40 GiB free: room for the 30 GiB
+    engine.sleep()
+    gpu["free"] -= 12 * gib  # Adam moments appear
+    gpu["allocated"] += 12 * gib
+    with pytest.raises(RuntimeError, match=r"waking vLLM needs 30.00 GiB of GPU memory \(its weights and KV cache, "
+                       r"sized at start by rollout.gpu_memory_utilization=0.5 of 80.00 GiB\) but 28.00 GiB are "
+                       r"free, with 52.00 GiB held by the trainer: lower rollout.gpu_memory_utilization or set "
+                       r"trainer.fsdp_cpu_offload=true"):
+        push(engine)
+    assert names(engine.llm.calls)[-1] == ("sleep", 2)  # nothing woken
+
+
+@pytest.mark.parametrize("field", ["temperature", "val_temperature"])
+def test_config_takes_only_temperatures_vllm_samples_at(field):
+    for ok in (0.01, 1.0, 2.0):
+        RolloutConfig(engine="vllm", **{field: ok})
+    for bad in (0.005, 2.5):
+        with pytest.raises(ConfigError, match=rf"rollout.{field}: expected a value in \[0.01, 2\] with engine='vllm'"):
+            RolloutConfig(engine="vllm", **{field: bad})
+        RolloutConfig(engine="torch", **{field: bad})  # the torch engine samples at any temperature
+
+
 def test_logprob_check_schedule():
     assert [s for s in range(12) if should_check_logprobs(s, 5)] == [0, 5, 10]
     assert [s for s in range(12) if should_check_logprobs(s, 0)] == [0]
@@ -493,6 +537,10 @@ def test_double_matches_the_installed_vllm():
     vllm.SamplingParams(**{**fields, "logprobs": 0, "seed": derive_seed(1, 2, 3), "top_k": 0})
     from vllm.v1.executor.abstract import SLEEP_TAGS
     assert SLEEP_TAGS == {"weights", "kv_cache"}
+    from vllm.exceptions import VLLMValidationError
+    with pytest.raises(VLLMValidationError, match="temperature"):  # what the config refuses for engine='vllm'
+        vllm.SamplingParams(temperature=2.5)
+    assert vllm.SamplingParams(temperature=0.005).temperature == 0.01
 
 
 @pytest.mark.vllm
