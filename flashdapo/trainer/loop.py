@@ -35,13 +35,13 @@ def train(cfg) -> Run:
     run = setup_run(cfg)
     try:
         if run.start_step == 0 and cfg.trainer.val_before_train:
-            run.logger.log({"step": 0, **validate(run, 0)})
+            run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0)})
         for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
             metrics = train_step(run, step)
             last = step == cfg.trainer.total_steps
             validating = last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0)
             if validating:
-                metrics.update(validate(run, step))
+                metrics.update(validate(run, step, keep_awake=not last))
             run.logger.log(metrics)
             if run.env.is_main and cfg.logging.plot and validating:  # a plot costs ~0.2 s: not every step
                 plot_dynamics(run.logger.history, run.run_dir / "training_dynamics.png", f"flashdapo: {run.run_dir.name}")
@@ -81,6 +81,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
             run.scheduler.step()
+            run.policy_version += 1
     return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check}
 
 
@@ -102,9 +103,10 @@ def logprob_agreement(run: Run, step: int, batch: TrainBatch) -> dict[str, float
     return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": peak.item()}
 
 
-def validate(run: Run, step: int) -> dict[str, float]:
+def validate(run: Run, step: int, keep_awake: bool = False) -> dict[str, float]:
     """mean@k / pass@k / maj@k per data source and pooled on the validation prompts (k = rollout.val_n,
-    top_p = rollout.val_top_p); each rank samples its share in one generate call."""
+    top_p = rollout.val_top_p); each rank samples its share in one generate call. `keep_awake`: a training
+    step follows on the same weights; vLLM stays awake so it pushes nothing."""
     if not run.val_prompts:
         return {}
     rc, env = run.cfg.rollout, run.env
@@ -115,7 +117,7 @@ def validate(run: Run, step: int) -> dict[str, float]:
                             prompts_per_call=-(-len(run.val_prompts) // env.world_size))
     results = sample_prompts(run.engine, run.val_prompts, run.tokenizer, run.verifier, sampling,
                              Shard(env.rank, env.world_size))
-    run.engine_sleep()
+    run.engine_sleep(keep_awake)
     return {**summarize(results).metrics("val"), "timing_s/val": time.perf_counter() - start}
 
 

@@ -50,6 +50,10 @@ class Run:
     pad_id: int
     start_step: int
     failfast: FailFast
+    policy_version: int = 0
+    """Optimizer updates so far in this process: which weights the rollout engine holds."""
+    engine_holds: int | None = None
+    """vLLM: the policy_version an awake engine holds (left awake by validation); None when asleep."""
 
     def log(self, message: str) -> None:
         if self.env.is_main:
@@ -66,19 +70,25 @@ class Run:
 
     def engine_wake(self, timer: StageTimer | None) -> None:
         """Before generating. torch engine: gather every FSDP2 shard once for the whole generation (not
-        once per decoded token). vLLM: wake weights, push them, reset the prefix cache, wake the KV cache."""
+        once per decoded token). vLLM: wake weights, push them, wake the KV cache; nothing when the engine
+        is awake with the current weights already (validation just ran on them)."""
         if self.cfg.rollout.engine == "torch":
             gather_for_generation(self.policy, True, self.cfg.trainer.reshard_after_forward)
             return
+        if self.engine_holds == self.policy_version:
+            return
         with timer("weight_sync") if timer else nullcontext():
             self.engine.wake_and_sync(iter_full_state_dict(self.policy.hf, dtype=self.engine.weight_dtype))
+        self.engine_holds = self.policy_version
 
-    def engine_sleep(self) -> None:
-        """After generating: release what generation held."""
+    def engine_sleep(self, keep_awake: bool = False) -> None:
+        """After generating: release what generation held. vLLM with `keep_awake` (validation followed by
+        a training step on the same weights): stay awake, so that step pushes nothing."""
         if self.cfg.rollout.engine == "torch":
             gather_for_generation(self.policy, False, self.cfg.trainer.reshard_after_forward)
-        else:
+        elif not keep_awake:
             self.engine.sleep()
+            self.engine_holds = None
 
 
 def gather_for_generation(policy: PolicyModel, gather: bool, reshard_after_forward: bool) -> None:
