@@ -262,6 +262,9 @@ class TrainerConfig(Section):
     """FSDP2 CPU offload of parameters, gradients and optimizer state (released 32B recipe)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3) rather than keep them until backward."""
+    collective_timeout_s: Positive = 1800
+    """Seconds a collective may wait for the other ranks before it fails: a backstop for a rank that
+    hangs without raising (a rank that raises ends the job at once)."""
 
     RULES = (Rule("mini_batch", lambda c: c.train_batch % c.mini_batch == 0,
                   lambda c: f"a divisor of train_batch ({c.train_batch})"),)

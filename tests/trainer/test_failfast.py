@@ -19,12 +19,13 @@ RUN = [*TINY, "--trainer.total-steps", "3", "--checkpoint.save-every", "1"]
 ERROR = "injected failure in {} on rank 1 at step 2"
 
 
-def _launch(nproc: int, nnodes: int, node_rank: int, port: int, where: str, run_dir: Path) -> subprocess.Popen:
+def _launch(nproc: int, nnodes: int, node_rank: int, port: int, where: str, run_dir: Path,
+            *extra: str) -> subprocess.Popen:
     launcher = (["--standalone"] if nnodes == 1 else
                 [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
                  "--master-addr=127.0.0.1", f"--master-port={port}"])
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc-per-node={nproc}",
-           str(SCRIPTS / "raise_on_rank.py"), where, "1", "2", *RUN, "--logging.run-dir", str(run_dir)]
+           str(SCRIPTS / "raise_on_rank.py"), where, "1", "2", *RUN, "--logging.run-dir", str(run_dir), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
                             cwd=ROOT)
 
@@ -81,3 +82,15 @@ def test_failure_reaches_a_rank_that_no_launcher_would_stop(tmp_path):
     out = _finish(procs, tmp_path)
     _check_reported_once(out, "reward scoring")
     assert "flashdapo: rank 0 stops: rank 1 failed (its error is above)" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
+    """Rank 1 hangs without raising; rank 0's next collective fails after trainer.collective_timeout_s and
+    its error (the timeout) is the one reported."""
+    out = _finish([_launch(2, 1, 0, 0, "reward-hang", tmp_path, "--trainer.collective-timeout-s", "5")],
+                  tmp_path)
+    assert "flashdapo: rank 0 failed; stopping every rank" in out
+    assert out.count("flashdapo: rank 0 failed") == 1 and "injected failure" not in out
+    assert re.search(r"[Tt]imed? ?out", out), out
