@@ -301,6 +301,10 @@ class LoggingConfig(Section):
     """W&B project name."""
     progress: bool = True
     """Print one line per step (rank 0)."""
+    dump_rollouts_every: NonNegative = 0
+    """Every N steps write the step's rollouts (prompt, responses, scores, advantages, trained / filtered /
+    unused) and, at validations on such steps, the validation generations as jsonl under RUN_DIR/rollouts/
+    (0: never)."""
 
 
 @dataclass

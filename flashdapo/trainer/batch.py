@@ -35,6 +35,8 @@ class Group:
     """[n] bool: hit the max response length."""
     sampler_logprobs: list[torch.Tensor] | None = None
     """The rollout engine's per-token log-probs, when it reports them."""
+    origin: tuple[int, int, int] = (0, 0, 0)
+    """(generation round, rank, position in the round) where it was sampled: names it across ranks."""
 
     @property
     def size(self) -> int:

@@ -24,6 +24,7 @@ from ..rollout.vllm_engine import should_check_logprobs, warn_logprob_mismatch
 from .batch import TrainBatch, build_train_batch
 from .checkpoint import export_hf, save_checkpoint
 from .distributed import all_gather_objects, all_reduce, shutdown
+from .dumps import dump_train_rollouts, dump_validation, dumping
 from .metrics import StageTimer, describe, plot_dynamics
 from .run import Run, setup_run
 from .sampling import collect_groups
@@ -70,7 +71,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         torch.cuda.reset_peak_memory_stats(env.device)
     with timer("step"):
         run.engine_wake(timer)
-        collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer)
+        dump = dumping(cfg.logging.dump_rollouts_every, step)
+        collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer,
+                                   keep_generated=dump)
         run.engine_sleep()
         with timer("old_log_prob"):
             old_logprobs = compute_old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
@@ -82,6 +85,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
             run.scheduler.step()
             run.policy_version += 1
+    if dump:
+        dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env)
     return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check}
 
 
@@ -118,6 +123,8 @@ def validate(run: Run, step: int, keep_awake: bool = False) -> dict[str, float]:
     results = sample_prompts(run.engine, run.val_prompts, run.tokenizer, run.verifier, sampling,
                              Shard(env.rank, env.world_size))
     run.engine_sleep(keep_awake)
+    if dumping(run.cfg.logging.dump_rollouts_every, step):
+        dump_validation(run.run_dir, step, results, env.is_main)
     return {**summarize(results).metrics("val"), "timing_s/val": time.perf_counter() - start}
 
 

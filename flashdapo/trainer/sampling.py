@@ -12,7 +12,7 @@ would take.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,8 @@ class Collected:
     gen_score: float
     gen_truncated: float
     """Fraction of all generated responses that hit the max length."""
+    generated: list[tuple[Group, bool]] = field(default_factory=list)
+    """With keep_generated: every group this rank generated, and whether the filter kept it (for dumps)."""
 
     @property
     def groups(self) -> list[Group]:
@@ -82,10 +84,12 @@ def _is_informative(group: Group) -> bool:
 
 
 def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tokenizer, verifier: Verifier,
-                   cfg: Config, env: DistEnv, timer: StageTimer) -> Collected:
-    """Generate rounds until train_batch informative groups are kept (globally), then deal them out."""
+                   cfg: Config, env: DistEnv, timer: StageTimer, keep_generated: bool = False) -> Collected:
+    """Generate rounds until train_batch informative groups are kept (globally), then deal them out.
+    `keep_generated` also returns every generated group (Collected.generated)."""
     tc, algo = cfg.trainer, cfg.algorithm
     kept_per_round: list[list[Group]] = []
+    generated: list[tuple[Group, bool]] = []
     total_kept = rounds = 0
     # Sums over all generated responses (this rank): correct, score, truncated, count.
     gen_sums = torch.zeros(4, dtype=torch.float64)
@@ -102,8 +106,12 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         for g in groups:
             gen_sums += torch.tensor([g.acc.sum().item(), g.scores.sum().item(), g.truncated.sum().item(), g.size],
                                      dtype=torch.float64)
+        for i, g in enumerate(groups):
+            g.origin = (rounds, env.rank, i)
         kept = [g for g in groups if _is_informative(g)] if algo.dynamic_sampling else groups
         kept_per_round.append(kept)
+        if keep_generated:
+            generated += [(g, any(g is k for k in kept)) for g in groups]
         total_kept += int(all_reduce(torch.tensor([len(kept)])).item())
         if total_kept >= tc.train_batch or not algo.dynamic_sampling:
             break
@@ -126,6 +134,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         gen_acc=totals[0].item() / count,
         gen_score=totals[1].item() / count,
         gen_truncated=totals[2].item() / count,
+        generated=generated,
     )
 
 

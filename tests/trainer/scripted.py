@@ -20,7 +20,10 @@ class ScriptedEngine:
 
 class PlainTokenizer:
     def batch_decode(self, sequences, skip_special_tokens=True):
-        return [" ".join(map(str, s)) for s in sequences]
+        return [self.decode(s) for s in sequences]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
 
 
 def scripted_verifier(informative_ids):

@@ -123,7 +123,7 @@ def test_same_seed_same_first_step(tmp_path):
 # Dynamic sampling with a scripted engine and scorer
 
 
-def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None):
+def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None, keep_generated=False):
     cfg = toy()
     cfg = dataclasses.replace(
         cfg, rollout=dataclasses.replace(cfg.rollout, n=4),
@@ -133,7 +133,7 @@ def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None):
     sampler = PromptSampler(numbered_prompts(num_prompts), cfg.trainer.gen_batch, seed=0, shuffle=False)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
     return collect_groups(1, sampler, ScriptedEngine(), PlainTokenizer(), scripted_verifier(informative_ids),
-                          cfg, env, StageTimer(env.device))
+                          cfg, env, StageTimer(env.device), keep_generated=keep_generated)
 
 
 def test_partly_informative_refills_to_exactly_train_batch_whole_groups():
