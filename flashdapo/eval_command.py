@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 
@@ -71,6 +71,10 @@ def eval_args_class(base: Config) -> type:
             help="Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
                  f"only on the seed and the prompt), {VLLM_PROMPTS_PER_CALL} with vllm.")], 0),
         ("progress", Annotated[bool, tyro.conf.arg(help="Show prompts done / total, tokens/s and the ETA.")], True),
+        ("sources", Annotated[Literal["column", "file"], tyro.conf.arg(
+            help="What a data source is: 'column', the data_source column (the file name where it is absent), "
+                 "or 'file', the file name (the public AIME-2024 parquet says math_dapo, as the training set "
+                 "does).")], "column"),
     ]
     for name, path in OPTIONS.items():
         section_path, _, leaf = path.rpartition(".")
@@ -135,7 +139,7 @@ def eval_settings(args: Any) -> dict[str, Any]:
             "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "max_prompt_length": args.max_prompt_length,
             "seed": args.seed, "verifier": args.verifier, "engine": args.engine,
-            "prompts_per_call": prompts_per_call(args)}
+            "prompts_per_call": prompts_per_call(args), "sources": args.sources}
 
 
 def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
@@ -147,6 +151,8 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
         tokenizer = load_tokenizer(args.model)
         dataset = load_prompts(list(args.data), tokenizer,
                                DataConfig(max_prompt_length=args.max_prompt_length, dedup=True))
+        prompts = dataset.prompts if args.sources == "column" else [
+            dataclasses.replace(p, data_source=Path(p.source.rsplit(":", 1)[0]).stem) for p in dataset.prompts]
         if env.is_main:
             print(f"flashdapo eval: {dataset.report.summary()}; {env.world_size} rank(s) on {env.device}, "
                   f"{args.engine} engine", flush=True)
@@ -154,7 +160,7 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
         sampling = EvalSampling(k=args.k, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 prompts_per_call=prompts_per_call(args))
-        report = evaluate_to_dir(engine, dataset.prompts, tokenizer, get_verifier(args.verifier), sampling,
+        report = evaluate_to_dir(engine, prompts, tokenizer, get_verifier(args.verifier), sampling,
                                  args.out, eval_settings(args), Shard(env.rank, env.world_size), args.progress)
         if env.is_main:
             print(format_report(report))

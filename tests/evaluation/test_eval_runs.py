@@ -118,7 +118,7 @@ def test_two_ranks_equal_one_rank(export, two_sources, tmp_path):
     assert samples(two) == samples(one) and report(two) == report(one)
 
 
-def test_aime_schema_file_dedups_to_30_prompts_under_one_source(export, tmp_path):
+def test_aime_schema_file_dedups_to_30_prompts_under_one_source_named_by_its_file(export, tmp_path):
     """30 problems x 32 copies with the public AIME-2024 parquet's columns (its answers are integers)."""
     problems = [(f"Find the number of ordered pairs (a, b) with a + b = {n} and 0 < a < b.", str(n // 2 - (n % 2 == 0)))
                 for n in range(10, 40)]
@@ -126,9 +126,10 @@ def test_aime_schema_file_dedups_to_30_prompts_under_one_source(export, tmp_path
     path = write_parquet(tmp_path / "aime-2024.parquet", rows)
     out = tmp_path / "out"
     assert cli(["eval", "--model", str(export), "--data", str(path), "--out", str(out), "--k", "2",
-                "--max-new-tokens", "3", "--max-prompt-length", "48", "--prompts-per-call", "8", "--no-progress"]) == 0
+                "--max-new-tokens", "3", "--max-prompt-length", "48", "--prompts-per-call", "8", "--sources", "file", "--no-progress"]) == 0
     result = report(out)
-    assert [s["source"] for s in result["sources"]] == ["math_dapo"] and result["pooled"]["prompts"] == 30
+    # Its data_source column says math_dapo (as the training set's does): --sources file names it by its file.
+    assert [s["source"] for s in result["sources"]] == ["aime-2024"] and result["pooled"]["prompts"] == 30
     assert len(samples(out)) == 30 and result["pooled"]["mean"] == 0.0
 
 
