@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from .collectives import all_reduce
 from .config import AlgorithmConfig
 
 LOG_RATIO_CLAMP = 20.0
@@ -106,14 +107,7 @@ def global_token_count(mask: torch.Tensor, group: dist.ProcessGroup | None = Non
     `mask` holds this rank's valid-token flags of the mini-batch (all its micro-batches). One
     all-reduce per mini-batch; without an initialized process group, the local count.
     """
-    count = mask.sum().to(torch.float64).reshape(1)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        device = count.device
-        if dist.get_backend(group) == "nccl" and device.type != "cuda":
-            count = count.cuda()
-        dist.all_reduce(count, group=group)
-        count = count.to(device)
-    return count[0]
+    return all_reduce(mask.sum().to(torch.float64).reshape(1), group=group)[0]
 
 
 @dataclass

@@ -24,13 +24,12 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from .collectives import all_gather_objects, broadcast_object
 from .data import Prompt
 from .eval_results import EvalReport, PromptResult, SampleResult, summarize
 from .eval_store import EvalStoreError, SampleLog
-from .reward import Verifier
-from .rollout import RolloutEngine, Rollouts, SamplingParams
-from .rollout.vllm_engine import derive_seed
-from .trainer.distributed import all_gather_objects, broadcast_object
+from .reward import Verifier, verify_responses
+from .rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
 
 
 @dataclass(frozen=True)
@@ -58,12 +57,13 @@ class Shard:
 def judge(rollouts: Rollouts, prompts: list[Prompt], ids: list[int], tokenizer, verifier: Verifier,
           k: int) -> list[PromptResult]:
     """Decode and verify the k responses of each prompt (responses of prompt j at rows j*k..j*k+k-1)."""
-    texts = tokenizer.batch_decode([r.tolist() for r in rollouts.response_ids], skip_special_tokens=True)
+    texts, verdicts = verify_responses(rollouts.response_ids, [p.ground_truth for p in prompts for _ in range(k)],
+                                       tokenizer, verifier)
     results = []
     for j, (pid, prompt) in enumerate(zip(ids, prompts)):
         samples = []
         for row in range(j * k, (j + 1) * k):
-            verdict = verifier(texts[row], prompt.ground_truth)
+            verdict = verdicts[row]
             samples.append(SampleResult(response=texts[row], pred=verdict.pred, score=verdict.score,
                                         acc=verdict.acc, length=len(rollouts.response_ids[row]),
                                         finish_reason="length" if bool(rollouts.truncated[row]) else "stop"))

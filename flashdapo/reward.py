@@ -51,7 +51,7 @@ __all__ = [
     "math_verify_verify",
     "normalize_final_answer",
     "normalize_ground_truth",
-    "score_responses",
+    "verify_responses",
 ]
 
 
@@ -327,12 +327,15 @@ def check_reward(score: float, prompt: str, response: str) -> None:
                           "finite number; check the verifier and algorithm.overlong_penalty_factor")
 
 
-def score_responses(
-    responses: Sequence[str], ground_truths: Sequence[str], verifier: Verifier
-) -> list[Verdict]:
-    """Judge each response against its ground truth (same length, paired by position)."""
-    if len(responses) != len(ground_truths):
+def verify_responses(response_ids: Sequence[Sequence[int]], ground_truths: Sequence[str], tokenizer,
+                     verifier: Verifier) -> tuple[list[str], list[Verdict]]:
+    """Decode each response's token ids (special tokens dropped) and judge it against its ground truth
+    (same length, paired by position): the one decode-and-verify of training and evaluation. Returns the
+    decoded texts and the verdicts."""
+    if len(response_ids) != len(ground_truths):
         raise ValueError(
-            f"score_responses: {len(responses)} responses but {len(ground_truths)} ground truths"
+            f"verify_responses: {len(response_ids)} responses but {len(ground_truths)} ground truths"
         )
-    return [verifier(r, gt) for r, gt in zip(responses, ground_truths, strict=True)]
+    ids = [r.tolist() if hasattr(r, "tolist") else list(r) for r in response_ids]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True) if ids else []
+    return texts, [verifier(text, truth) for text, truth in zip(texts, ground_truths, strict=True)]

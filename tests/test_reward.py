@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from flashdapo.reward import (
     REMOVED_EXPRESSIONS,
@@ -22,7 +23,7 @@ from flashdapo.reward import (
     math_verify_verify,
     normalize_final_answer,
     normalize_ground_truth,
-    score_responses,
+    verify_responses,
 )
 
 PREAMBLE = "Let me think step by step.\nSo the total is computed below.\n"
@@ -269,15 +270,24 @@ def test_math_verify_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
         math_verify_verify("Answer: 1", "1")
 
 
-def test_score_responses() -> None:
+class _CharTokenizer:
+    """Token id = character code; ids >= 1000 are special tokens (dropped when asked)."""
+
+    def batch_decode(self, sequences, skip_special_tokens=False):
+        return ["".join(chr(t) for t in s if not (skip_special_tokens and t >= 1000)) for s in sequences]
+
+
+def test_verify_responses_decodes_then_judges() -> None:
     responses = ["Answer: 540", "Answer: 7", "nothing", "Answer: \\frac12"]
+    ids = [torch.tensor([ord(c) for c in r] + [1000]) for r in responses]  # an EOS-like special token
     truths = ["540", "540", "540", "\\frac{1}{2}"]
-    verdicts = score_responses(responses, truths, dapo_verify)
+    texts, verdicts = verify_responses(ids, truths, _CharTokenizer(), dapo_verify)
+    assert texts == responses
     assert [v.acc for v in verdicts] == [True, False, False, True]
     assert [v.score for v in verdicts] == [1.0, -1.0, -1.0, 1.0]
-    assert score_responses([], [], dapo_verify) == []
+    assert verify_responses([], [], _CharTokenizer(), dapo_verify) == ([], [])
     with pytest.raises(ValueError, match="2 responses but 1 ground truths"):
-        score_responses(["a", "b"], ["a"], dapo_verify)
+        verify_responses([[97], [98]], ["a"], _CharTokenizer(), dapo_verify)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,12 +1,38 @@
-"""What every rollout engine takes and returns."""
+"""What every rollout engine takes and returns, and the contract the trainer calls it through.
+
+Per step, on every rank together, whatever the engine:
+
+    engine.wake(weights, version)  # make `generate` sample from the policy's current weights
+    rollouts = engine.generate(prompts, SamplingParams(..., seed=derive_seed(seed, step, round)))
+    engine.sleep()                 # give back what generation held, before the trainer's passes
+
+`weights(dtype)` yields the policy's full HF-named tensors (`trainer.weight_sync.iter_full_state_dict`):
+an engine with its own copy of the model (vLLM) consumes it; one that samples from the policy module
+itself (the torch engine) never calls it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+WeightSource = Callable[[torch.dtype | None], Iterable[tuple[str, torch.Tensor]]]
+"""Called with a dtype (None: as stored), returns the policy's (HF name, full tensor) pairs one at a time.
+The stream may all-gather FSDP2 shards: every rank must consume it together, to the end."""
+
+_SEED_BITS = 62
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed in [0, 2**62) from integers (blake2b of their 64-bit encodings): stable across runs and
+    machines, and distinct for distinct parts (run seed, step, generation round, rank, prompt ...)."""
+    data = b"".join(struct.pack("<q", int(p)) for p in parts)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> (64 - _SEED_BITS)
 
 
 @dataclass(frozen=True)
@@ -58,18 +84,19 @@ class Rollouts:
 class RolloutEngine(Protocol):
     """Samples responses from the current policy. Engines are stateful (weights, caches, memory)."""
 
+    def wake(self, weights: WeightSource, version: int | None = None) -> None:
+        """Make the next `generate` calls sample from the policy's current weights (loading them from
+        `weights` if the engine holds its own copy) and re-acquire generation memory. `version` numbers the
+        policy's weights (it changes with every update): an engine still awake with that version may skip
+        the load."""
+        ...
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
         """Sample `sampling.n` responses for each prompt (token ids); group_ids index `prompts`."""
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new policy weights (HF parameter names, full tensors), streamed one at a time."""
-        ...
-
-    def sleep(self) -> None:
-        """Release generation memory while the trainer runs (no-op where meaningless)."""
-        ...
-
-    def wake(self) -> None:
-        """Re-acquire generation memory before the next `generate` (no-op where meaningless)."""
+    def sleep(self, keep_awake: bool = False) -> None:
+        """Release what generation holds (memory, gathered parameters) while the trainer runs. `keep_awake`:
+        the next `wake` brings the same version and the trainer needs no memory before it, so an engine
+        may stay as it is."""
         ...

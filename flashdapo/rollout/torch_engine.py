@@ -18,7 +18,7 @@ The choices, before the code:
   draw: one uniform number per row against the running sum of the exponentials (no host sync; an
   exponential race would draw one random number per vocabulary entry, which cost more than the LM
   head at V = 152k on CPU). Without filters there is no sort. The uniforms come from a `torch.Generator`
-  seeded with `sampling.seed` (plus the rank in a process group, so ranks draw independently).
+  seeded with `derive_seed(sampling.seed, rank)` (ranks in a process group draw independently).
   Same seed, inputs, `max_batch` and rank -> identical Rollouts.
 - **Log-probs** are `log_softmax(logits.float() / T)` of the sampled token, taken BEFORE top-k/top-p
   filtering (from the same exponentials as the draw): the quantity the trainer recomputes with
@@ -29,6 +29,9 @@ The choices, before the code:
   must make the same number of forward calls: the number of sub-batches and the "all finished" test
   are agreed by an all-reduce (MAX); a rank out of prompts decodes a one-token dummy batch. All ranks
   must pass the same `SamplingParams`. Without a group (or with one rank) there are no collectives.
+- **Weights.** The engine samples from the module it is given: in training, the FSDP2-sharded policy
+  itself, so there is nothing to copy. `wake` gathers every FSDP2 unit once for the whole generation
+  (not once per decoded token) and `sleep` reshards them, restoring the training setting.
 - Generation runs under `torch.no_grad` (not `inference_mode`: FSDP2 may keep unsharded parameter
   buffers across calls, and inference tensors cannot be used by the autograd pass that follows), with
   the model in eval mode; its training mode is restored afterwards.
@@ -37,15 +40,33 @@ The choices, before the code:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from transformers import StaticCache
 
-from .base import Rollouts, SamplingParams
+from ..collectives import all_reduce, world_size
+from .base import Rollouts, SamplingParams, WeightSource, derive_seed
 
-__all__ = ["TorchEngine", "left_pad", "sample"]
+__all__ = ["TorchEngine", "cache_argument", "left_pad", "sample"]
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The KV-cache keyword of `model`'s forward: `cache` in transformers 5.x (`past_key_values` is
+    deprecated there), `past_key_values` in 4.x. inspect.signature follows decorators' __wrapped__."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _gather_for_generation(model: torch.nn.Module, gather: bool, reshard_after_forward: bool) -> None:
+    """Unshard every FSDP2 unit of `model` and keep it so through generation (gather=True), or reshard them
+    and restore the training setting (the root never reshards after forward: backward needs it at once)."""
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        if gather:
+            unit.unshard()
+        unit.set_reshard_after_forward(not gather and reshard_after_forward and unit is not model, recurse=False)
+        if not gather:
+            unit.reshard()
 
 
 def left_pad(
@@ -145,7 +166,8 @@ def _check_request(prompts: list[list[int]], sampling: SamplingParams) -> None:
 class TorchEngine:
     """RolloutEngine over an HF causal LM (plain or FSDP2-sharded), prefill + decode on a static KV cache.
 
-    `max_batch` bounds the sequences (prompts x n) decoded together, hence the KV-cache memory.
+    `max_batch` bounds the sequences (prompts x n) decoded together, hence the KV-cache memory;
+    `reshard_after_forward` is the training setting `sleep` restores on an FSDP2 model's blocks.
     """
 
     def __init__(
@@ -156,6 +178,7 @@ class TorchEngine:
         device: torch.device | str | None = None,
         process_group: dist.ProcessGroup | None = None,
         max_batch: int | None = None,
+        reshard_after_forward: bool = True,
     ) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one token")
@@ -167,13 +190,11 @@ class TorchEngine:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_batch = max_batch
         self.process_group = process_group
-        self._distributed = process_group is not None and dist.get_world_size(process_group) > 1
+        self.reshard_after_forward = reshard_after_forward
+        self._distributed = process_group is not None and world_size(process_group) > 1
         self._rank = dist.get_rank(process_group) if self._distributed else 0
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
-        # transformers 5.x names the cache argument `cache` (`past_key_values` is deprecated); 4.x only
-        # knows `past_key_values`. inspect.signature follows the decorators' __wrapped__.
-        params = inspect.signature(type(model).forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = cache_argument(model)
 
     # ---- the RolloutEngine protocol ------------------------------------------------------------
 
@@ -187,8 +208,7 @@ class TorchEngine:
         chunks = [owners[i : i + size] for i in range(0, len(owners), size)]
         num_chunks = self._agree_max(len(chunks))
         generator = torch.Generator(device=self.device)
-        # Ranks sample different prompts: give each its own stream (rank 0 uses the seed as is).
-        generator.manual_seed((sampling.seed + (self._rank << 32)) % (1 << 63))
+        generator.manual_seed(derive_seed(sampling.seed, self._rank))  # ranks sample different prompts
 
         responses, logprobs, truncated = [], [], []
         was_training = self.model.training
@@ -218,25 +238,18 @@ class TorchEngine:
             logprobs=logprobs,
         )
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full tensors into the model's parameters/buffers by HF name (a standalone engine's copy).
+    def wake(self, weights: WeightSource | None = None, version: int | None = None) -> None:
+        """Gather an FSDP2 model's shards for the whole generation. `weights` and `version` are never read:
+        the engine samples from the policy module itself, which always holds the current weights."""
+        if isinstance(self.model, FSDPModule):
+            _gather_for_generation(self.model, True, self.reshard_after_forward)
 
-        Tied weights are reachable under every name. Not for an FSDP2-sharded model: an engine that
-        shares the policy's module sees its updates without a copy.
-        """
-        targets = dict(self.model.named_parameters(remove_duplicate=False))
-        targets.update(self.model.named_buffers(remove_duplicate=False))
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in targets:
-                    raise KeyError(f"update_weights: the model has no parameter or buffer {name!r}")
-                targets[name].copy_(tensor)  # copy_ converts device and dtype
-
-    def sleep(self) -> None:
-        """No-op: the static caches live only for the duration of one `generate`."""
-
-    def wake(self) -> None:
-        """No-op (see `sleep`)."""
+    def sleep(self, keep_awake: bool = False) -> None:
+        """Reshard an FSDP2 model, also with `keep_awake`: the trainer's state dicts and optimizer need the
+        sharded parameters back, and a gather is cheap next to a generation. (The static KV caches live only
+        for the duration of one `generate`.)"""
+        if isinstance(self.model, FSDPModule):
+            _gather_for_generation(self.model, False, self.reshard_after_forward)
 
     # ---- gpt-fast verbs --------------------------------------------------------------------------
 
@@ -317,11 +330,7 @@ class TorchEngine:
         """The maximum of `value` over the process group (the value itself without one)."""
         if not self._distributed:
             return value
-        # NCCL reduces only device tensors; gloo and others take CPU ones.
-        on_nccl = dist.get_backend(self.process_group) == "nccl"
-        t = torch.tensor([value], dtype=torch.long, device=self.device if on_nccl else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        return int(t.item())
+        return int(all_reduce(torch.tensor([value], device=self.device), "max", self.process_group).item())
 
     def _all_done(self, done: torch.Tensor) -> bool:
         """Whether every row on every rank is finished (one host sync per decode step)."""

@@ -54,7 +54,7 @@ The choices, before the code:
 
 Per step, on every rank together (vLLM calls in the comments):
 
-    engine.wake_and_sync(iter_full_state_dict(policy.hf, dtype=engine.weight_dtype))
+    engine.wake(weights)                # weights(engine.weight_dtype): iter_full_state_dict(policy.hf, ...)
         # wake_up(tags=["weights"]) if asleep; load_weights per tensor and the completeness check;
         # reset_prefix_cache() only if the engine generated since its last sleep (sleep clears it);
         # wake_up(tags=["kv_cache"])
@@ -67,9 +67,7 @@ What the engine changes in the trainer's process, and what it restores, is in `v
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import struct
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -78,11 +76,10 @@ from typing import Any
 import torch
 
 from ..config import RolloutConfig
-from .base import Rollouts, SamplingParams
+from .base import Rollouts, SamplingParams, WeightSource, derive_seed
 from .vllm_process import gpu_memory, keep_trainer_state, set_launcher_env, torch_threads
 
-__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "LogprobMismatchWarning", "derive_seed", "should_check_logprobs",
-           "warn_logprob_mismatch", "tp_layout", "to_rollouts", "vllm_target"]
+__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "tp_layout", "to_rollouts", "vllm_target"]
 
 VLLM_VERSION_READ = "0.33.0"
 """The vLLM release whose source this module was written against."""
@@ -93,13 +90,6 @@ STACKED: tuple[tuple[str, str, str | int], ...] = (
 )
 """vLLM 0.33 Qwen2Model.hf_to_vllm_mapper `orig_to_new_stacked`: HF substring -> (vLLM substring, shard)."""
 _SHARDS = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}}
-_SEED_BITS = 62
-
-
-def derive_seed(*parts: int) -> int:
-    """A seed in [0, 2**62) from integers (blake2b of their 64-bit encodings): stable across runs."""
-    data = b"".join(struct.pack("<q", int(p)) for p in parts)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> (64 - _SEED_BITS)
 
 
 def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, list[int]]:
@@ -171,30 +161,6 @@ def to_rollouts(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int
     return Rollouts(prompt_ids=prompt_ids, response_ids=response_ids,
                     group_ids=torch.tensor(group_ids, dtype=torch.long),
                     truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Trainer-vs-rollout log-prob check
-
-
-class LogprobMismatchWarning(UserWarning):
-    """vLLM's and the trainer's log-probs of the same sampled tokens disagree beyond the threshold."""
-
-
-def should_check_logprobs(step: int, every: int, first_step: int = 0) -> bool:
-    """True at `first_step` (the run's, or the resumed run's, first step) and every `every` steps after."""
-    return step == first_step or (every > 0 and (step - first_step) % every == 0)
-
-
-def warn_logprob_mismatch(mean: float, worst: float, threshold: float) -> None:
-    """LogprobMismatchWarning when the mean |delta logp| exceeds `threshold` (or is NaN)."""
-    if not mean <= threshold:  # also catches NaN
-        warnings.warn(
-            f"mean |logp_vllm - logp_trainer| = {mean:.4f} (max {worst:.4f}) exceeds "
-            f"rollout.logprob_check_threshold={threshold}. Usual causes: weights not pushed (or reloaded "
-            "from disk), temperature not applied the same way, top_p/top_k active (vLLM's processed "
-            "log-probs are renormalized), dtype differences (fp32 LM head vs bf16).",
-            LogprobMismatchWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,15 +236,19 @@ class VLLMEngine:
         self._weights_valid = not dummy_weights
         self._cache_used = False  # generated since the last sleep: the prefix cache may hold old-weight KV
         self._wake_bytes = 0  # GPU memory the last sleep released
+        self._holds: int | None = None  # the policy version an awake engine was pushed (None: unknown)
         self.last_weight_sync_s = 0.0
 
     # -- memory ------------------------------------------------------------------------------------
 
-    def sleep(self) -> None:
+    def sleep(self, keep_awake: bool = False) -> None:
         """`LLM.sleep(level=rollout.sleep_level)` whenever the weights are awake (the KV cache may already
-        sleep): free the KV cache and drop (2) or offload (1) the weights. Clears the prefix cache."""
-        if self._weights_asleep:
+        sleep): free the KV cache and drop (2) or offload (1) the weights. Clears the prefix cache.
+        `keep_awake` (the next wake brings the same policy version, e.g. validation then a training step):
+        stay awake, so that wake pushes nothing."""
+        if self._weights_asleep or keep_awake:
             return
+        self._holds = None
         before = gpu_memory()
         self.llm.sleep(level=self.config.sleep_level)
         after = gpu_memory()
@@ -289,7 +259,16 @@ class VLLMEngine:
         if self.config.sleep_level >= 2:
             self._weights_valid = False
 
-    def wake(self) -> None:
+    def wake(self, weights: WeightSource, version: int | None = None) -> None:
+        """The RolloutEngine wake: weights up, push `weights(self.weight_dtype)`, KV cache up; nothing but the
+        KV cache when the engine is awake with policy `version` already (left awake by `sleep(keep_awake)`)."""
+        if version is None or self._holds != version or self._weights_asleep or not self._weights_valid:
+            self.wake_weights()
+            self.update_weights(weights(self.weight_dtype))
+            self._holds = version
+        self._wake_kv_cache()
+
+    def wake_weights(self) -> None:
         """`wake_up(tags=["weights"])` if asleep; the KV cache wakes after the push (or in `generate`)."""
         if self._weights_asleep:
             _cuda_empty_cache()
@@ -326,9 +305,10 @@ class VLLMEngine:
         """Load full HF-named tensors into vLLM's model one at a time, check completeness, reset the prefix
         cache if it may hold KV of older weights. All ranks call it together (the stream may all-gather
         FSDP2 shards)."""
-        self.wake()
+        self.wake_weights()
         start = time.perf_counter()
         self._weights_valid = False  # until the whole stream has loaded
+        self._holds = None
         cast = self.weight_dtype
         stream = ((name, t.to(cast) if cast is not None and t.is_floating_point() else t)
                   for name, t in named_tensors)
@@ -346,13 +326,6 @@ class VLLMEngine:
         self.last_weight_sync_s = time.perf_counter() - start
         self._weights_valid = True
 
-    def wake_and_sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
-        """The per-step wake: weights up, push, KV cache up. Returns the push seconds."""
-        self.wake()
-        self.update_weights(named_tensors)
-        self._wake_kv_cache()
-        return self.last_weight_sync_s
-
     # -- generation --------------------------------------------------------------------------------
 
     def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
@@ -365,10 +338,10 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
         """Sample `sampling.n` responses per prompt. Every rank of a TP group must call it together."""
         if self._weights_asleep:
-            raise RuntimeError("VLLMEngine.generate while asleep: call wake_and_sync(...) first")
+            raise RuntimeError("VLLMEngine.generate while asleep: call wake(weights) first")
         if not self._weights_valid:
             raise RuntimeError("VLLMEngine holds dummy, discarded or partly pushed weights: push the policy "
-                               "with wake_and_sync(iter_full_state_dict(...)) before generate")
+                               "with wake(weights) before generate")
         self._wake_kv_cache()
         mine = [[int(t) for t in p] for p in prompts]
         group_prompts = self._gather(mine)

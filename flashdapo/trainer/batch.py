@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..algorithm import group_advantages, response_loss_mask
+from ..collectives import all_reduce
 from ..config import AlgorithmConfig
-from .distributed import all_reduce
 
 
 @dataclass

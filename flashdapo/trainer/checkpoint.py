@@ -36,7 +36,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .distributed import DistEnv, all_reduce, barrier
+from ..collectives import all_reduce, barrier
+from .distributed import DistEnv
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")

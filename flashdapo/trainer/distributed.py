@@ -1,7 +1,7 @@
-"""The torchrun environment, read in one place, and the few collectives the loop needs.
+"""The torchrun environment, read in one place: rank, device, process group and mesh.
 
 One code path for 1 and N ranks: a plain `flashdapo train` (no torchrun) starts a single-rank gloo
-group, so FSDP2 and every collective below run the same way at any world size.
+group, so FSDP2 and every collective (`flashdapo.collectives`) run the same way at any world size.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,40 +68,3 @@ def shutdown(synchronize: bool = True) -> None:
         if synchronize and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
-
-
-def _comm_device(tensor: torch.Tensor) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else tensor.device
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """A reduced copy of `tensor` over all ranks (sum / max / min); identity at world size 1."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return tensor.clone()
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    work = tensor.detach().to(_comm_device(tensor), copy=True)
-    dist.all_reduce(work, op=ops[op])
-    return work.to(tensor.device)
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (pickled; for small host-side data only)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank `src`'s `obj` on every rank (pickled; for small host-side data only)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..collectives import all_gather_objects
 from ..eval_results import PromptResult
 from .batch import Group, TrainBatch
-from .distributed import DistEnv, all_gather_objects
+from .distributed import DistEnv
 
 DUMP_DIR = "rollouts"
 

@@ -2,12 +2,12 @@
 
 One step (docs/architecture.md), each stage timed:
 
+    weight_sync    engine.wake(weights): vLLM loads them, the torch engine gathers FSDP2 (rollout/)
     gen + reward   roll out gen_batch prompts x n, verify, add the overlong penalty   (sampling.py)
     filter         dynamic sampling: refill until train_batch informative groups     (sampling.py)
     old_log_prob   log-probs of the kept responses under the policy before updating (update.py)
     adv            the TrainBatch, built once: advantages, overlong loss mask        (batch.py)
     update_actor   mini-batches x micro-batches, global token-mean, clip, AdamW      (update.py)
-    weight_sync    push the new weights into the rollout engine                      (vLLM only)
 
 then validation, metrics, plot and checkpoint on their intervals, and an HF export at the end.
 """
@@ -18,13 +18,15 @@ import time
 
 import torch
 
+from ..collectives import all_gather_objects
 from ..eval_results import summarize
 from ..evaluate import EvalSampling, Shard, sample_prompts
-from ..rollout.vllm_engine import should_check_logprobs, warn_logprob_mismatch
+from ..rollout import derive_seed
 from .batch import TrainBatch, build_train_batch
 from .checkpoint import export_hf, save_checkpoint
-from .distributed import all_gather_objects, all_reduce, shutdown
+from .distributed import shutdown
 from .dumps import dump_train_rollouts, dump_validation, dumping
+from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe, plot_dynamics
 from .run import Run, setup_run
 from .sampling import collect_groups
@@ -70,16 +72,17 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     with timer("step"):
-        run.engine_wake(timer)
+        with timer("weight_sync"):
+            run.engine.wake(run.policy_weights, run.policy_version)
         dump = dumping(cfg.logging.dump_rollouts_every, step)
         collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer,
                                    keep_generated=dump)
-        run.engine_sleep()
+        run.engine.sleep()
         with timer("old_log_prob"):
             old_logprobs = compute_old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
             batch = build_train_batch(collected.mini_batches, old_logprobs, cfg.algorithm)
-        rollout_check = logprob_agreement(run, step, batch)
+        rollout_check = logprob_agreement(step, batch, cfg.rollout, warn=env.is_main)
         lr = run.scheduler.get_last_lr()[0]
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
@@ -90,39 +93,22 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check}
 
 
-def logprob_agreement(run: Run, step: int, batch: TrainBatch) -> dict[str, float]:
-    """Trainer vs rollout-engine log-probs on the same sampled tokens (mean / max |delta|, global), at step 1
-    and every rollout.logprob_check_every steps; warns above rollout.logprob_check_threshold."""
-    rc = run.cfg.rollout
-    sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
-    # On an absolute schedule (step 1, then every N), so a resumed run logs what the uninterrupted one did.
-    if len(sampled) != len(batch.responses) or not should_check_logprobs(step, rc.logprob_check_every, 1):
-        return {}
-    local = torch.cat([(s.float() - o.float()).abs() for s, o in zip(sampled, batch.old_logprobs)] or
-                      [torch.zeros(0)])
-    stats = all_reduce(torch.tensor([local.sum().item(), float(local.numel())], dtype=torch.float64))
-    peak = all_reduce(torch.tensor([local.max().item() if local.numel() else 0.0]), "max")
-    mean = stats[0].item() / max(stats[1].item(), 1.0)
-    if run.env.is_main:
-        warn_logprob_mismatch(mean, peak.item(), rc.logprob_check_threshold)
-    return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": peak.item()}
-
-
 def validate(run: Run, step: int, keep_awake: bool = False) -> dict[str, float]:
     """mean@k / pass@k / maj@k per data source and pooled on the validation prompts (k = rollout.val_n,
     top_p = rollout.val_top_p); each rank samples its share in one generate call. `keep_awake`: a training
-    step follows on the same weights; vLLM stays awake so it pushes nothing."""
+    step follows on the same weights; the engine may stay awake (vLLM does) so that step pushes nothing."""
     if not run.val_prompts:
         return {}
     rc, env = run.cfg.rollout, run.env
     start = time.perf_counter()
-    run.engine_wake(None)
+    run.engine.wake(run.policy_weights, run.policy_version)
+    # Round 0 of the step: training's generation rounds count from 1, so the streams never coincide.
     sampling = EvalSampling(k=rc.val_n, temperature=rc.val_temperature, top_p=rc.val_top_p,
-                            max_new_tokens=rc.max_response_length, seed=run.cfg.trainer.seed * 7919 + step,
+                            max_new_tokens=rc.max_response_length, seed=derive_seed(run.cfg.trainer.seed, step, 0),
                             prompts_per_call=-(-len(run.val_prompts) // env.world_size))
     results = sample_prompts(run.engine, run.val_prompts, run.tokenizer, run.verifier, sampling,
                              Shard(env.rank, env.world_size))
-    run.engine_sleep(keep_awake)
+    run.engine.sleep(keep_awake)
     if dumping(run.cfg.logging.dump_rollouts_every, step):
         dump_validation(run.run_dir, step, results, env.is_main)
     return {**summarize(results).metrics("val"), "timing_s/val": time.perf_counter() - start}

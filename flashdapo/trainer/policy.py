@@ -10,7 +10,6 @@ it is the plain HF model, which is how the rollout engine samples from it.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from torch.distributed.fsdp import (
 
 from ..config import ModelConfig, TrainerConfig
 from ..kernels import token_logprobs
+from ..rollout.torch_engine import cache_argument
 from .distributed import DistEnv
 
 
@@ -95,9 +95,7 @@ class PolicyModel(nn.Module):
         self.attn_implementation = attn_implementation
         self.kernel_impl = kernel_impl
         self.temperature = temperature
-        # transformers >= 5 calls the KV-cache argument `cache`; 4.x `past_key_values`.
-        params = inspect.signature(type(hf_model).forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = cache_argument(hf_model)
 
     @property
     def config(self):

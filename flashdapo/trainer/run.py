@@ -5,14 +5,12 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from ..config import Config
 from ..data import Prompt, PromptSampler, build_datasets
@@ -26,7 +24,7 @@ from .checkpoint import TrainerState, load_first_loadable, resume_candidates
 from .distributed import DistEnv, init_distributed
 from .failfast import FailFast
 from .loading import load_sharded_policy
-from .metrics import MetricsLogger, StageTimer
+from .metrics import MetricsLogger
 from .policy import PolicyModel, parallelize
 from .weight_sync import iter_full_state_dict
 
@@ -51,9 +49,7 @@ class Run:
     start_step: int
     failfast: FailFast
     policy_version: int = 0
-    """Optimizer updates so far in this process: which weights the rollout engine holds."""
-    engine_holds: int | None = None
-    """vLLM: the policy_version an awake engine holds (left awake by validation); None when asleep."""
+    """Optimizer updates so far in this process: the version the rollout engine's `wake` is given."""
 
     def log(self, message: str) -> None:
         if self.env.is_main:
@@ -68,38 +64,9 @@ class Run:
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None  # export in the compute dtype
         return iter_full_state_dict(self.policy.hf, dtype=dtype)
 
-    def engine_wake(self, timer: StageTimer | None) -> None:
-        """Before generating. torch engine: gather every FSDP2 shard once for the whole generation (not
-        once per decoded token). vLLM: wake weights, push them, wake the KV cache; nothing when the engine
-        is awake with the current weights already (validation just ran on them)."""
-        if self.cfg.rollout.engine == "torch":
-            gather_for_generation(self.policy, True, self.cfg.trainer.reshard_after_forward)
-            return
-        if self.engine_holds == self.policy_version:
-            return
-        with timer("weight_sync") if timer else nullcontext():
-            self.engine.wake_and_sync(iter_full_state_dict(self.policy.hf, dtype=self.engine.weight_dtype))
-        self.engine_holds = self.policy_version
-
-    def engine_sleep(self, keep_awake: bool = False) -> None:
-        """After generating: release what generation held. vLLM with `keep_awake` (validation followed by
-        a training step on the same weights): stay awake, so that step pushes nothing."""
-        if self.cfg.rollout.engine == "torch":
-            gather_for_generation(self.policy, False, self.cfg.trainer.reshard_after_forward)
-        elif not keep_awake:
-            self.engine.sleep()
-            self.engine_holds = None
-
-
-def gather_for_generation(policy: PolicyModel, gather: bool, reshard_after_forward: bool) -> None:
-    """Unshard every FSDP2 unit and keep it so through generation (gather=True), or reshard them and
-    restore the training setting (the root never reshards after forward: backward needs it at once)."""
-    for unit in (m for m in policy.modules() if isinstance(m, FSDPModule)):
-        if gather:
-            unit.unshard()
-        unit.set_reshard_after_forward(not gather and reshard_after_forward and unit is not policy, recurse=False)
-        if not gather:
-            unit.reshard()
+    def policy_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's HF-named full tensors, cast to `dtype`, for a rollout engine's `wake` (a WeightSource)."""
+        return iter_full_state_dict(self.policy.hf, dtype=dtype)
 
 
 def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> PolicyModel:
@@ -128,7 +95,7 @@ def _build_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer) -> 
 
     group = dist.group.WORLD if env.world_size > 1 else None
     return TorchEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, process_group=group,
-                       max_batch=cfg.rollout.max_num_seqs)
+                       max_batch=cfg.rollout.max_num_seqs, reshard_after_forward=cfg.trainer.reshard_after_forward)
 
 
 def _optimizer(cfg: Config, policy: PolicyModel):
@@ -204,4 +171,4 @@ def _check_world(cfg: Config, env: DistEnv) -> None:
                          f"{cfg.rollout.tensor_parallel_size}")
 
 
-__all__ = ["Run", "gather_for_generation", "setup_run"]
+__all__ = ["Run", "setup_run"]

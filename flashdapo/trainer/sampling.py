@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithm import informative_groups, shaped_scores
+from ..collectives import all_gather_objects, all_reduce
 from ..config import Config
 from ..data import Prompt, PromptSampler
-from ..reward import Verifier
-from ..rollout import RolloutEngine, Rollouts, SamplingParams
+from ..reward import Verifier, verify_responses
+from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
 from .batch import Group, mini_batch_layout
-from .distributed import DistEnv, all_gather_objects, all_reduce
+from .distributed import DistEnv
 from .metrics import StageTimer
 
 
@@ -52,16 +53,10 @@ class Collected:
         return [g for part in self.mini_batches for g in part]
 
 
-def rollout_seed(seed: int, step: int, round_index: int) -> int:
-    """A distinct, reproducible sampling seed per (run seed, step, generation round)."""
-    return (seed * 1_000_003 + step * 10_007 + round_index) % (1 << 62)
-
-
 def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier: Verifier, cfg: Config) -> list[Group]:
     """Verify every response, add the overlong penalty, and bundle responses per prompt."""
-    texts = tokenizer.batch_decode([r.tolist() for r in rollouts.response_ids], skip_special_tokens=True)
     truths = [prompts[int(g)].ground_truth for g in rollouts.group_ids]
-    verdicts = [verifier(text, truth) for text, truth in zip(texts, truths)]
+    _, verdicts = verify_responses(rollouts.response_ids, truths, tokenizer, verifier)
     acc = torch.tensor([v.acc for v in verdicts], dtype=torch.bool)
     scores = shaped_scores(torch.tensor([v.score for v in verdicts]), rollouts.response_lengths,
                            cfg.rollout.max_response_length, cfg.algorithm)
@@ -98,7 +93,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         prompts = sampler.next_batch()
         sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_response_length,
-                                  seed=rollout_seed(tc.seed, step, rounds))
+                                  seed=derive_seed(tc.seed, step, rounds))
         with timer("gen"):
             rollouts = engine.generate([p.ids for p in prompts], sampling)
         with timer("reward"):

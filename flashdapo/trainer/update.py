@@ -13,9 +13,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..algorithm import LossStats, global_token_count, token_loss
+from ..collectives import all_reduce
 from ..config import Config
 from .batch import Group, TrainBatch, flat_prompts, flat_responses, plan_micro_batches
-from .distributed import DistEnv, all_reduce
+from .distributed import DistEnv
 from .policy import PolicyModel, per_token_split
 
 

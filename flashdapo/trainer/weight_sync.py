@@ -1,6 +1,6 @@
 """Full, HF-named tensors out of a (possibly FSDP2-sharded) model, one at a time.
 
-Used by the vLLM weight push (`rollout.vllm_engine.VLLMEngine.update_weights`) and by the HF export.
+Used by the rollout engines' `wake(weights)` (the vLLM engine loads the stream) and by the HF export.
 
 The choices, before the code:
 

@@ -205,18 +205,6 @@ def test_eval_mode_during_generation_and_restored(model):
     model.eval()
 
 
-def test_update_weights_copies_by_name():
-    source, target = tiny_model(seed=1), tiny_model(seed=2)
-    eng = engine_for(target)
-    eng.update_weights((n, p.detach().clone()) for n, p in source.state_dict().items())
-    sampling = SamplingParams(n=1, max_new_tokens=5, top_k=1)
-    a = eng.generate(PROMPTS, sampling)
-    b = engine_for(source).generate(PROMPTS, sampling)
-    assert all(torch.equal(x, y) for x, y in zip(a.response_ids, b.response_ids, strict=True))
-    with pytest.raises(KeyError):
-        eng.update_weights([("no.such.weight", torch.zeros(1))])
-
-
 def test_rejects_bad_requests(model):
     eng = engine_for(model)
     with pytest.raises(ValueError):
@@ -258,6 +246,19 @@ def _distributed_worker(rank: int, world: int, init_file: str) -> None:
         counts = [None] * world
         dist.all_gather_object(counts, len(calls))
         assert counts[0] == counts[1], counts
+        # The RolloutEngine contract: wake gathers the shards for the whole generation (never reading the
+        # weight source: the engine samples from the policy module itself), sleep reshards them.
+        from torch.distributed.tensor import DTensor
+
+        def no_copy(dtype):
+            raise AssertionError("the torch engine must not read the weight source")
+
+        eng.wake(no_copy)
+        assert not any(isinstance(p, DTensor) for p in sharded.parameters())
+        out, want = eng.generate(prompts, greedy), ref.generate(prompts, greedy)
+        assert all(torch.equal(a, b) for a, b in zip(out.response_ids, want.response_ids, strict=True))
+        eng.sleep()
+        assert all(isinstance(p, DTensor) for p in sharded.parameters())
         dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()

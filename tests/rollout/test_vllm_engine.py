@@ -29,12 +29,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashdapo.config import ConfigError, RolloutConfig
-from flashdapo.rollout.base import SamplingParams
+from flashdapo.rollout.base import SamplingParams, derive_seed
 from flashdapo.rollout.vllm_engine import (
     VLLM_VERSION_READ,
     VLLMEngine,
-    derive_seed,
-    should_check_logprobs,
     to_rollouts,
     tp_layout,
     vllm_target,
@@ -220,7 +218,9 @@ def make_engine(rank=0, world_size=1, tp_gather=None, vllm_module=FAKE_VLLM, **c
 
 
 def push(engine, tied=False):
-    return engine.wake_and_sync(iter_full_state_dict(tiny_qwen2(tied)))
+    """The RolloutEngine contract's wake: the engine pulls the weights in its own dtype."""
+    hf = tiny_qwen2(tied)
+    engine.wake(lambda dtype: iter_full_state_dict(hf, dtype=dtype))
 
 
 def names(calls):
@@ -246,8 +246,8 @@ def test_per_step_call_order(level, helper):
     for _ in range(2):
         if helper:
             push(engine)
-        else:  # the RolloutEngine protocol's calls
-            engine.wake()
+        else:  # the same, call by call
+            engine.wake_weights()
             engine.update_weights(iter_full_state_dict(tiny_qwen2(False)))
         engine.generate(prompts, sampling)
         engine.sleep()
@@ -256,6 +256,28 @@ def test_per_step_call_order(level, helper):
         "apply_model", "generate", ("sleep", level),
         ("wake_up", ["weights"]), "apply_model", ("wake_up", ["kv_cache"]), "generate", ("sleep", level)]
     assert engine.last_weight_sync_s >= 0
+
+
+def test_a_version_left_awake_is_not_pushed_again():
+    engine = make_engine()
+    hf = tiny_qwen2(False)
+
+    def weights(dtype):
+        return iter_full_state_dict(hf, dtype=dtype)
+
+    prompts, sampling = [[5, 6, 7]], SamplingParams(n=2, max_new_tokens=4, seed=1)
+    engine.wake(weights, version=3)
+    engine.generate(prompts, sampling)
+    engine.sleep(keep_awake=True)  # validation, then a training step on the same weights
+    engine.wake(weights, version=3)
+    engine.generate(prompts, sampling)
+    engine.sleep()
+    engine.wake(weights, version=3)  # asleep since: pushed again
+    engine.sleep(keep_awake=True)
+    engine.wake(weights, version=4)  # awake, but a new version: pushed
+    assert names(engine.llm.calls) == [
+        "apply_model", "generate", "generate", ("sleep", 2), ("wake_up", ["weights"]), "apply_model",
+        ("wake_up", ["kv_cache"]), "apply_model"]
 
 
 def test_push_after_generate_without_sleep_resets_the_prefix_cache():
@@ -273,7 +295,7 @@ def test_sleep_offloads_weights_woken_for_a_push_without_generate():
     push(engine)
     engine.generate([[1]], SamplingParams(max_new_tokens=2))
     engine.sleep()
-    engine.wake()
+    engine.wake_weights()
     engine.update_weights(iter_full_state_dict(tiny_qwen2(False)))  # weights awake, KV cache asleep
     engine.sleep()
     assert names(engine.llm.calls)[-2:] == ["apply_model", ("sleep", 2)]
@@ -346,13 +368,13 @@ def test_generate_refuses_dummy_or_discarded_weights():
     engine.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate([[1]], SamplingParams())
-    engine.wake()  # level 2: the woken weights are garbage until pushed
+    engine.wake_weights()  # level 2: the woken weights are garbage until pushed
     with pytest.raises(RuntimeError, match="dummy, discarded"):
         engine.generate([[1]], SamplingParams())
     level1 = make_engine(sleep_level=1)
     push(level1)
     level1.sleep()
-    level1.wake()  # level 1: weights come back from CPU; the KV cache wakes inside generate
+    level1.wake_weights()  # level 1: weights come back from CPU; the KV cache wakes inside generate
     level1.generate([[1]], SamplingParams(max_new_tokens=2))
     assert names(level1.llm.calls)[-2:] == [("wake_up", ["kv_cache"]), "generate"]
 
@@ -504,12 +526,6 @@ def test_config_takes_only_temperatures_vllm_samples_at(field):
         RolloutConfig(engine="torch", **{field: bad})  # the torch engine samples at any temperature
 
 
-def test_logprob_check_schedule():
-    assert [s for s in range(12) if should_check_logprobs(s, 5)] == [0, 5, 10]
-    assert [s for s in range(12) if should_check_logprobs(s, 0)] == [0]
-    assert [s for s in range(3, 12) if should_check_logprobs(s, 4, first_step=3)] == [3, 7, 11]
-
-
 def test_tp_layout_and_missing_vllm(monkeypatch):
     assert tp_layout(5, 8, 4) == (1, 1, [4, 5, 6, 7])
     with pytest.raises(ValueError, match="must divide the world size"):
@@ -568,7 +584,7 @@ def test_real_vllm_end_to_end(tmp_path, monkeypatch):
                                       sleep_level=2), str(tmp_path), rank=0, world_size=1, max_model_len=256,
                         skip_tokenizer_init=True, enforce_eager=True)
     prompts, sampling = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(n=4, max_new_tokens=16, seed=7)
-    engine.wake_and_sync(iter_full_state_dict(hf, dtype=torch.bfloat16))
+    engine.wake(lambda dtype: iter_full_state_dict(hf, dtype=dtype))
     first = engine.generate(prompts, sampling)
     assert len(first) == 8
     assert [len(r) for r in first.response_ids] == [len(lp) for lp in first.logprobs]
@@ -581,12 +597,12 @@ def test_real_vllm_end_to_end(tmp_path, monkeypatch):
     diff = (torch.cat(first.logprobs) - torch.cat(trainer)).abs()
     assert diff.mean() < 0.05, (diff.mean(), diff.max())
     engine.sleep()
-    engine.wake_and_sync(iter_full_state_dict(hf, dtype=torch.bfloat16))
+    engine.wake(lambda dtype: iter_full_state_dict(hf, dtype=dtype))
     again = engine.generate(prompts, sampling)
     assert [r.tolist() for r in again.response_ids] == [r.tolist() for r in first.response_ids]
     engine.sleep()
     with torch.no_grad():
         hf.lm_head.weight.zero_()  # a pushed (not reloaded) head gives uniform log-probs
-    engine.wake_and_sync(iter_full_state_dict(hf, dtype=torch.bfloat16))
+    engine.wake(lambda dtype: iter_full_state_dict(hf, dtype=dtype))
     flat = torch.cat(engine.generate(prompts, sampling).logprobs)
     torch.testing.assert_close(flat, torch.full_like(flat, -math.log(512)), atol=1e-3, rtol=0)

@@ -1,5 +1,6 @@
-"""The loop's calls to a co-located engine: one weight push per new set of weights, none after validation
-(a recording engine with VLLMEngine's surface around the torch engine, on the toy task)."""
+"""The loop's calls through the rollout contract: a new policy version per update, and a validation that a
+training step follows on the same weights lets the engine stay awake (so a co-located vLLM engine pushes
+once per set of weights: tests/rollout/test_vllm_engine.py checks that side)."""
 
 import flashdapo.trainer.run as run_module
 from flashdapo.rollout.torch_engine import TorchEngine
@@ -10,22 +11,22 @@ from .test_loop import tiny_config
 
 
 class RecordingEngine(TorchEngine):
-    """The torch engine, called as the loop calls VLLMEngine (wake_and_sync, sleep)."""
-
-    weight_dtype = None
+    """The torch engine, recording the contract's calls."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls = []
 
-    def wake_and_sync(self, named_tensors):
-        self.calls.append("push" if sum(1 for _ in named_tensors) else "empty push")
+    def wake(self, weights, version=None):
+        self.calls.append(("wake", version))
+        super().wake(weights, version)
 
-    def sleep(self):
-        self.calls.append("sleep")
+    def sleep(self, keep_awake=False):
+        self.calls.append(("sleep", keep_awake))
+        super().sleep(keep_awake)
 
     def generate(self, prompts, sampling):
-        if self.calls[-1] != "generate":  # a validation and the next step's rollouts count once
+        if self.calls[-1] != "generate":  # several generation rounds count once
             self.calls.append("generate")
         return super().generate(prompts, sampling)
 
@@ -40,8 +41,10 @@ def test_validation_leaves_the_weights_for_the_next_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(run_module, "_build_engine", build)
     cfg = tiny_config(tmp_path, trainer={"total_steps": 2, "val_every": 1, "val_before_train": True})
-    cfg.rollout.engine = "vllm"  # after the config check, which wants model.path for vLLM
     train(cfg)
-    # Validation at 0, then steps 1-2 each followed by one: a push per set of weights (3, not 5); asleep
-    # after each step's rollouts and after the last validation only.
-    assert engines[0].calls == ["push", "generate", "sleep"] * 3
+    # Validation at 0 (kept awake for step 1), step 1, validation 1 (kept awake for step 2), step 2, and the
+    # last validation (nothing follows: asleep).
+    assert engines[0].calls == [
+        ("wake", 0), "generate", ("sleep", True), ("wake", 0), "generate", ("sleep", False),
+        ("wake", 1), "generate", ("sleep", True), ("wake", 1), "generate", ("sleep", False),
+        ("wake", 2), "generate", ("sleep", False)]

@@ -1,0 +1,41 @@
+"""The trainer-vs-engine log-prob check: its schedule, its figures, its warning."""
+
+import warnings
+
+import pytest
+import torch
+
+from flashdapo.config import AlgorithmConfig, RolloutConfig
+from flashdapo.trainer.batch import Group, build_train_batch
+from flashdapo.trainer.logprob_check import LogprobMismatchWarning, logprob_agreement, should_check_logprobs
+
+
+def test_logprob_check_schedule():
+    assert [s for s in range(12) if should_check_logprobs(s, 5)] == [0, 5, 10]
+    assert [s for s in range(12) if should_check_logprobs(s, 0)] == [0]
+    assert [s for s in range(3, 12) if should_check_logprobs(s, 4, first_step=3)] == [3, 7, 11]
+
+
+def _batch(sampled, old):
+    """One group per response; the engine reported `sampled`, the trainer recomputed `old`."""
+    groups = [Group(torch.tensor([1]), [torch.zeros(len(o), dtype=torch.long)], torch.zeros(1),
+                    torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool),
+                    sampler_logprobs=None if s is None else [s]) for s, o in zip(sampled, old)]
+    return build_train_batch([groups], old, AlgorithmConfig())
+
+
+def test_agreement_reports_mean_and_max_and_warns_above_threshold():
+    old = [torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-3.0])]
+    sampled = [torch.tensor([-1.1, -2.0, -0.2]), torch.tensor([-3.4])]
+    rollout = RolloutConfig(logprob_check_every=2, logprob_check_threshold=0.1)
+    with pytest.warns(LogprobMismatchWarning, match="exceeds rollout.logprob_check_threshold=0.1"):
+        metrics = logprob_agreement(1, _batch(sampled, old), rollout, warn=True)
+    assert metrics["rollout/logprob_abs_diff_mean"] == pytest.approx((0.1 + 0.0 + 0.3 + 0.4) / 4)
+    assert metrics["rollout/logprob_abs_diff_max"] == pytest.approx(0.4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert logprob_agreement(1, _batch(sampled, old), rollout, warn=False)  # figures without a warning
+        assert logprob_agreement(2, _batch(sampled, old), rollout, warn=True) == {}  # not scheduled
+        assert logprob_agreement(3, _batch(old, old), rollout, warn=True)["rollout/logprob_abs_diff_max"] == 0
+        # An engine that reports no log-probs (for some response) gives nothing to compare.
+        assert logprob_agreement(1, _batch([None, sampled[1]], old), rollout, warn=True) == {}
