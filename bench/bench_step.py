@@ -18,6 +18,9 @@ resident set, and the peak beyond the model and optimizer states = peak RSS duri
 minus (RSS after imports + parameter bytes + optimizer-state bytes); gradients, activations, KV
 caches, logits and allocator slack count as "beyond".
 
+Both frameworks run under the same thread settings: torch's intra-op threads as flashdapo chooses them
+for the model size (flashdapo/threads.py; every CPU for W1 and W2) and OMP_WAIT_POLICY=PASSIVE.
+
     python -m bench.bench_step [--workloads W1,W2] [--steps N] [--repeats R] [--frameworks flashdapo,trl]
     make bench-step                                  # W1 and W2, table -> bench/results/
 """
@@ -25,6 +28,7 @@ caches, logits and allocator slack count as "beyond".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -206,12 +210,15 @@ def run_trl(w: Workload, root: Path, seed: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from flashdapo.threads import configure_threads
+
     rss0 = _status_kb("VmRSS")
     prompts = json.loads((root / "prompts.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     for text, ids in zip(prompts["texts"], prompts["ids"]):
         assert tokenizer(text, add_special_tokens=False).input_ids == ids, "TRL would see other prompt tokens"
     model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, local_files_only=True)
+    configure_threads(sum(p.numel() for p in model.parameters()), torch.device("cpu"))  # as flashdapo's run
     rng = random.Random(seed)
 
     def random_reward(completions, **_):
@@ -272,10 +279,12 @@ def _TRLClock(state_bytes):
 
 
 # ------------------------------------------------------------------------------ the table
-def _run_child(framework: str, name: str, root: Path, seed: int, timeout: int) -> dict:
-    spec = json.dumps({"framework": framework, "workload": name, "root": str(root), "seed": seed})
+def _run_child(framework: str, name: str, steps: int, root: Path, seed: int, timeout: int) -> dict:
+    spec = json.dumps({"framework": framework, "workload": name, "steps": steps, "root": str(root), "seed": seed})
+    # Both frameworks under the same OpenMP settings: flashdapo command line default (flashdapo/threads.py).
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     try:
-        proc = subprocess.run([sys.executable, "-m", "bench.bench_step", "--child", spec], cwd=REPO,
+        proc = subprocess.run([sys.executable, "-m", "bench.bench_step", "--child", spec], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"status": f"timeout ({timeout}s)"}
@@ -288,7 +297,7 @@ def _run_child(framework: str, name: str, root: Path, seed: int, timeout: int) -
 
 def _child(spec: str) -> None:
     s = json.loads(spec)
-    w = WORKLOADS[s["workload"]]
+    w = dataclasses.replace(WORKLOADS[s["workload"]], steps=s["steps"])
     run = run_flashdapo if s["framework"] == "flashdapo" else run_trl
     print("RESULT " + json.dumps(run(w, Path(s["root"]), s["seed"])), flush=True)
 
@@ -310,7 +319,8 @@ def _row(name: str, framework: str, r: dict, base: dict | None) -> str:
             f"{r['peak_rss_gb']:.2f} | {r['beyond_states_gb']:.2f} | {speed} | {mem} |")
 
 
-def build_table(names: list[str], frameworks: list[str], repeats: int, timeout: int, commit: str) -> str:
+def build_table(names: list[str], frameworks: list[str], repeats: int, steps: int | None, timeout: int,
+                commit: str) -> str:
     import torch
 
     from bench.bench_kernels import machine_tag
@@ -325,8 +335,8 @@ def build_table(names: list[str], frameworks: list[str], repeats: int, timeout: 
              "of the step. *beyond* = peak RSS minus (RSS after imports + parameters + optimizer states). "
              "speedup = TRL s/step / this row's; memory = this row's beyond / TRL's.", ""]
     for name in names:
-        w = WORKLOADS[name]
-        lines += [f"## {name}: {asdict(w)}", "",
+        w = dataclasses.replace(WORKLOADS[name], steps=steps or WORKLOADS[name].steps)
+        lines += [f"## {name}: {asdict(w)}, repeats {repeats}", "",
                   "| workload | framework | s/step | gen | old log-prob | update | gen tok/s | peak RSS GB "
                   "| beyond GB | speedup vs TRL | memory vs TRL |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -335,7 +345,7 @@ def build_table(names: list[str], frameworks: list[str], repeats: int, timeout: 
             root = make_workload_dir(w, Path(tmp))
             for rep in range(repeats):
                 for f in frameworks:
-                    results[f].append(_run_child(f, name, root, seed=rep, timeout=timeout))
+                    results[f].append(_run_child(f, name, w.steps, root, seed=rep, timeout=timeout))
                     print(f"{name} {f} repeat {rep}: {results[f][-1]}", file=sys.stderr, flush=True)
         med = {f: _median_of(rs) for f, rs in results.items()}
         base = med.get("trl")
@@ -358,6 +368,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", default="W1,W2", help=f"comma-separated, of {sorted(WORKLOADS)}")
     parser.add_argument("--frameworks", default=None, help="flashdapo,trl (default: trl when importable)")
     parser.add_argument("--repeats", type=int, default=1, help="processes per framework and workload")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per process (default: the workload's)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per process")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -372,7 +383,7 @@ def main(argv=None) -> int:
     frameworks = args.frameworks.split(",") if args.frameworks else ["flashdapo"] + (
         ["trl"] if "not installed" not in _trl_version() else [])
     commit = git_commit()
-    table = build_table(names, frameworks, args.repeats, args.timeout, commit)
+    table = build_table(names, frameworks, args.repeats, args.steps, args.timeout, commit)
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

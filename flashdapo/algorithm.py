@@ -171,7 +171,7 @@ def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, 
 
 def token_loss(
     logp: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     algo: AlgorithmConfig,
@@ -184,11 +184,14 @@ def token_loss(
     All inputs are per token [N]. `normalizer` is the global number of valid tokens of the mini-batch
     (all micro-batches, all ranks); None uses this call's own count. `entropy` only feeds the
     statistics (DAPO has no entropy bonus). A fully masked input gives loss 0 and zero gradient, never NaN.
-    Computes in fp32, or fp64 for fp64 log-probs.
+    Computes in fp32, or fp64 for fp64 log-probs. `old_logprobs=None` is the on-policy loss: pi_old is
+    pi_theta detached (ratio 1, nothing clipped, gradient -A dlogp / normalizer), exact when the batch
+    was sampled from the current weights.
     """
     dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
     logp = logp.to(dtype)
-    old, adv, valid = old_logprobs.to(dtype), advantages.to(dtype), mask.to(dtype)
+    old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)
+    adv, valid = advantages.to(dtype), mask.to(dtype)
     per_token, ratio, clipped, dual_clipped = clipped_surrogate(logp, old, adv, algo)
     if normalizer is None:
         normalizer = valid.sum()

@@ -210,6 +210,14 @@ class AlgorithmConfig(Section):
     verifier: Literal["dapo", "math_verify"] = "dapo"
     """dapo: the released 'Answer:' rule with Minerva normalization. math_verify: equivalence checking
     with the math-verify package (extra `math`)."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """pi_old of the clipped ratio when a step takes several optimizer steps (train_batch > mini_batch, or
+    ppo_epochs > 1). recompute: one no-grad pass of the policy over the batch before the update (exact in
+    the trainer's numerics; ~10% of a step at Qwen2.5-0.5B width on CPU). rollout: the engine's own
+    sampling log-probs, no extra pass (verl's bypass mode); they differ from the trainer's by the
+    engine/trainer mismatch (~1e-6 for the torch engine in fp32, ~1e-2 for vLLM in bf16), which then
+    enters every ratio, and the rollout log-prob check cannot run. With one mini-batch and one epoch
+    neither is used: pi_old is the current policy itself, detached (exact, no pass)."""
 
 
 @dataclass

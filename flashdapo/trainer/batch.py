@@ -63,8 +63,9 @@ class TrainBatch:
     groups: tuple[Group, ...]
     mini_batches: tuple[slice, ...]
     """Contiguous runs of `groups`, one per optimizer step (as laid out by `mini_batch_layout`)."""
-    old_logprobs: tuple[torch.Tensor, ...]
-    """Per response: log-probs of the response tokens under the policy before the update."""
+    old_logprobs: tuple[torch.Tensor, ...] | None
+    """Per response: log-probs of the response tokens under the policy before the update; None when the
+    update is on-policy (one mini-batch, one epoch: pi_old is the current policy, detached)."""
     advantages: torch.Tensor
     """[B] one advantage per response (broadcast to its tokens)."""
     loss_mask: torch.Tensor
@@ -72,7 +73,7 @@ class TrainBatch:
 
     def __post_init__(self) -> None:
         sizes = [len(r) for r in self.responses]
-        if [len(t) for t in self.old_logprobs] != sizes:
+        if self.old_logprobs is not None and [len(t) for t in self.old_logprobs] != sizes:
             raise ValueError(f"old_logprobs must hold one tensor per response of the same length ({len(sizes)} "
                              f"responses), got lengths {[len(t) for t in self.old_logprobs]}")
         for name in ("advantages", "loss_mask"):
@@ -109,7 +110,7 @@ class TrainBatch:
         return slice(start, start + sum(sizes[group_slice]))
 
 
-def build_train_batch(mini_batches: Sequence[Sequence[Group]], old_logprobs: Sequence[torch.Tensor],
+def build_train_batch(mini_batches: Sequence[Sequence[Group]], old_logprobs: Sequence[torch.Tensor] | None,
                       algo: AlgorithmConfig) -> TrainBatch:
     """The step's TrainBatch from this rank's groups per mini-batch and their old log-probs (in the same
     order): advantages and the loss mask computed here, by `flashdapo.algorithm`, once."""
@@ -121,7 +122,7 @@ def build_train_batch(mini_batches: Sequence[Sequence[Group]], old_logprobs: Seq
     return TrainBatch(
         groups=groups,
         mini_batches=tuple(slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])),
-        old_logprobs=tuple(old_logprobs),
+        old_logprobs=None if old_logprobs is None else tuple(old_logprobs),
         advantages=group_advantages(scores, group_ids, algo.advantage_eps),
         loss_mask=response_loss_mask(truncated, algo),
     )

@@ -30,7 +30,7 @@ from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe, plot_dynamics
 from .run import Run, setup_run
 from .sampling import collect_groups
-from .update import compute_old_logprobs, update_actor
+from .update import old_logprobs, update_actor
 
 
 def train(cfg) -> Run:
@@ -79,10 +79,12 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                                    keep_generated=dump)
         run.engine.sleep()
         with timer("old_log_prob"):
-            old_logprobs = compute_old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
+            old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
-            batch = build_train_batch(collected.mini_batches, old_logprobs, cfg.algorithm)
-        rollout_check = logprob_agreement(step, batch, cfg.rollout, warn=env.is_main)
+            batch = build_train_batch(collected.mini_batches, old, cfg.algorithm)
+        # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip it.
+        recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
+        rollout_check = logprob_agreement(step, batch, cfg.rollout, warn=env.is_main) if recomputed else {}
         lr = run.scheduler.get_last_lr()[0]
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)

@@ -32,6 +32,26 @@ def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], b
             yield [], [dummy], [dummy]
 
 
+def on_policy(cfg: Config) -> bool:
+    """One optimizer step per batch (one mini-batch, one epoch): the weights the update starts from are
+    the ones that sampled the batch, so pi_old is pi_theta itself and needs no pass of its own."""
+    return cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batch == cfg.trainer.train_batch
+
+
+def old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, pad_id: int,
+                 device: torch.device) -> list[torch.Tensor] | None:
+    """pi_old per response token of `groups`: None when on-policy, else by `algorithm.old_logprobs`
+    (recomputed by the policy, or the rollout engine's sampling log-probs)."""
+    if on_policy(cfg):
+        return None
+    if cfg.algorithm.old_logprobs == "recompute":
+        return compute_old_logprobs(policy, groups, cfg, pad_id, device)
+    if any(g.sampler_logprobs is None for g in groups):
+        raise ValueError("algorithm.old_logprobs=rollout: the rollout engine returned no log-probs; "
+                         "use algorithm.old_logprobs=recompute")
+    return [lp.float() for g in groups for lp in g.sampler_logprobs]
+
+
 @torch.no_grad()
 def compute_old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, pad_id: int,
                          device: torch.device) -> list[torch.Tensor]:
@@ -77,7 +97,7 @@ def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: T
 
 def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Config, env: DistEnv, pad_id: int):
     prompts, responses = batch.prompts[rows], batch.responses[rows]
-    old = batch.old_logprobs[rows]
+    old = None if batch.old_logprobs is None else batch.old_logprobs[rows]
     advantages = batch.advantages[rows]
     loss_mask = batch.loss_mask[rows]
     token_mask = [torch.full((len(r),), bool(m)) for r, m in zip(responses, loss_mask.tolist())]
@@ -93,10 +113,11 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
                                                             pad_id, not policy.packed_layout):
         packed = policy.token_batch(mb_prompts, mb_responses, env.device)
         if indices:
-            per_token = [(old[i], advantages[i].expand(len(responses[i])), token_mask[i]) for i in indices]
-            old_t, adv_t, mask_t = (torch.cat(parts).to(env.device) for parts in zip(*per_token))
+            per_token = [(advantages[i].expand(len(responses[i])), token_mask[i]) for i in indices]
+            adv_t, mask_t = (torch.cat(parts).to(env.device) for parts in zip(*per_token))
+            old_t = None if old is None else torch.cat([old[i] for i in indices]).to(env.device)
         else:
-            old_t, adv_t, mask_t = (torch.zeros(1, device=env.device), torch.zeros(1, device=env.device),
+            old_t, adv_t, mask_t = (None, torch.zeros(1, device=env.device),
                                     torch.zeros(1, dtype=torch.bool, device=env.device))
         logp, entropy = policy(packed, with_entropy=True)
         loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm,
