@@ -1,6 +1,6 @@
 """Co-located vLLM rollouts: one `vllm.LLM` per torchrun rank, on the trainer's GPU, asleep while it trains.
 
-Written against vLLM 0.33.0 (read from its wheel; paths below are inside it). Never run here: no GPU.
+Written against vLLM 0.33.0 (read from its wheel; paths below are inside it). Not yet run on a GPU.
 
 The choices, before the code:
 
