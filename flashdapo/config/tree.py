@@ -273,6 +273,9 @@ class TrainerConfig(Section):
     collective_timeout_s: Positive = 1800
     """Seconds a collective may wait for the other ranks before it fails: a backstop for a rank that
     hangs without raising (a rank that raises ends the job at once)."""
+    max_skipped_steps: Positive = 5
+    """Consecutive optimizer steps skipped for a non-finite loss or gradient norm before the run stops
+    (naming the step and the newest good checkpoint)."""
 
     RULES = (Rule("mini_batch", lambda c: c.train_batch % c.mini_batch == 0,
                   lambda c: f"a divisor of train_batch ({c.train_batch})"),)
@@ -313,6 +316,9 @@ class LoggingConfig(Section):
     """Every N steps write the step's rollouts (prompt, responses, scores, advantages, trained / filtered /
     unused) and, at validations on such steps, the validation generations as jsonl under RUN_DIR/rollouts/
     (0: never)."""
+    move_old_run: bool = False
+    """A fresh run whose run_dir holds a previous run's checkpoints, metrics or export: move those files to
+    `<run_dir>.old-<UTC time>/` (nothing is deleted) and start. Off: refuse, naming the choices."""
 
 
 @dataclass

@@ -24,7 +24,6 @@ from ..evaluate import EvalSampling, Shard, sample_prompts
 from ..rollout import derive_seed
 from .batch import TrainBatch, build_train_batch
 from .checkpoint import export_hf, save_checkpoint
-from .distributed import shutdown
 from .dumps import dump_train_rollouts, dump_validation, dumping
 from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe, plot_dynamics
@@ -55,13 +54,9 @@ def train(cfg) -> Run:
             export_hf(run.full_state_dict(), run.policy.config, run.tokenizer, run.run_dir / "export", run.env.is_main)
             run.log(f"exported the final policy to {run.run_dir / 'export'}")
     except BaseException as err:
-        run.logger.close()
-        run.failfast.fail(err)  # with peers: reports, ends this process and, through the store, the others
-        shutdown(synchronize=False)
+        run.close(err)
         raise
-    run.logger.close()
-    run.failfast.close()
-    shutdown()
+    run.close(None)
     return run
 
 

@@ -102,12 +102,14 @@ class MetricsLogger:
         if wandb:
             self._wandb = _optional_wandb(wandb_project, run_dir, config_dict)
 
-    def truncate_after(self, step: int) -> None:
-        """Forget steps after `step` (resume from a checkpoint taken at `step`)."""
+    def truncate_after(self, step: int) -> int:
+        """Forget steps after `step` (resume from a checkpoint taken at `step`); returns how many records went."""
         if not self.enabled:
-            return
-        self.history = [m for m in self.history if m["step"] <= step]
+            return 0
+        kept = [m for m in self.history if m["step"] <= step]
+        dropped, self.history = len(self.history) - len(kept), kept
         self.path.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+        return dropped
 
     def log(self, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -21,11 +21,13 @@ from ..threads import configure_threads
 from ..tokenizer import eos_token_ids, load_tokenizer
 from ..toy import build_toy_model, build_toy_tokenizer, supervised_warmup
 from .checkpoint import TrainerState, load_first_loadable, resume_candidates
-from .distributed import DistEnv, init_distributed
+from ..collectives import all_gather_objects
+from .distributed import DistEnv, init_distributed, shutdown
 from .failfast import FailFast
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger
 from .policy import PolicyModel, parallelize
+from .rundir import RunDirClaim, RunDirError, claim_run_dir, new_run_id, stop_if_launcher_dies
 from .weight_sync import iter_full_state_dict
 
 
@@ -48,15 +50,33 @@ class Run:
     pad_id: int
     start_step: int
     failfast: FailFast
+    run_id: str
+    """This run's id, recorded in its checkpoints (resumed runs keep theirs); see rundir.py."""
+    claim: RunDirClaim | None = None
+    """Rank 0's lock on the run directory, released when the run ends."""
     policy_version: int = 0
     """Optimizer updates so far in this process: the version the rollout engine's `wake` is given."""
+
+    def close(self, error: BaseException | None) -> None:
+        """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
+        (failfast: ends this process when there are peers), else meet them and close the process group."""
+        self.logger.close()
+        if self.claim is not None:
+            self.claim.release()
+        if error is not None:
+            self.failfast.fail(error)
+            shutdown(synchronize=False)
+        else:
+            self.failfast.close()
+            shutdown()
 
     def log(self, message: str) -> None:
         if self.env.is_main:
             print(f"flashdapo: {message}", flush=True)
 
     def trainer_state(self, step: int) -> TrainerState:
-        return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict())
+        return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict(),
+                            run_id=self.run_id)
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors (bf16 when model.dtype is bfloat16), gathered from the FSDP2 shards one at a
@@ -114,21 +134,44 @@ def setup_run(cfg: Config) -> Run:
     env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     failfast = FailFast.connect(env.rank, env.world_size)
     failfast.watch()
-    try:
-        return _build_run(cfg, env, failfast)
-    except BaseException as err:
-        failfast.fail(err)
-        raise
-
-
-def _build_run(cfg: Config, env: DistEnv, failfast: FailFast) -> Run:
-    _check_world(cfg, env)
     run_dir = Path(cfg.logging.run_dir)
     log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
-    candidates = resume_candidates(cfg.checkpoint.resume, run_dir)
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    claim = None
+    try:
+        _check_world(cfg, env)
+        claim = _claim_run_dir(cfg, env, run_dir, log)
+        run = _build_run(cfg, env, failfast, run_dir, log)
+    except BaseException as err:
+        if claim is not None:
+            claim.release()
+        failfast.fail(err)  # with peers: reports and ends this process (and, through the store, the others)
+        shutdown(synchronize=False)
+        raise
+    run.claim = claim
+    if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's config.yaml alone
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    return run
+
+
+def _claim_run_dir(cfg: Config, env: DistEnv, run_dir: Path, log) -> RunDirClaim | None:
+    """Rank 0 locks the run directory and checks it may start here; every rank raises if it may not."""
+    stop_if_launcher_dies(env.rank)
+    claim, error = None, ""
+    if env.is_main:
+        try:
+            claim = claim_run_dir(run_dir, cfg.checkpoint.resume, cfg.logging.move_old_run)
+        except RunDirError as err:
+            error = str(err)
+    error = all_gather_objects(error)[0]
+    if error:
+        raise RunDirError(error)
+    if claim is not None and claim.moved_to is not None:
+        log(f"moved the previous run's files from {run_dir} to {claim.moved_to} (logging.move_old_run)")
+    return claim
+
+
+def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log) -> Run:
+    candidates = resume_candidates(cfg.checkpoint.resume, run_dir)
     torch.manual_seed(cfg.trainer.seed + env.rank)
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_toy_tokenizer(cfg.data.toy)
     train_set, val_set = build_datasets(cfg.data, tokenizer)
@@ -141,24 +184,25 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast) -> Run:
                             env.world_size)
     logger = MetricsLogger(run_dir, env.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
                            cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict())
-    start_step = 0
+    start_step, run_id = 0, all_gather_objects(new_run_id())[0]
     resumed = load_first_loadable(candidates, env, policy, optimizer, log)
     if resumed is not None:
         resume_path, state = resumed
         scheduler.load_state_dict(state.scheduler)
         sampler.load_state_dict(state.sampler)
-        start_step = state.step
-        logger.truncate_after(start_step)
-        log(f"resumed from {resume_path} at step {start_step}")
-    elif env.is_main:
-        logger.truncate_after(-1)  # a fresh run in an old directory starts a fresh metrics file
+        start_step, run_id = state.step, state.run_id or run_id
+        log(f"resumed run {run_id} from {resume_path} at step {start_step}")
+    dropped = logger.truncate_after(start_step if resumed is not None else -1)
+    if dropped:
+        log(f"dropped {dropped} metrics records after step {max(start_step, 0)}: they are recomputed from "
+            f"{'the checkpoint' if resumed is not None else 'the start (no checkpoint to resume from)'}")
     engine = _build_engine(cfg, env, policy, tokenizer)
     log(f"world size {env.world_size} on {env.device}; {sum(p.numel() for p in policy.parameters()):,} "
         f"parameters (sharded count on this rank); run dir {run_dir}; {library_versions()}")
     return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
                scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
-               pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast)
+               pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id)
 
 
 def _check_world(cfg: Config, env: DistEnv) -> None:

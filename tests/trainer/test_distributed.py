@@ -3,8 +3,10 @@ exact resume, resharding a checkpoint, and which checkpoint directories `--resum
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from flashdapo.trainer.checkpoint import CheckpointError, resume_candidates
+from flashdapo.trainer.rundir import RunDirError, claim_run_dir
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,3 +165,58 @@ def test_hf_checkpoint_loads_into_two_shards_exactly(tmp_path):
     with torch.no_grad():
         expected = reference(input_ids=torch.arange(3, 15).reshape(2, 6)).logits
     torch.testing.assert_close(loaded["logits"], expected)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has stopped; whether it is reaped depends on who adopted it
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_workers_stop_when_the_torchrun_agent_is_killed_and_their_lock_refuses_a_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "flashdapo",
+           "train", *TINY, "--trainer.total-steps", "100000", "--checkpoint.save-every", "1",
+           "--logging.run-dir", str(run_dir)]
+    with (tmp_path / "out.txt").open("w") as out:
+        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+    workers = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
+            time.sleep(0.5)
+        workers = _children(agent.pid)
+        assert len(workers) == 2
+        with pytest.raises(RunDirError, match="in use by a live run"):  # a resume meanwhile is refused
+            claim_run_dir(run_dir, resume="auto", move_old_run=False)
+        agent.send_signal(signal.SIGKILL)  # the agent alone: its workers live in their own sessions
+        agent.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers), "workers kept running after their torchrun agent died"
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
+    claim_run_dir(run_dir, resume="auto", move_old_run=False).release()  # the kernel released their lock

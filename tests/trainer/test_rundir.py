@@ -1,0 +1,118 @@
+"""A run owns its directory: a fresh run refuses another run's data unless told (resume, or move it aside),
+a live run's lock refuses a second run, and the run-dir sequence keeps both runs' data."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from flashdapo.config import merge
+from flashdapo.trainer.checkpoint import CheckpointError
+from flashdapo.trainer.loop import train
+from flashdapo.trainer.rundir import RunDirError, claim_run_dir
+
+from .test_loop import tiny_config
+
+
+def _old_run(path):
+    (path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (path / "checkpoints" / "step_00000004" / "COMPLETE").write_text("{}")
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (path / "config.yaml").write_text("old: true\n")
+    return {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_a_fresh_run_refuses_a_previous_runs_data(tmp_path):
+    before = _old_run(tmp_path)
+    with pytest.raises(RunDirError, match=r"holds a previous run \(1 checkpoint entries, metrics.jsonl\); continue it "
+                                          r"with --checkpoint.resume auto, start over with --logging.move-old-run"):
+        claim_run_dir(tmp_path, resume="", move_old_run=False)
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*")
+            if p.is_file() and p.name != ".flashdapo.lock"} == before
+    claim_run_dir(tmp_path, resume="auto", move_old_run=False).release()  # told: continue that run
+
+
+def test_move_old_run_moves_everything_aside_and_deletes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    before = _old_run(run_dir)
+    claim = claim_run_dir(run_dir, resume="", move_old_run=True)
+    claim.release()
+    assert claim.moved_to.parent == tmp_path and claim.moved_to.name.startswith("run.old-")
+    assert {p.relative_to(claim.moved_to): p.read_bytes() for p in claim.moved_to.rglob("*") if p.is_file()} == before
+    assert [p.name for p in run_dir.iterdir()] == [".flashdapo.lock"]
+    # A second move in the same second gets its own directory.
+    _old_run(run_dir)
+    again = claim_run_dir(run_dir, resume="", move_old_run=True)
+    again.release()
+    assert again.moved_to != claim.moved_to and (again.moved_to / "metrics.jsonl").is_file()
+
+
+def test_a_run_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "run").write_text("x")
+    with pytest.raises(RunDirError, match=r"run is a file, not a directory"):
+        claim_run_dir(tmp_path / "run", resume="", move_old_run=False)
+
+
+def test_a_live_runs_lock_refuses_a_second_run_and_dies_with_it(tmp_path):
+    held = claim_run_dir(tmp_path, resume="", move_old_run=False)
+    with pytest.raises(RunDirError, match=r"in use by a live run \(pid \d+ on "):
+        claim_run_dir(tmp_path, resume="auto", move_old_run=False)
+    held.release()
+    # Another process holds it, then is SIGKILLed: the kernel releases the lock.
+    code = ("import sys, time; from pathlib import Path; from flashdapo.trainer.rundir import claim_run_dir; "
+            f"c = claim_run_dir(Path({str(tmp_path)!r}), 'auto', False); print('held', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirError, match="in use by a live run"):
+            claim_run_dir(tmp_path, resume="auto", move_old_run=False)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    claim_run_dir(tmp_path, resume="auto", move_old_run=False).release()
+
+
+def test_a_failed_resume_leaves_config_yaml_alone(tmp_path):
+    _old_run(tmp_path)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        train(tiny_config(tmp_path, checkpoint={"resume": str(tmp_path / "absent")}))
+    assert (tmp_path / "config.yaml").read_text() == "old: true\n"
+    claim_run_dir(tmp_path, resume="auto", move_old_run=False).release()  # and the lock was released
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _markers(run_dir):
+    return {p.name: json.loads((p / "COMPLETE").read_text())["run_id"] for p in (run_dir / "checkpoints").iterdir()}
+
+
+@pytest.mark.slow
+def test_run_then_fresh_run_then_resume_keeps_both_runs_and_resumes_the_right_one(tmp_path):
+    run_dir = tmp_path / "run"
+    quick = {"trainer": {"total_steps": 2, "val_before_train": False, "val_every": 0},
+             "checkpoint": {"save_every": 1, "keep_last": 1, "export_hf": False}, "logging": {"plot": False}}
+    first = train(tiny_config(run_dir, **quick))
+    first_metrics, first_markers = _metrics(run_dir), _markers(run_dir)
+    assert list(first_markers.values()) == [first.run_id]
+    # A second fresh run in the same directory is refused and changes nothing.
+    with pytest.raises(RunDirError, match="holds a previous run"):
+        train(tiny_config(run_dir, **quick))
+    assert _metrics(run_dir) == first_metrics and _markers(run_dir) == first_markers
+    # Told to move the old run aside: it starts fresh, the first run's files kept next to it.
+    second = train(merge(tiny_config(run_dir, **quick), {"logging": {"move_old_run": True}, "trainer": {"seed": 1}}))
+    moved = next(tmp_path.glob("run.old-*"))
+    assert _metrics(moved) == first_metrics and _markers(moved) == first_markers
+    assert second.run_id != first.run_id and list(_markers(run_dir).values()) == [second.run_id]
+    second_metrics = _metrics(run_dir)
+    # resume auto continues the second run (its checkpoint, its metrics), not the first.
+    third = train(merge(tiny_config(run_dir, **quick), {"trainer": {"seed": 1, "total_steps": 3},
+                                                          "checkpoint": {"resume": "auto"}}))
+    assert third.run_id == second.run_id and third.start_step == 2
+    resumed = _metrics(run_dir)
+    assert resumed[:2] == second_metrics and [r["step"] for r in resumed] == [1, 2, 3]
+    assert _markers(run_dir) == {"step_00000003": second.run_id}
