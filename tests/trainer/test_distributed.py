@@ -204,7 +204,7 @@ def test_workers_stop_when_the_torchrun_agent_is_killed_and_their_lock_refuses_a
             assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
             time.sleep(0.5)
         workers = _children(agent.pid)
-        assert len(workers) == 2
+        assert len(workers) == 2, (tmp_path / "out.txt").read_text()[-3000:]
         with pytest.raises(RunDirError, match="in use by a live run"):  # a resume meanwhile is refused
             claim_run_dir(run_dir, resume="auto", move_old_run=False)
         agent.send_signal(signal.SIGKILL)  # the agent alone: its workers live in their own sessions
@@ -212,7 +212,8 @@ def test_workers_stop_when_the_torchrun_agent_is_killed_and_their_lock_refuses_a
         deadline = time.monotonic() + 30
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(w) for w in workers), "workers kept running after their torchrun agent died"
+        assert not any(_alive(w) for w in workers), \
+            "workers kept running after their agent died:\n" + (tmp_path / "out.txt").read_text()[-3000:]
     finally:
         for pid in workers:
             if _alive(pid):
