@@ -220,4 +220,12 @@ def test_workers_stop_when_the_torchrun_agent_is_killed_and_their_lock_refuses_a
                 os.kill(pid, signal.SIGKILL)
         if agent.poll() is None:
             agent.kill()
-    claim_run_dir(run_dir, resume="auto", move_old_run=False).release()  # the kernel released their lock
+    # The kernel releases their lock once every thread has exited (a dying process shows as a zombie first).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            claim_run_dir(run_dir, resume="auto", move_old_run=False).release()
+            break
+        except RunDirError:
+            assert time.monotonic() < deadline, "the dead workers' lock was not released"
+            time.sleep(0.2)
