@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import all_gather_objects
 from ..config import Config
 from ..data import Prompt, PromptSampler, build_datasets
 from ..reward import Verifier, get_verifier
@@ -21,7 +22,6 @@ from ..threads import configure_threads
 from ..tokenizer import eos_token_ids, load_tokenizer
 from ..toy import build_toy_model, build_toy_tokenizer, supervised_warmup
 from .checkpoint import TrainerState, load_first_loadable, resume_candidates
-from ..collectives import all_gather_objects
 from .distributed import DistEnv, init_distributed, shutdown
 from .failfast import FailFast
 from .loading import load_sharded_policy
