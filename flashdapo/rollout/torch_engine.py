@@ -20,11 +20,12 @@ The choices, before the code:
   head at V = 152k on CPU). Without filters there is no sort. The uniforms come from a `torch.Generator`
   seeded with `derive_seed(sampling.seed, rank)` (ranks in a process group draw independently).
   Same seed, inputs, `max_batch` and rank -> identical Rollouts.
-- **Log-probs** are `log_softmax(logits.float() / T)` of the sampled token, taken BEFORE top-k/top-p
-  filtering (from the same exponentials as the draw): the quantity the trainer recomputes with
-  `kernels.token_logprobs(..., temperature=T)`.
-  (vLLM's `processed_logprobs` are after filtering; the two agree when top_k/top_p are off, the DAPO
-  default.) They are fp32; in a bf16 model the LM-head matmul itself is bf16.
+- **Log-probs** are those of the distribution the token was drawn from: `log_softmax(logits.float() / T)`
+  renormalized over the survivors of top-k/top-p (vLLM's `processed_logprobs`, so both engines report
+  the same quantity and the rollout correction's ratio pi_old / pi_rollout has the right denominator).
+  Without filters (the DAPO training setting) that is exactly what the trainer recomputes with
+  `kernels.token_logprobs(..., temperature=T)`. They are fp32; in a bf16 model the LM-head matmul itself
+  is bf16.
 - **Distributed.** Under FSDP2 every forward all-gathers parameters, so all ranks of `process_group`
   must make the same number of forward calls: the number of sub-batches and the "all finished" test
   are agreed by an all-reduce (MAX); a rank out of prompts decodes a one-token dummy batch. All ranks
@@ -103,8 +104,9 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> to
 
 
 def _sample_filtered(scaled: torch.Tensor, top_p: float, top_k: int,
-                     generator: torch.Generator | None) -> torch.Tensor:
-    """Tokens from softmax(scaled) restricted by top-k, then top-p over the renormalized survivors.
+                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens from softmax(scaled) restricted by top-k, then top-p over the renormalized survivors, and
+    their log-probs under that renormalized distribution.
 
     top-k keeps every logit >= the k-th largest (ties at the k-th value are kept); top-p then keeps
     the smallest prefix (by decreasing probability) whose mass reaches top_p; the top token always
@@ -119,7 +121,10 @@ def _sample_filtered(scaled: torch.Tensor, top_p: float, top_k: int,
         probs = weights / weights.sum(dim=-1, keepdim=True)
         # Drop a token when the tokens ranked above it already reach top_p.
         weights = weights.masked_fill((probs.cumsum(-1) - probs) >= top_p, 0.0)
-    return order.gather(-1, _inverse_cdf(weights, generator)[:, None]).squeeze(-1)
+    picked = _inverse_cdf(weights, generator)[:, None]
+    # log(w_picked / sum of the survivors' w), with w_picked = exp(logit - row max): no second exp.
+    logp = sorted_logits.gather(-1, picked).squeeze(-1) - sorted_logits[:, 0] - weights.sum(dim=-1).log()
+    return order.gather(-1, picked).squeeze(-1), logp
 
 
 def sample(
@@ -133,21 +138,20 @@ def sample(
 
     The distribution is softmax(logits / temperature) after the top-k/top-p filters (top_k <= 0 and
     top_p >= 1 disable them), drawn by inverse CDF: one uniform number per row, not one per vocabulary
-    entry. The log-prob is that of the drawn token under log_softmax(logits / temperature), before the
-    filters (what the trainer recomputes), taken from the same exponentials as the draw.
+    entry. The log-prob is that of the drawn token under the distribution it was drawn from: the
+    renormalized survivors of the filters (vLLM's `processed_logprobs`); without filters
+    log_softmax(logits / temperature), what the trainer recomputes. Taken from the same exponentials as
+    the draw.
     """
     scaled = logits.float()
     if temperature != 1.0:
         scaled = scaled / temperature
+    if (0 < top_k < scaled.shape[-1]) or top_p < 1.0:
+        return _sample_filtered(scaled, top_p, top_k, generator)
     row_max = scaled.amax(dim=-1, keepdim=True)
-    filtered = (0 < top_k < scaled.shape[-1]) or top_p < 1.0
-    if filtered:
-        tokens = _sample_filtered(scaled, top_p, top_k, generator)
-        log_total = torch.logsumexp(scaled - row_max, dim=-1)
-    else:
-        weights = (scaled - row_max).exp_()
-        tokens = _inverse_cdf(weights, generator)
-        log_total = weights.sum(dim=-1).log()  # a tree reduction: more accurate than the running sum
+    weights = (scaled - row_max).exp_()
+    tokens = _inverse_cdf(weights, generator)
+    log_total = weights.sum(dim=-1).log()  # a tree reduction: more accurate than the running sum
     picked = scaled.gather(-1, tokens[:, None]).squeeze(-1) - row_max.squeeze(-1)
     return tokens, picked - log_total
 

@@ -50,14 +50,19 @@ def engine_for(model, eos=(EOS,), **kw) -> TorchEngine:
     return TorchEngine(model, eos_token_ids=list(eos), pad_token_id=PAD, device="cpu", **kw)
 
 
-def reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float):
-    """Recompute the response's log-probs by one unpadded full forward, through the kernels' reference."""
+def reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float, top_k: int = -1):
+    """Recompute the response's log-probs by one unpadded full forward, through the kernels' reference;
+    with top_k, renormalized over the k most likely tokens (the distribution sampled from)."""
     full = torch.cat([prompt, response])[None]
     with torch.no_grad():
         hidden = model.model(input_ids=full).last_hidden_state[0]  # after the final norm
     start = len(prompt) - 1  # hidden state t predicts token t + 1
     h = hidden[start : start + len(response)]
-    return token_logprobs(h, model.lm_head.weight, response, temperature=temperature, impl="naive")
+    if top_k <= 0:
+        return token_logprobs(h, model.lm_head.weight, response, temperature=temperature, impl="naive")
+    z = (h.double() @ model.lm_head.weight.double().T) / temperature
+    z = z.masked_fill(z < z.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    return torch.log_softmax(z, -1).gather(-1, response[:, None]).squeeze(-1).float()
 
 
 def greedy_continuation(model, prompt: torch.Tensor, length: int) -> torch.Tensor:
@@ -144,7 +149,9 @@ def test_sample_filters_unit():
     gen = torch.Generator().manual_seed(0)
     tokens, logp = sample(logits, top_k=2, generator=gen)
     assert set(tokens.tolist()) == {1, 3}
-    assert torch.allclose(logp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+    # The log-probs of the distribution drawn from: softmax renormalized over the survivors {1, 3}.
+    survivors = torch.log_softmax(torch.tensor([3.0, 2.0]), -1)
+    assert torch.allclose(logp, torch.where(tokens == 1, survivors[0], survivors[1]))
     # top_p: p = softmax([0, 3, 1, 2]) = [.03, .64, .09, .24]; 0.8 keeps tokens 1 and 3 (.64 < .8 <= .88).
     tokens, _ = sample(logits, top_p=0.8, generator=gen)
     assert set(tokens.tolist()) == {1, 3}
@@ -155,23 +162,26 @@ def test_sample_filters_unit():
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, -1), (0.7, 5)])
 def test_logprobs_match_full_forward(model, temperature, top_k):
-    """Left-padded cached decoding gives the unpadded forward's log_softmax(logits / T), pre-filter."""
+    """Left-padded cached decoding gives the unpadded forward's log_softmax(logits / T), renormalized over
+    the top-k survivors when top-k is on."""
     sampling = SamplingParams(n=3, max_new_tokens=9, temperature=temperature, top_k=top_k, seed=11)
     out = engine_for(model).generate(PROMPTS, sampling)
     for prompt, resp, logp in zip(out.prompt_ids, out.response_ids, out.logprobs, strict=True):
-        ref = reference_logprobs(model, prompt, resp, temperature)
+        ref = reference_logprobs(model, prompt, resp, temperature, top_k)
         torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)
+        if top_k > 0:  # renormalized: above the unfiltered log-probs
+            assert (logp >= reference_logprobs(model, prompt, resp, temperature) - 1e-6).all()
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_logprobs_match_full_forward():
     model = tiny_model().cuda()
-    sampling = SamplingParams(n=2, max_new_tokens=9, temperature=0.7, top_p=0.9, seed=4)
+    sampling = SamplingParams(n=2, max_new_tokens=9, temperature=0.7, top_k=5, seed=4)
     out = TorchEngine(model, [EOS], PAD).generate(PROMPTS, sampling)  # device from the parameters
     assert out.response_ids[0].device.type == "cpu"  # Rollouts always come back on the host
     for prompt, resp, logp in zip(out.prompt_ids, out.response_ids, out.logprobs, strict=True):
-        ref = reference_logprobs(model, prompt.cuda(), resp.cuda(), sampling.temperature).cpu()
+        ref = reference_logprobs(model, prompt.cuda(), resp.cuda(), sampling.temperature, sampling.top_k).cpu()
         torch.testing.assert_close(logp, ref, atol=1e-4, rtol=0)
 
 
@@ -299,7 +309,7 @@ def _reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p
                                                      (1.3, -1, 0.8), (0.9, 7, 0.6)])
 def test_sampler_distribution_chi_square(temperature, top_k, top_p):
     """Frequencies of 200k draws on a 13-token vocabulary match the float64 target (chi-square, p > 1e-4);
-    filtered-out tokens are never drawn; the log-probs are the unfiltered log_softmax(logits / T)."""
+    filtered-out tokens are never drawn; the log-probs are those of the renormalized target."""
     gen = torch.Generator().manual_seed(1234 + top_k)
     logits = torch.randn(13, generator=gen) * 1.5
     draws = 200_000
@@ -312,5 +322,4 @@ def test_sampler_distribution_chi_square(temperature, top_k, top_p):
     dof = int(live.sum()) - 1
     p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
     assert p_value > 1e-4, (stat.item(), dof)
-    want = torch.log_softmax(logits.double() / temperature, -1)[tokens]
-    torch.testing.assert_close(logp.double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp.double(), expected.log()[tokens], atol=1e-5, rtol=0)
