@@ -8,8 +8,8 @@ derivations). The choices, as the paper and the released recipe make them:
   A truncated wrong answer therefore scores -2 (`shaped_scores`).
 - Advantage = (R - group mean) / (group std + eps) with the UNBIASED std (n - 1), shared by every
   token of the response. A group of one response has mean 0 and std 1, so A = R (`group_advantages`).
-- Dynamic sampling keeps a group iff the std of its `acc` (correct/incorrect, not the shaped score)
-  is > 0; all-correct and all-wrong groups carry no gradient. A group of one response is kept
+- Dynamic sampling keeps a group iff the std of its `acc` (correct/incorrect, not the shaped score;
+  `algorithm.filter_metric=score` for non-binary rewards) is > 0; all-correct and all-wrong groups carry no gradient. A group of one response is kept
   (`informative_groups`). Overlong filtering (an ablation, off by default) masks truncated
   responses out of the loss (`response_loss_mask`).
 - Token-level loss (`token_loss`): the per-token clipped surrogate
@@ -19,20 +19,26 @@ derivations). The choices, as the paper and the released recipe make them:
       l = min(l, -A c)  where A < 0, when clip_ratio_c is set     dual clip (released recipe, c = 10)
 
   summed over every valid response token of a mini-batch and divided by the number of those tokens
-  over ALL micro-batches and ALL data-parallel ranks (`global_token_count`). Not a per-sequence mean,
-  not a per-micro-batch mean. Its gradient dL/dlogp is exactly zero on masked and clipped tokens;
-  the log-prob kernels (`flashdapo.kernels`) skip those rows' backward work.
+  over ALL micro-batches and ALL data-parallel ranks (`mini_batch_normalizers`). Not a per-sequence
+  mean, not a per-micro-batch mean; those are the other `algorithm.loss_agg_mode`s (`loss_normalizers`),
+  each defined on the whole mini-batch so that ranks and micro-batches never change the gradient.
+- Rollout correction (`rollout_correction_weights`): a detached per-token factor on the loss from the
+  ratio pi_old / pi_rollout of the trainer's and the engine's log-probs (truncated or masked, per token
+  or per response); masked tokens leave the loss and its normalizer.
+- The loss's gradient dL/dlogp is exactly zero on masked and clipped tokens; the log-prob kernels
+  (`flashdapo.kernels`) skip those rows' backward work.
 - No KL term, no reference model, no entropy bonus.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce
+from .collectives import all_gather_objects
 from .config import AlgorithmConfig
 
 LOG_RATIO_CLAMP = 20.0
@@ -90,9 +96,10 @@ def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float =
     return ((scores.to(torch.float64) - mean) / (std + eps)).to(torch.float32)
 
 
-def informative_groups(acc: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Per-response keep mask of dynamic sampling: the group's accuracies are not all equal (or size 1)."""
-    _, std, size = group_mean_std(acc.to(torch.float64), group_ids)
+def informative_groups(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Per-response keep mask of dynamic sampling: the group's filter values (`acc`, or the shaped score with
+    algorithm.filter_metric=score) are not all equal, i.e. their std is > 0 (or the group has size 1)."""
+    _, std, size = group_mean_std(values.to(torch.float64), group_ids)
     return (std > 0) | (size == 1)
 
 
@@ -101,13 +108,105 @@ def response_loss_mask(truncated: torch.Tensor, algo: AlgorithmConfig) -> torch.
     return ~truncated.bool() if algo.overlong_filter else torch.ones(truncated.shape, dtype=torch.bool)
 
 
-def global_token_count(mask: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The token-mean normalizer: valid tokens of a whole mini-batch summed over data-parallel ranks.
+def mini_batch_normalizers(valid_tokens: torch.Tensor, algo: AlgorithmConfig) -> tuple[torch.Tensor, int]:
+    """This rank's part of a mini-batch -> (the loss normalizer of each of its responses, global valid tokens).
 
-    `mask` holds this rank's valid-token flags of the mini-batch (all its micro-batches). One
-    all-reduce per mini-batch; without an initialized process group, the local count.
+    `valid_tokens` [b] counts the valid tokens of this rank's responses of the mini-batch. Ranks hold
+    consecutive parts of every mini-batch, in rank order, so the gathered counts are the whole mini-batch in
+    the order one rank would hold it; `loss_normalizers` of that under `algo.loss_agg_mode` does not
+    depend on the number of ranks or on the micro-batches. One all-gather of b integers per mini-batch;
+    without an initialized process group, the local counts.
     """
-    return all_reduce(mask.sum().to(torch.float64).reshape(1), group=group)[0]
+    local = [int(n) for n in valid_tokens.tolist()]
+    everyone = all_gather_objects(local)
+    offset = sum(len(part) for part in everyone[:dist.get_rank() if len(everyone) > 1 else 0])
+    counts = torch.tensor([n for part in everyone for n in part], dtype=torch.long)
+    normalizers = loss_normalizers(counts, algo.loss_agg_mode, algo.loss_agg_micro_batch)
+    return normalizers[offset:offset + len(local)], int(counts.sum())
+
+
+def loss_normalizers(valid_tokens: torch.Tensor, mode: str, micro_batch: int) -> torch.Tensor:
+    """Per response of a whole mini-batch, the divisor of each of its tokens' losses [B] (fp64).
+
+    `valid_tokens` [B] counts each response's valid tokens, for the mini-batch's responses in order over
+    all ranks. With S the responses that have a valid token, N the valid tokens, and the mini-batch cut into
+    consecutive chunks of `micro_batch` responses (chunk m: S_m such responses, N_m valid tokens):
+    token-mean -> N; seq-mean-token-mean -> S * n_s; seq-mean-token-sum -> S;
+    token-mean-per-micro-batch -> N_m * S / S_m, i.e. the loss sum_m (S_m / S) * (chunk m's token mean).
+    The divisors depend on the mini-batch alone, never on how ranks or micro-batches split it. Responses
+    without a valid token get 1 (their tokens are masked anyway).
+    """
+    n = valid_tokens.to(torch.float64)
+    contributing = (n > 0).to(torch.float64)
+    count = contributing.sum()
+    if mode == "token-mean":
+        out = n.sum().expand(n.shape)
+    elif mode == "seq-mean-token-mean":
+        out = count * n
+    elif mode == "seq-mean-token-sum":
+        out = count.expand(n.shape)
+    elif mode == "token-mean-per-micro-batch":
+        chunk = torch.arange(len(n)) // micro_batch
+        chunks = int(chunk.max()) + 1 if len(n) else 0
+        tokens = torch.zeros(chunks, dtype=torch.float64).index_add_(0, chunk, n)
+        responses = torch.zeros(chunks, dtype=torch.float64).index_add_(0, chunk, contributing)
+        out = (tokens * count / responses.clamp_min(1.0))[chunk]
+    else:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}")
+    return torch.where(n > 0, out, torch.ones_like(out))
+
+
+def resolved_rollout_correction(algo: AlgorithmConfig, engine: str) -> str:
+    """algorithm.rollout_correction with `auto` resolved: none for the torch engine, token_truncate for vLLM;
+    none when pi_old is the engine's own log-probs (algorithm.old_logprobs=rollout: every ratio is 1)."""
+    if algo.rollout_correction != "auto":
+        return algo.rollout_correction
+    return "token_truncate" if engine == "vllm" and algo.old_logprobs == "recompute" else "none"
+
+
+def rollout_correction_weights(old: torch.Tensor, rollout: torch.Tensor, lengths: torch.Tensor, mode: str,
+                               cap: float) -> torch.Tensor:
+    """The rollout correction as a detached per-token loss factor [T] (fp32; 0 = the token leaves the loss).
+
+    `old` and `rollout` are the flat [T] log-probs of the sampled tokens under the trainer's policy before
+    the update and under the engine's sampling distribution, for responses of `lengths` tokens. With the
+    ratio rho = exp(old - rollout) (per token; for the sequence modes the geometric mean over the response,
+    exp(mean(old - rollout)), given to each of its tokens): truncate -> min(rho, cap); mask -> 1 where
+    1/cap <= rho <= cap, else 0; none -> 1. Identical log-probs give exactly 1 in every mode.
+    """
+    log_rho = torch.clamp(old.double() - rollout.double(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if mode in ("sequence_truncate", "sequence_mask"):
+        owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        total = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, owner, log_rho)
+        log_rho = (total / lengths.clamp_min(1))[owner]
+    if mode in ("token_truncate", "sequence_truncate"):
+        return log_rho.exp().clamp(max=cap).to(torch.float32)
+    if mode in ("token_mask", "sequence_mask"):
+        return (log_rho.abs() <= math.log(cap)).to(torch.float32)
+    if mode == "none":
+        return torch.ones(log_rho.shape, dtype=torch.float32)
+    raise ValueError(f"unknown rollout correction mode {mode!r}")
+
+
+def rollout_correction_sums(old: torch.Tensor, rollout: torch.Tensor, weights: torch.Tensor,
+                            valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local token statistics of a correction, to reduce over ranks: (sums, extremes).
+
+    sums = [valid tokens, tokens masked by the correction, sum of the weights of the kept ones, kept tokens,
+    sum of the k3 estimator rho - 1 - log rho of KL(rollout || old) with the token ratio rho = pi_old /
+    pi_rollout] (fp64); extremes = [-min weight, max weight] over the kept tokens (-inf when none), both to
+    be reduced with max.
+    """
+    log_rho = torch.clamp(old.double() - rollout.double(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    valid = valid.bool()
+    kept = valid & (weights > 0)
+    w = weights.double()
+    sums = torch.stack([valid.sum(), (valid & ~kept).sum(), w[kept].sum(), kept.sum(),
+                        (log_rho.exp() - 1 - log_rho)[valid].sum()]).double()
+    low = float("-inf")
+    extremes = torch.tensor([-w[kept].min().item(), w[kept].max().item()] if kept.any() else [low, low],
+                            dtype=torch.float64)
+    return sums, extremes
 
 
 @dataclass
@@ -177,16 +276,19 @@ def token_loss(
     algo: AlgorithmConfig,
     *,
     normalizer: torch.Tensor | float | None = None,
+    weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Scalar DAPO loss from per-token log-probs (differentiable in `logp`) and detached token sums.
 
-    All inputs are per token [N]. `normalizer` is the global number of valid tokens of the mini-batch
-    (all micro-batches, all ranks); None uses this call's own count. `entropy` only feeds the
-    statistics (DAPO has no entropy bonus). A fully masked input gives loss 0 and zero gradient, never NaN.
-    Computes in fp32, or fp64 for fp64 log-probs. `old_logprobs=None` is the on-policy loss: pi_old is
-    pi_theta detached (ratio 1, nothing clipped, gradient -A dlogp / normalizer), exact when the batch
-    was sampled from the current weights.
+    All inputs are per token [N]: loss = sum over valid tokens of weights * l / normalizer. `normalizer` is
+    the global number of valid tokens of the mini-batch (all micro-batches, all ranks), or per token [N]
+    what `loss_normalizers` gives the token's response; None uses this call's own count. `weights` is the
+    detached rollout-correction factor (None: 1). `entropy` only feeds the statistics (DAPO has no entropy
+    bonus). A fully masked input gives loss 0 and zero gradient, never NaN. Computes in fp32, or fp64 for
+    fp64 log-probs. `old_logprobs=None` is the on-policy
+    loss: pi_old is pi_theta detached (ratio 1, nothing clipped, gradient -A dlogp / normalizer), exact when
+    the batch was sampled from the current weights.
     """
     dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
     logp = logp.to(dtype)
@@ -195,9 +297,11 @@ def token_loss(
     per_token, ratio, clipped, dual_clipped = clipped_surrogate(logp, old, adv, algo)
     if normalizer is None:
         normalizer = valid.sum()
-    normalizer = torch.as_tensor(normalizer, dtype=dtype, device=logp.device).clamp_min(1.0)
+    scale = 1.0 / torch.as_tensor(normalizer, dtype=dtype, device=logp.device).clamp_min(1.0)
+    if weights is not None:
+        scale = weights.detach().to(dtype) * scale
     # where(), not multiply: a masked token's value must not leak a NaN/inf into the sum or gradient.
-    loss = torch.where(valid > 0, per_token, torch.zeros_like(per_token)).sum() / normalizer
+    loss = torch.where(valid > 0, per_token * scale, torch.zeros_like(per_token)).sum()
 
     with torch.no_grad():
         new = logp.detach()

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from flashdapo.algorithm import (
-    global_token_count,
     group_advantages,
     informative_groups,
     overlong_penalty,
@@ -63,11 +62,6 @@ def test_informative_groups_uses_acc_not_score():
     groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])
     keep = informative_groups(acc, groups)
     assert keep.tolist() == [False, False, False, False, True, True, True]
-
-
-def test_global_token_count_without_process_group():
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert global_token_count(mask).item() == 3
 
 
 def _branch_formula(logp, old, adv, clip_low, clip_high, c):

@@ -170,6 +170,15 @@ def test_section_checks_name_the_field():
         AlgorithmConfig(clip_ratio_c=0.5)
 
 
+def test_dynamic_sampling_off_needs_gen_batch_equal_to_train_batch():
+    # Every generated group trains: a larger generation batch would be thrown away.
+    with pytest.raises(ConfigError, match=r"^trainer\.gen_batch: expected trainer\.train_batch \(512\) when "
+                                          r"algorithm\.dynamic_sampling is false, got 1536$"):
+        merge(Config(), {"algorithm": {"dynamic_sampling": False}})
+    cfg = merge(Config(), {"algorithm": {"dynamic_sampling": False}, "trainer": {"gen_batch": 512}})
+    assert cfg.trainer.gen_batch == cfg.trainer.train_batch == 512
+
+
 def _differences(overrides, defaults, prefix=""):
     for name, value in overrides.items():
         if isinstance(value, dict):

@@ -194,11 +194,17 @@ class AlgorithmConfig(Section):
     advantage_eps: PositiveFloat = 1e-6
     """epsilon in (R - mean) / (std + epsilon); std is unbiased."""
     dynamic_sampling: bool = True
-    """Keep only groups whose accuracies are not all equal, refilling until train_batch prompts."""
+    """Keep only groups whose filter_metric values are not all equal, refilling until train_batch prompts.
+    Off: every generated group trains, so trainer.gen_batch must equal trainer.train_batch."""
+    filter_metric: Literal["acc", "score"] = "acc"
+    """What dynamic sampling compares within a group (a group is kept iff its std is > 0): acc, the
+    verifier's correct/incorrect (the paper and the released recipe); score, the shaped reward (verifier
+    score plus the overlong penalty), for non-binary rewards."""
     max_gen_batches: int = 10
     """Generation rounds allowed per step when refilling (<= 0: unbounded)."""
     on_max_gen_batches: Literal["error", "continue"] = "error"
-    """When the bound is hit: stop with an error (released recipe) or train on the groups found so far."""
+    """When the bound is hit: stop with an error (released recipe) or train on the groups found so far
+    (whole mini-batches of trainer.mini_batch prompts and a smaller last one: fewer optimizer steps)."""
     overlong_buffer: bool = True
     """Soft overlong punishment added to the correctness reward."""
     overlong_buffer_len: Positive = 4096
@@ -207,6 +213,28 @@ class AlgorithmConfig(Section):
     """Multiplier of the overlong penalty."""
     overlong_filter: bool = False
     """Mask the loss of truncated responses (paper ablation; off in the released recipe)."""
+    rollout_correction: Literal["auto", "none", "token_truncate", "token_mask", "sequence_truncate",
+                                "sequence_mask"] = "auto"
+    """Correction for the rollout engine sampling from a slightly different distribution than the trainer
+    computes (ratio rho = pi_old / pi_rollout per token; docs/algorithm.md): token_truncate weighs each
+    token's loss by min(rho, C); token_mask drops tokens with rho outside [1/C, C] from the loss;
+    sequence_truncate and sequence_mask do the same with the geometric mean of rho over a response.
+    auto: none with the torch engine (it samples from the trainer's own weights and kernels),
+    token_truncate with vLLM (none with old_logprobs=rollout, where the ratio is 1)."""
+    rollout_correction_cap: Annotated[float, gt(1)] = 2.0
+    """C of rollout_correction: the truncation cap, and the mask's band [1/C, C]."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "token-mean-per-micro-batch"] = "token-mean"
+    """How a mini-batch's token losses become one loss (docs/algorithm.md): token-mean, over every valid
+    token of the mini-batch (the paper's Token-Level Policy Gradient Loss); seq-mean-token-mean, the mean
+    over responses of each response's token mean (GRPO's sample-level loss, the paper's ablation
+    baseline); seq-mean-token-sum, the mean over responses of each response's token sum; and
+    token-mean-per-micro-batch, the released verl recipe's token mean per micro-batch weighted by its
+    share of responses, on micro-batches of loss_agg_micro_batch consecutive responses."""
+    loss_agg_micro_batch: Positive = 4
+    """Responses per micro-batch of loss_agg_mode=token-mean-per-micro-batch (consecutive responses of the
+    mini-batch, whatever the ranks and the trainer's own micro-batches). 4: the released 32B recipe's
+    512 responses per mini-batch over 128 GPUs."""
     verifier: Literal["dapo", "math_verify"] = "dapo"
     """dapo: the released 'Answer:' rule with Minerva normalization. math_verify: equivalence checking
     with the math-verify package (extra `math`)."""
@@ -236,7 +264,8 @@ class OptimConfig(Section):
     grad_clip: float = 1.0
     """Max global gradient norm (<= 0 disables clipping)."""
     warmup_steps: NonNegative = 10
-    """Optimizer steps of linear warmup from 0 to lr, then constant."""
+    """Linear warmup from lr / warmup_steps to lr, then constant; counted in TRAINING steps (each holds
+    train_batch / mini_batch optimizer steps), as the paper's 20 and the released recipe's 10 are."""
 
 
 @dataclass
@@ -340,6 +369,13 @@ class Config(Section):
              lambda c: f"<= rollout.max_response_length ({c.rollout.max_response_length})"),
         Rule("rollout.engine", lambda c: c.rollout.engine == "torch" or bool(c.model.path),
              lambda c: "'torch' for the built-in toy model (vLLM needs model.path)"),
+        Rule("algorithm.rollout_correction",
+             lambda c: c.algorithm.rollout_correction in ("auto", "none") or c.algorithm.old_logprobs == "recompute",
+             lambda c: "'auto' or 'none' with algorithm.old_logprobs=rollout (pi_old is then the engine's own "
+                       "log-probs: every ratio of the correction is 1)"),
+        # Without dynamic sampling every generated group trains: generating more would be thrown away.
+        Rule("trainer.gen_batch", lambda c: c.algorithm.dynamic_sampling or c.trainer.gen_batch == c.trainer.train_batch,
+             lambda c: f"trainer.train_batch ({c.trainer.train_batch}) when algorithm.dynamic_sampling is false"),
     )
 
     def to_dict(self) -> dict[str, Any]:

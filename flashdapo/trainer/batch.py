@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..algorithm import group_advantages, response_loss_mask
+from ..algorithm import group_advantages, response_loss_mask, rollout_correction_weights
 from ..collectives import all_reduce
 from ..config import AlgorithmConfig
 
@@ -70,12 +70,18 @@ class TrainBatch:
     """[B] one advantage per response (broadcast to its tokens)."""
     loss_mask: torch.Tensor
     """[B] bool: the response's tokens enter the loss (False: overlong-filtered)."""
+    rollout_weights: tuple[torch.Tensor, ...]
+    """Per response: the rollout correction's detached per-token loss factor (1 without a correction; 0:
+    the token leaves the loss and its normalizer)."""
 
     def __post_init__(self) -> None:
         sizes = [len(r) for r in self.responses]
         if self.old_logprobs is not None and [len(t) for t in self.old_logprobs] != sizes:
             raise ValueError(f"old_logprobs must hold one tensor per response of the same length ({len(sizes)} "
                              f"responses), got lengths {[len(t) for t in self.old_logprobs]}")
+        if [len(t) for t in self.rollout_weights] != sizes:
+            raise ValueError(f"rollout_weights must hold one tensor per response of the same length ({len(sizes)} "
+                             f"responses), got lengths {[len(t) for t in self.rollout_weights]}")
         for name in ("advantages", "loss_mask"):
             if tuple(getattr(self, name).shape) != (len(sizes),):
                 raise ValueError(f"{name} must be [{len(sizes)}] (one per response), got "
@@ -111,9 +117,10 @@ class TrainBatch:
 
 
 def build_train_batch(mini_batches: Sequence[Sequence[Group]], old_logprobs: Sequence[torch.Tensor] | None,
-                      algo: AlgorithmConfig) -> TrainBatch:
+                      algo: AlgorithmConfig, correction: str = "none") -> TrainBatch:
     """The step's TrainBatch from this rank's groups per mini-batch and their old log-probs (in the same
-    order): advantages and the loss mask computed here, by `flashdapo.algorithm`, once."""
+    order): advantages, the loss mask and the weights of the rollout correction `correction` (a mode of
+    `algorithm.rollout_correction`, resolved) computed here, by `flashdapo.algorithm`, once."""
     groups = tuple(g for part in mini_batches for g in part)
     bounds = list(itertools.accumulate((len(part) for part in mini_batches), initial=0))
     group_ids = _cat([torch.full((g.size,), i, dtype=torch.long) for i, g in enumerate(groups)], torch.long)
@@ -125,30 +132,46 @@ def build_train_batch(mini_batches: Sequence[Sequence[Group]], old_logprobs: Seq
         old_logprobs=None if old_logprobs is None else tuple(old_logprobs),
         advantages=group_advantages(scores, group_ids, algo.advantage_eps),
         loss_mask=response_loss_mask(truncated, algo),
+        rollout_weights=_rollout_weights(groups, old_logprobs, correction, algo.rollout_correction_cap),
     )
+
+
+def _rollout_weights(groups: Sequence[Group], old_logprobs: Sequence[torch.Tensor] | None, mode: str,
+                     cap: float) -> tuple[torch.Tensor, ...]:
+    lengths = torch.tensor([len(r) for r in flat_responses(groups)], dtype=torch.long)
+    if mode == "none":
+        return tuple(torch.ones(int(n)) for n in lengths)
+    if old_logprobs is None:  # `on_policy` recomputes pi_old whenever a correction is on
+        raise ValueError(f"algorithm.rollout_correction={mode} needs pi_old's log-probs before the update")
+    sampled = [lp for g in groups for lp in (g.sampler_logprobs or [])]
+    if len(sampled) != len(lengths):
+        raise ValueError(f"algorithm.rollout_correction={mode} needs the rollout engine's per-token log-probs, "
+                         f"and {len(lengths) - len(sampled)} of {len(lengths)} responses came without")
+    old = torch.cat(list(old_logprobs)) if old_logprobs else torch.zeros(0)
+    rollout = torch.cat(sampled) if sampled else torch.zeros(0)
+    weights = rollout_correction_weights(old, rollout, lengths, mode, cap)
+    return tuple(torch.split(weights, lengths.tolist()))
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
-def mini_batch_layout(num_groups: int, num_mini_batches: int, world_size: int, rank: int) -> list[list[int]]:
+def mini_batch_layout(num_groups: int, mini_batch: int, world_size: int, rank: int) -> list[list[int]]:
     """Which of the step's `num_groups` globally ordered groups rank `rank` trains on, per mini-batch.
 
-    The one place the mini-batch layout is decided. Global mini-batch k is a contiguous run of groups
-    (as it would be on one rank), cut as equally as possible (equal unless dynamic sampling came back
-    short); each rank takes its contiguous part of every mini-batch. So N ranks take the optimizer
-    steps that one rank would. `num_groups` must be a multiple of the world size.
+    The one place the mini-batch layout is decided. Global mini-batch k is the contiguous run of groups
+    [k * mini_batch, (k + 1) * mini_batch) (as it would be on one rank); each rank takes its contiguous part
+    of every mini-batch. So N ranks take the optimizer steps that one rank would. When dynamic sampling came
+    back short (on_max_gen_batches=continue) the mini-batches keep their size and the last one holds the
+    rest: fewer optimizer steps, not smaller ones. `num_groups` and `mini_batch` must be multiples of the
+    world size. No groups: one empty mini-batch (the update skips it).
     """
-    per_rank = num_groups // world_size
-    count = max(1, min(num_mini_batches, per_rank))
-    bounds = [round(i * per_rank / count) for i in range(count + 1)]
-    layout, offset = [], 0
-    for k in range(count):
-        size = bounds[k + 1] - bounds[k]
-        layout.append(list(range(offset + rank * size, offset + (rank + 1) * size)))
-        offset += size * world_size
-    return layout
+    layout = []
+    for start in range(0, num_groups, mini_batch):
+        size = min(mini_batch, num_groups - start) // world_size
+        layout.append(list(range(start + rank * size, start + (rank + 1) * size)))
+    return layout or [[]]
 
 
 def plan_micro_batches(token_counts: list[int], budget: int, padded: bool = False) -> list[list[int]]:

@@ -34,8 +34,8 @@ def warn_logprob_mismatch(mean: float, worst: float, threshold: float) -> None:
         warnings.warn(
             f"mean |logp_engine - logp_trainer| = {mean:.4f} (max {worst:.4f}) exceeds "
             f"rollout.logprob_check_threshold={threshold}. Usual causes: weights not pushed (or reloaded "
-            "from disk), temperature not applied the same way, top_p/top_k active (vLLM's processed "
-            "log-probs are renormalized), dtype differences (fp32 LM head vs bf16).",
+            "from disk), temperature not applied the same way, top_p/top_k active (the engine's log-probs are "
+            "renormalized over the tokens the filters keep), dtype differences (fp32 LM head vs bf16).",
             LogprobMismatchWarning, stacklevel=3)
 
 

@@ -6,7 +6,8 @@ One step (docs/architecture.md), each stage timed:
     gen + reward   roll out gen_batch prompts x n, verify, add the overlong penalty   (sampling.py)
     filter         dynamic sampling: refill until train_batch informative groups     (sampling.py)
     old_log_prob   log-probs of the kept responses under the policy before updating (update.py)
-    adv            the TrainBatch, built once: advantages, overlong loss mask        (batch.py)
+    adv            the TrainBatch, built once: advantages, overlong loss mask, rollout-correction
+                   weights                                                           (batch.py)
     update_actor   mini-batches x micro-batches, global token-mean, clip, AdamW      (update.py)
 
 then validation, metrics, plot and checkpoint on their intervals, and an HF export at the end.
@@ -18,12 +19,14 @@ import time
 
 import torch
 
+from ..algorithm import resolved_rollout_correction
 from ..collectives import all_gather_objects
 from ..eval_results import summarize
 from ..evaluate import EvalSampling, Shard, sample_prompts
 from ..rollout import derive_seed
 from .batch import TrainBatch, build_train_batch
 from .checkpoint import export_hf, save_checkpoint
+from .correction import rollout_correction_metrics
 from .dumps import dump_train_rollouts, dump_validation, dumping
 from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe, plot_dynamics
@@ -76,10 +79,12 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         with timer("old_log_prob"):
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
-            batch = build_train_batch(collected.mini_batches, old, cfg.algorithm)
+            batch = build_train_batch(collected.mini_batches, old, cfg.algorithm,
+                                      resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine))
         # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip it.
         recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
-        rollout_check = logprob_agreement(step, batch, cfg.rollout, warn=env.is_main) if recomputed else {}
+        rollout_check = {**logprob_agreement(step, batch, cfg.rollout, warn=env.is_main),
+                         **rollout_correction_metrics(batch)} if recomputed else {}
         lr = run.scheduler.get_last_lr()[0]
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
@@ -133,6 +138,8 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "train/num_gen_batches": collected.num_gen_batches,
          "train/kept_fraction": collected.groups_informative / max(collected.groups_generated, 1),
          "train/kept_groups": float(len(scores) // run.cfg.rollout.n),
+         # Fewer than train_batch / mini_batch when a short batch trains (on_max_gen_batches=continue).
+         "train/mini_batches": float(len(batch.mini_batches)),
          "train/gen_acc": collected.gen_acc, "train/gen_score": collected.gen_score,
          "train/gen_truncated": collected.gen_truncated,
          **timer.metrics(),

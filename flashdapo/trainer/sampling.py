@@ -1,12 +1,13 @@
 """Steps 1-4 of the DAPO walk: sample prompts, roll out, score, and dynamic sampling.
 
 Dynamic sampling is decided globally: every rank generates for its shard of `gen_batch` prompts,
-keeps its informative groups (accuracies not all equal), and the kept counts are summed over ranks;
-rounds repeat until `train_batch` groups are kept in total (bounded by `max_gen_batches`). The kept
-groups are then ordered (round, rank, position), truncated to exactly `train_batch`, and dealt out
-so that each rank holds its contiguous part of every global mini-batch: a group never splits across
-ranks, every rank trains on as many groups as the others, and the optimizer steps are those one rank
-would take.
+keeps its informative groups (their `algorithm.filter_metric` values not all equal), and the kept
+counts are summed over ranks; rounds repeat until `train_batch` groups are kept in total (bounded by
+`max_gen_batches`). The kept groups are then ordered (round, rank, position), truncated to exactly
+`train_batch`, and dealt out so that each rank holds its contiguous part of every global mini-batch: a
+group never splits across ranks, every rank trains on as many groups as the others, and the optimizer
+steps are those one rank would take. Without dynamic sampling every generated group trains (the config
+requires gen_batch = train_batch).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier:
     return groups
 
 
-def _is_informative(group: Group) -> bool:
-    return bool(informative_groups(group.acc, torch.zeros(group.size, dtype=torch.long)).all())
+def _is_informative(group: Group, metric: str) -> bool:
+    values = group.acc if metric == "acc" else group.scores
+    return bool(informative_groups(values, torch.zeros(group.size, dtype=torch.long)).all())
 
 
 def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tokenizer, verifier: Verifier,
@@ -103,7 +105,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                                      dtype=torch.float64)
         for i, g in enumerate(groups):
             g.origin = (rounds, env.rank, i)
-        kept = [g for g in groups if _is_informative(g)] if algo.dynamic_sampling else groups
+        kept = [g for g in groups if _is_informative(g, algo.filter_metric)] if algo.dynamic_sampling else groups
         kept_per_round.append(kept)
         if keep_generated:
             generated += [(g, any(g is k for k in kept)) for g in groups]
@@ -117,12 +119,15 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                 raise DynamicSamplingError(message + ". The data may be too easy or too hard for the model: raise "
                                            "algorithm.max_gen_batches, or set algorithm.on_max_gen_batches=continue")
             if env.is_main:
-                warnings.warn(message + "; training on what was found (on_max_gen_batches=continue)", stacklevel=2)
+                usable = min(total_kept, tc.train_batch) // env.world_size * env.world_size
+                warnings.warn(message + f"; training on what was found (on_max_gen_batches=continue): {usable} groups "
+                              f"in {-(-usable // tc.mini_batch)} mini-batches of up to {tc.mini_batch} (instead of "
+                              f"{tc.train_batch // tc.mini_batch})", stacklevel=2)
             break
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
     return Collected(
-        mini_batches=_deal_out(kept_per_round, tc.train_batch, tc.train_batch // tc.mini_batch, env),
+        mini_batches=_deal_out(kept_per_round, tc.train_batch, tc.mini_batch, env),
         num_gen_batches=rounds,
         groups_generated=rounds * tc.gen_batch,
         groups_informative=total_kept,
@@ -133,12 +138,12 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     )
 
 
-def _deal_out(kept_per_round: list[list[Group]], train_batch: int, num_mini_batches: int,
+def _deal_out(kept_per_round: list[list[Group]], train_batch: int, mini_batch: int,
               env: DistEnv) -> list[list[Group]]:
     """Order kept groups by (round, rank, position), keep the first train_batch (or, when short, the
     largest multiple of the world size), and give each rank its part of every global mini-batch."""
     everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
     ordered = [g for r in range(len(kept_per_round)) for rank_rounds in everyone for g in rank_rounds[r]]
     usable = min(len(ordered), train_batch) // env.world_size * env.world_size
-    return [[ordered[i] for i in part] for part in mini_batch_layout(usable, num_mini_batches, env.world_size,
+    return [[ordered[i] for i in part] for part in mini_batch_layout(usable, mini_batch, env.world_size,
                                                                      env.rank)]

@@ -1,9 +1,11 @@
 """Steps 5 and 7 of the DAPO walk: old log-probs, and the actor update over mini- and micro-batches.
 
 Each mini-batch is one optimizer step. Its loss is the sum of the clipped surrogate over every valid
-response token of the mini-batch divided by the GLOBAL number of those tokens (all micro-batches, all
-ranks), counted by one all-reduce before the first micro-batch; FSDP2 sums (does not average) the
-gradients over ranks. So 1 rank and N ranks, and any micro-batch split, give the same gradient.
+response token of the mini-batch, each divided by its normalizer under `algorithm.loss_agg_mode` (by
+default the GLOBAL number of those tokens, all micro-batches, all ranks) and weighed by the rollout
+correction. The normalizers come from every rank's token counts, gathered once before the first
+micro-batch; FSDP2 sums (does not average) the gradients over ranks. So 1 rank and N ranks, and any
+micro-batch split, give the same gradient.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..algorithm import LossStats, global_token_count, token_loss
+from ..algorithm import LossStats, mini_batch_normalizers, resolved_rollout_correction, token_loss
 from ..collectives import all_reduce
 from ..config import Config
 from .batch import Group, TrainBatch, flat_prompts, flat_responses, plan_micro_batches
@@ -34,8 +36,10 @@ def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], b
 
 def on_policy(cfg: Config) -> bool:
     """One optimizer step per batch (one mini-batch, one epoch): the weights the update starts from are
-    the ones that sampled the batch, so pi_old is pi_theta itself and needs no pass of its own."""
-    return cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batch == cfg.trainer.train_batch
+    the ones that sampled the batch, so pi_old is pi_theta itself and needs no pass of its own. Not with a
+    rollout correction: its weights need pi_old's values before the update."""
+    return (cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batch == cfg.trainer.train_batch
+            and resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine) == "none")
 
 
 def old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, pad_id: int,
@@ -100,9 +104,11 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     old = None if batch.old_logprobs is None else batch.old_logprobs[rows]
     advantages = batch.advantages[rows]
     loss_mask = batch.loss_mask[rows]
-    token_mask = [torch.full((len(r),), bool(m)) for r, m in zip(responses, loss_mask.tolist())]
-    normalizer = global_token_count(torch.cat(token_mask) if token_mask else torch.zeros(0), None)
-    if normalizer.item() == 0:
+    weights = batch.rollout_weights[rows]
+    # A token masked by the rollout correction (weight 0) leaves the loss and its normalizer.
+    token_mask = [(w > 0) & bool(m) for w, m in zip(weights, loss_mask.tolist())]
+    normalizers, num_tokens = mini_batch_normalizers(torch.tensor([int(m.sum()) for m in token_mask]), cfg.algorithm)
+    if num_tokens == 0:
         # No valid token on any rank (all ranks agree: the count is global). An optimizer step on zero
         # gradients would still move the weights (Adam momentum, weight decay): skip it.
         return 0.0, 0.0, LossStats.zeros()
@@ -113,15 +119,17 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
                                                             pad_id, not policy.packed_layout):
         packed = policy.token_batch(mb_prompts, mb_responses, env.device)
         if indices:
-            per_token = [(advantages[i].expand(len(responses[i])), token_mask[i]) for i in indices]
-            adv_t, mask_t = (torch.cat(parts).to(env.device) for parts in zip(*per_token))
+            per_token = [(advantages[i].expand(len(responses[i])), token_mask[i], weights[i],
+                          normalizers[i].expand(len(responses[i]))) for i in indices]
+            adv_t, mask_t, weight_t, norm_t = (torch.cat(parts).to(env.device) for parts in zip(*per_token))
             old_t = None if old is None else torch.cat([old[i] for i in indices]).to(env.device)
         else:
-            old_t, adv_t, mask_t = (None, torch.zeros(1, device=env.device),
-                                    torch.zeros(1, dtype=torch.bool, device=env.device))
+            old_t = None
+            adv_t, weight_t, norm_t = (torch.zeros(1, device=env.device) for _ in range(3))
+            mask_t = torch.zeros(1, dtype=torch.bool, device=env.device)
         logp, entropy = policy(packed, with_entropy=True)
-        loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm,
-                                       normalizer=normalizer.to(env.device), entropy=entropy.detach())
+        loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
+                                       weights=weight_t, entropy=entropy.detach())
         loss.backward()
         totals += torch.cat([loss.detach().double().reshape(1), micro_stats.as_vector()])
     grad_norm = _clip_grad_norm(policy, cfg.optim.grad_clip)

@@ -1,5 +1,7 @@
 """The step's TrainBatch (built once, every per-response field filled) and the mini-batch layout."""
 
+import math
+
 import pytest
 import torch
 
@@ -8,10 +10,10 @@ from flashdapo.config import AlgorithmConfig
 from flashdapo.trainer.batch import Group, TrainBatch, build_train_batch, mini_batch_layout
 
 
-@pytest.mark.parametrize("num_groups, num_mini, world", [(8, 4, 1), (8, 4, 2), (12, 3, 4), (6, 4, 2), (4, 1, 4),
-                                                           (10, 2, 2), (0, 2, 2)])
-def test_layout_gives_each_rank_its_part_of_every_global_mini_batch(num_groups, num_mini, world):
-    layouts = [mini_batch_layout(num_groups, num_mini, world, rank) for rank in range(world)]
+@pytest.mark.parametrize("num_groups, mini_batch, world", [(8, 2, 1), (8, 2, 2), (12, 4, 4), (6, 4, 2), (4, 4, 4),
+                                                             (10, 4, 2), (0, 2, 2), (2, 4, 2)])
+def test_layout_gives_each_rank_its_part_of_every_global_mini_batch(num_groups, mini_batch, world):
+    layouts = [mini_batch_layout(num_groups, mini_batch, world, rank) for rank in range(world)]
     assert len({len(layout) for layout in layouts}) == 1, "every rank takes the same number of optimizer steps"
     offset = 0
     for k in range(len(layouts[0])):
@@ -21,10 +23,12 @@ def test_layout_gives_each_rank_its_part_of_every_global_mini_batch(num_groups, 
         assert merged == list(range(offset, offset + len(merged)))
         assert len({len(layout[k]) for layout in layouts}) == 1
         offset += len(merged)
-    one_rank = mini_batch_layout(num_groups, num_mini, 1, 0)
+    one_rank = mini_batch_layout(num_groups, mini_batch, 1, 0)
     everything = sorted(i for layout in layouts for part in layout for i in part)
     assert everything == list(range(num_groups))
-    assert len(one_rank) == max(1, min(num_mini, num_groups))
+    # A short batch keeps the mini-batch size and takes fewer optimizer steps: all full but the last.
+    assert len(one_rank) == max(1, -(-num_groups // mini_batch))
+    assert all(len(part) == mini_batch for part in one_rank[:-1])
 
 
 def _group(sizes_seed: int, n: int = 3, truncated_first: bool = False) -> Group:
@@ -47,6 +51,7 @@ def test_build_fills_every_per_response_field_once(overlong_filter):
     torch.testing.assert_close(batch.advantages, group_advantages(batch.scores, ids, eps=1e-3))
     assert batch.loss_mask.tolist() == [True] * 3 + [not overlong_filter, True, True] + [True] * 3
     assert all(a is b for a, b in zip(batch.old_logprobs, old))
+    assert all(torch.equal(w, torch.ones(len(o))) for w, o in zip(batch.rollout_weights, old))  # no correction
     with pytest.raises(AttributeError):
         batch.advantages = torch.zeros(9)  # frozen: no stage rewrites another stage's field
 
@@ -55,8 +60,10 @@ def test_batch_rejects_fields_that_do_not_match_the_responses():
     group = _group(0)
     old = tuple(torch.zeros(len(r)) for r in group.responses)
     ok = dict(groups=(group,), mini_batches=(slice(0, 1),), old_logprobs=old, advantages=torch.zeros(3),
-              loss_mask=torch.ones(3, dtype=torch.bool))
+              loss_mask=torch.ones(3, dtype=torch.bool), rollout_weights=tuple(torch.ones_like(t) for t in old))
     TrainBatch(**ok)
+    with pytest.raises(ValueError, match="rollout_weights"):
+        TrainBatch(**{**ok, "rollout_weights": ok["rollout_weights"][:2]})
     with pytest.raises(ValueError, match="old_logprobs"):
         TrainBatch(**{**ok, "old_logprobs": old[:2]})
     with pytest.raises(ValueError, match="old_logprobs"):
@@ -65,3 +72,19 @@ def test_batch_rejects_fields_that_do_not_match_the_responses():
         TrainBatch(**{**ok, "advantages": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"loss_mask must be \[3\]"):
         TrainBatch(**{**ok, "loss_mask": torch.ones(4, dtype=torch.bool)})
+
+
+def test_build_weighs_tokens_by_the_rollout_correction():
+    mini = [[_group(0), _group(1)]]
+    groups = mini[0]
+    old = [torch.randn(len(r), generator=torch.Generator().manual_seed(i)) for i, r in
+           enumerate(r for g in groups for r in g.responses)]
+    with pytest.raises(ValueError, match="token_truncate needs the rollout engine's per-token log-probs"):
+        build_train_batch(mini, old, AlgorithmConfig(), "token_truncate")
+    flat = iter(old)
+    for g in groups:  # the engine's log-probs: pi_old / pi_rollout = 3 on every token
+        g.sampler_logprobs = [next(flat) - math.log(3.0) for _ in g.responses]
+    batch = build_train_batch(mini, old, AlgorithmConfig(rollout_correction_cap=2.0), "token_truncate")
+    assert all(torch.allclose(w, torch.full_like(w, 2.0)) for w in batch.rollout_weights)
+    batch = build_train_batch(mini, old, AlgorithmConfig(rollout_correction_cap=4.0), "sequence_mask")
+    assert all(torch.equal(w, torch.ones_like(w)) for w in batch.rollout_weights)

@@ -41,23 +41,37 @@ TINY = ["--model.toy.sft-steps", "20", "--model.toy.hidden-size", "32", "--model
         "--algorithm.dynamic-sampling", "False", "--logging.plot", "False", "--logging.progress", "False"]
 
 
+PAIRS = [("token-mean", "none"), ("seq-mean-token-mean", "token_truncate"), ("seq-mean-token-sum", "sequence_mask"),
+         ("token-mean-per-micro-batch", "token_mask"), ("token-mean", "sequence_truncate")]
+
+
 @pytest.mark.distributed
-def test_two_ranks_update_equals_one_rank(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    torchrun(1, str(SCRIPTS / "update_equivalence.py"), str(one))
-    torchrun(2, str(SCRIPTS / "update_equivalence.py"), str(two))
-    a, b = (json.loads((d / "losses.json").read_text()) for d in (one, two))
-    assert len(a["pg_loss"]) == 8  # 4 mini-batches x 2 epochs: 8 optimizer steps
-    assert a["clipfrac"] > 0  # later mini-batches really are off-policy and clipped
-    for key in ("pg_loss", "grad_norm"):
-        torch.testing.assert_close(torch.tensor(b[key]), torch.tensor(a[key]), rtol=1e-5, atol=1e-7)
-    pa, pb = torch.load(one / "params.pt"), torch.load(two / "params.pt")
-    assert pa.keys() == pb.keys()
-    for name in pa:  # relative to each tensor's norm
-        assert (pb[name] - pa[name]).norm() <= 1e-5 * pa[name].norm(), name
-    initial = torch.load(one / "initial.pt")  # the comparison means something: training moved every tensor
-    assert all((initial[n] - pa[n]).abs().max() > 1e-3 for n in pa if "norm" not in n)
+def test_two_ranks_and_micro_batches_update_equals_one_rank(tmp_path):
+    """Every loss aggregation mode and rollout correction: 1 rank in one micro-batch per optimizer step, 1 rank
+    in several, 2 ranks in several: the same losses, gradient norms and parameters."""
+    runs = {"whole": (1, "100000"), "micro": (1, "30"), "two": (2, "48")}
+    for name, (ranks, budget) in runs.items():
+        (tmp_path / name).mkdir()
+        torchrun(ranks, str(SCRIPTS / "update_equivalence.py"), str(tmp_path / name), budget)
+    initial = torch.load(tmp_path / "whole" / "initial.pt")
+    for mode, correction in PAIRS:
+        tag = f"{mode}_{correction}"
+        ref, micro, two = (json.loads((tmp_path / name / f"losses_{tag}.json").read_text()) for name in runs)
+        assert len(ref["pg_loss"]) == 8  # 4 mini-batches x 2 epochs: 8 optimizer steps
+        assert ref["clipfrac"] > 0  # later mini-batches really are off-policy and clipped
+        assert ref["micro_batches"] == [1] * 8 and min(micro["micro_batches"]) >= 3, tag
+        if correction != "none":  # the correction really weighs or masks tokens
+            assert ref["rollout_corr/weight_mean"] != 1 or ref["rollout_corr/masked_fraction"] > 0, tag
+        for other in (micro, two):
+            for key in ("pg_loss", "grad_norm"):
+                torch.testing.assert_close(torch.tensor(other[key]), torch.tensor(ref[key]), rtol=1e-5, atol=1e-7)
+        pr, pm, pt = (torch.load(tmp_path / name / f"params_{tag}.pt") for name in runs)
+        assert pr.keys() == pm.keys() == pt.keys()
+        for name in pr:  # relative to each tensor's norm
+            assert (pm[name] - pr[name]).norm() <= 1e-5 * pr[name].norm(), (tag, name)
+            assert (pt[name] - pr[name]).norm() <= 1e-5 * pr[name].norm(), (tag, name)
+        # The comparison means something: training moved every tensor.
+        assert all((initial[n] - pr[n]).abs().max() > 1e-3 for n in pr if "norm" not in n), tag
 
 
 @pytest.mark.distributed

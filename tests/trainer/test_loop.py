@@ -123,7 +123,7 @@ def test_same_seed_same_first_step(tmp_path):
 # Dynamic sampling with a scripted engine and scorer
 
 
-def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None, keep_generated=False):
+def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None, keep_generated=False, verifier=None):
     cfg = toy()
     cfg = dataclasses.replace(
         cfg, rollout=dataclasses.replace(cfg.rollout, n=4),
@@ -132,8 +132,9 @@ def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None, keep
                                                      (trainer or {}))))
     sampler = PromptSampler(numbered_prompts(num_prompts), cfg.trainer.gen_batch, seed=0, shuffle=False)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
-    return collect_groups(1, sampler, ScriptedEngine(), PlainTokenizer(), scripted_verifier(informative_ids),
-                          cfg, env, StageTimer(env.device), keep_generated=keep_generated)
+    return collect_groups(1, sampler, ScriptedEngine(), PlainTokenizer(),
+                          verifier or scripted_verifier(informative_ids), cfg, env, StageTimer(env.device),
+                          keep_generated=keep_generated)
 
 
 def test_partly_informative_refills_to_exactly_train_batch_whole_groups():
@@ -156,6 +157,31 @@ def test_no_informative_group_continue_trains_on_what_it_has():
     assert collected.num_gen_batches == 2 and [int(g.prompt[0]) for g in collected.groups] == [2]
 
 
+def test_short_batch_keeps_the_mini_batch_size_and_takes_fewer_optimizer_steps():
+    # train_batch 8 in mini-batches of 4 (2 optimizer steps); two rounds find 3 informative groups (1, 2, 5).
+    with pytest.warns(UserWarning, match=r"3 groups in 1 mini-batches of up to 4 \(instead of 2\)"):
+        collected = _collect({1, 2, 5}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"},
+                             trainer={"train_batch": 8, "mini_batch": 4})
+    assert [[int(g.prompt[0]) for g in part] for part in collected.mini_batches] == [[1, 2, 5]]
+    with pytest.warns(UserWarning, match=r"5 groups in 2 mini-batches of up to 4 \(instead of 2\)"):
+        collected = _collect({0, 1, 2, 5, 6}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"},
+                             trainer={"train_batch": 8, "mini_batch": 4})
+    assert [len(part) for part in collected.mini_batches] == [4, 1]
+
+
+@pytest.mark.parametrize("metric, kept", [("acc", []), ("score", [0, 2])])
+def test_filter_metric_score_keeps_groups_whose_scores_differ(metric, kept):
+    # Every answer is wrong (acc all False); prompts 0 and 2 get partial credit on one sample: only the shaped
+    # score tells their responses apart.
+    def verify(text, truth):
+        prompt_id, sample = map(int, text.split())
+        return Verdict(-0.5 if prompt_id in (0, 2) and sample == 1 else -1.0, False, text)
+    with pytest.warns(UserWarning, match="training on what was found"):
+        collected = _collect(set(), algorithm={"filter_metric": metric, "max_gen_batches": 1,
+                                               "on_max_gen_batches": "continue"}, verifier=verify)
+    assert [int(g.prompt[0]) for g in collected.groups] == kept
+
+
 def test_dynamic_sampling_off_keeps_everything():
     collected = _collect(set(), algorithm={"dynamic_sampling": False})
     assert collected.num_gen_batches == 1 and len(collected.groups) == 4
@@ -175,4 +201,5 @@ def test_step_without_informative_groups_leaves_weights_alone(tmp_path):
     finally:
         shutdown()
     assert metrics["train/kept_groups"] == 0 and metrics["actor/grad_norm"] == 0
+    assert metrics["train/mini_batches"] == 1  # one empty mini-batch, skipped
     assert all(torch.equal(before[n], after[n]) for n in before)
