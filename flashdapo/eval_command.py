@@ -28,6 +28,7 @@ from .eval_results import EvalReport, format_report
 from .evaluate import EvalSampling, Shard, evaluate_to_dir
 from .tokenizer import eos_token_ids, load_tokenizer
 from .trainer.distributed import DistEnv, init_distributed, shutdown
+from .trainer.failfast import FailFast
 
 OPTIONS = {
     "k": "rollout.val_n",
@@ -147,6 +148,8 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     from .reward import get_verifier
 
     env = init_distributed(args.device)
+    failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
+    failfast.watch()
     try:
         tokenizer = load_tokenizer(args.model)
         dataset = load_prompts(list(args.data), tokenizer,
@@ -166,8 +169,10 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
             print(format_report(report))
             print(f"flashdapo eval: per-prompt samples in {Path(args.out) / 'samples.jsonl'}; metrics (pass@j and "
                   f"maj@j for every j) in {Path(args.out) / 'metrics.json'}", flush=True)
-    except BaseException:
+    except BaseException as err:
+        failfast.fail(err)
         shutdown(synchronize=False)
         raise
+    failfast.close()
     shutdown()
     return report
