@@ -15,7 +15,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import tyro  # noqa: E402
 
-from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point  # noqa: E402
+from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
+from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
 
 USAGE = """usage: flashdapo {train,config,eval} [options]
 
@@ -23,7 +24,8 @@ USAGE = """usage: flashdapo {train,config,eval} [options]
   config   print the resolved config (YAML; reusable with --config)
   eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32] [--config FILE]
 
-presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field."
+presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field; " \
+    "--debug (or FLASHDAPO_DEBUG=1) shows the traceback of an error."
 
 
 def resolve_config(argv: list[str], prog: str) -> Config:
@@ -36,7 +38,12 @@ def resolve_config(argv: list[str], prog: str) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; an error the user can fix prints one line (`flashdapo: error: ...`, status 1; config
+    errors: status 2) unless `--debug` or FLASHDAPO_DEBUG=1 asks for the traceback (flashdapo/errors.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        os.environ[DEBUG_ENV] = "1"  # also read by failfast.py on every rank
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -57,8 +64,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flashdapo: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
             return 2
     except ConfigError as err:
+        if debug_requested():
+            raise
         print(f"flashdapo: config error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        line = user_error_line(err)
+        if line is None or debug_requested():
+            raise
+        # Under torchrun an error every rank raises together is printed by rank 0 alone.
+        if os.environ.get("RANK", "0") == "0" or not getattr(err, "every_rank", True):
+            print(line, file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .config import DataConfig
+from .errors import FlashdapoError
 from .reward import MAX_GROUND_TRUTH_CHARS
 
 DAPO_TEMPLATE = (
@@ -32,7 +33,7 @@ DAPO_TEMPLATE = (
 )
 
 
-class DataError(ValueError):
+class DataError(FlashdapoError, ValueError):
     """A data file is unreadable or malformed; the message names the file, the row and what was expected."""
 
 

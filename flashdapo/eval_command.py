@@ -26,6 +26,7 @@ from .config.checks import Check, Rule, Section, field_docs, field_path, field_s
 from .data import load_prompts
 from .eval_results import EvalReport, format_report
 from .evaluate import EvalSampling, Shard, evaluate_to_dir
+from .model_dir import check_model_dir
 from .tokenizer import eos_token_ids, load_tokenizer
 from .trainer.distributed import DistEnv, init_distributed, shutdown
 from .trainer.failfast import FailFast
@@ -147,6 +148,7 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     """Evaluate `args.model` on `args.data` into `args.out`; print the table on rank 0; return the report."""
     from .reward import get_verifier
 
+    check_model_dir(args.model, "--model")
     env = init_distributed(args.device)
     failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
     failfast.watch()

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .errors import FlashdapoError
+
 __all__ = [
     "MAX_GROUND_TRUTH_CHARS",
     "REMOVED_EXPRESSIONS",
@@ -314,8 +316,10 @@ def get_verifier(name: str) -> Verifier:
     return VERIFIERS[name]
 
 
-class RewardError(ValueError):
+class RewardError(FlashdapoError, ValueError):
     """A verifier returned a reward that is not a finite number."""
+
+    every_rank = False  # each rank scores its own responses
 
 
 def check_reward(score: float, prompt: str, response: str) -> None:

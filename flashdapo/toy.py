@@ -195,14 +195,19 @@ def supervised_warmup(policy: PolicyModel, tokenizer, cfg: Config, log=print) ->
     device = next(policy.parameters()).device
     losses = []
     policy.train()
-    for step in range(toy.sft_steps):
-        chunk = pairs[step * toy.sft_batch:(step + 1) * toy.sft_batch]
-        packed = policy.token_batch([p for p, _ in chunk], [r for _, r in chunk], device)
-        logp, _ = policy(packed)
-        loss = -logp.mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    # Plain maximum likelihood: temperature 1, whatever temperature the RL phase samples and scores at.
+    rl_temperature, policy.temperature = policy.temperature, 1.0
+    try:
+        for step in range(toy.sft_steps):
+            chunk = pairs[step * toy.sft_batch:(step + 1) * toy.sft_batch]
+            packed = policy.token_batch([p for p, _ in chunk], [r for _, r in chunk], device)
+            logp, _ = policy(packed)
+            loss = -logp.mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        policy.temperature = rl_temperature
     log(f"toy warm-up: {toy.sft_steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     return losses

@@ -265,7 +265,9 @@ class OptimConfig(Section):
     """Max global gradient norm (<= 0 disables clipping)."""
     warmup_steps: NonNegative = 10
     """Linear warmup from lr / warmup_steps to lr, then constant; counted in TRAINING steps (each holds
-    train_batch / mini_batch optimizer steps), as the paper's 20 and the released recipe's 10 are."""
+    train_batch / mini_batch optimizer steps), as the paper's 20 and the released recipe's 10 are. The schedule
+    advances only after a training step that took an optimizer step (one that kept no group, or skipped every
+    update as non-finite, does not count)."""
 
 
 @dataclass

@@ -127,6 +127,10 @@ def _sample_filtered(scaled: torch.Tensor, top_p: float, top_k: int,
     return order.gather(-1, picked).squeeze(-1), logp
 
 
+GREEDY_BELOW = 1e-5
+"""Smaller sampling temperatures mean greedy decoding (vLLM's threshold)."""
+
+
 def sample(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -141,8 +145,11 @@ def sample(
     entry. The log-prob is that of the drawn token under the distribution it was drawn from: the
     renormalized survivors of the filters (vLLM's `processed_logprobs`); without filters
     log_softmax(logits / temperature), what the trainer recomputes. Taken from the same exponentials as
-    the draw.
+    the draw. Temperatures below GREEDY_BELOW draw the argmax with log-prob 0, the T -> 0 limit (vLLM samples greedily
+    there too): dividing by them overflows fp32 logits to inf.
     """
+    if temperature < GREEDY_BELOW:
+        return logits.argmax(dim=-1), torch.zeros(logits.shape[0], device=logits.device)
     scaled = logits.float()
     if temperature != 1.0:
         scaled = scaled / temperature

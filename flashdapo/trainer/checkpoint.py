@@ -37,13 +37,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..collectives import all_reduce, barrier
+from ..errors import FlashdapoError
 from .distributed import DistEnv
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FlashdapoError, RuntimeError):
     """A checkpoint that cannot be written or resumed from; the message says why and what to do."""
 
 

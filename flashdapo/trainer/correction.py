@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..algorithm import rollout_correction_sums
-from .batch import TrainBatch
 from ..collectives import all_reduce
+from .batch import TrainBatch
 
 
 def rollout_correction_metrics(batch: TrainBatch) -> dict[str, float]:

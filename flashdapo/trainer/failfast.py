@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from ..errors import debug_requested, user_error_line
+
 _EXIT_STATUS = 1
 
 
@@ -80,7 +82,10 @@ class FailFast:
         first = self._count_in()
         with self._exiting:  # the watcher thread may be exiting already: one message per process
             self._stop.set()
-            if first:
+            line = None if debug_requested() else user_error_line(err)
+            if first and line is not None:  # an error the user can fix: its one line (flashdapo/errors.py)
+                print(f"{line} (rank {self.rank}; stopping every rank)", file=sys.stderr, flush=True)
+            elif first:
                 print(f"flashdapo: rank {self.rank} failed; stopping every rank", file=sys.stderr, flush=True)
                 traceback.print_exception(err, file=sys.stderr)
             else:

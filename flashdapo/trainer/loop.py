@@ -25,14 +25,14 @@ from ..eval_results import summarize
 from ..evaluate import EvalSampling, Shard, sample_prompts
 from ..rollout import derive_seed
 from .batch import TrainBatch, build_train_batch
-from .checkpoint import export_hf, save_checkpoint
+from .checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from .correction import rollout_correction_metrics
 from .dumps import dump_train_rollouts, dump_validation, dumping
 from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe, plot_dynamics
 from .run import Run, setup_run
 from .sampling import collect_groups
-from .update import old_logprobs, update_actor
+from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
 
 
 def train(cfg) -> Run:
@@ -88,11 +88,27 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         lr = run.scheduler.get_last_lr()[0]
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
-            run.scheduler.step()
-            run.policy_version += 1
+            if update.taken:  # the LR schedule counts training steps that took an optimizer step
+                run.scheduler.step()
+                run.policy_version += 1
+        stop_after_skips(run, step, update)
     if dump:
         dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env)
     return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check}
+
+
+def stop_after_skips(run: Run, step: int, update: UpdateResult) -> None:
+    """Count optimizer steps skipped in a row for a non-finite loss or gradient norm (across training steps);
+    at trainer.max_skipped_steps stop the run, naming the step and the newest good checkpoint."""
+    for skipped in update.nonfinite:
+        run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
+    limit = run.cfg.trainer.max_skipped_steps
+    if run.skipped_in_a_row >= limit:
+        raise NonFiniteError(
+            f"step {step}: {run.skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and "
+            f"were skipped (trainer.max_skipped_steps={limit}); the weights are unchanged since the last good step. "
+            f"Newest good checkpoint: {latest_checkpoint(run.run_dir) or 'none'}. Check the rewards, "
+            "rollout.temperature and optim.lr, then resume with --checkpoint.resume auto")
 
 
 def validate(run: Run, step: int, keep_awake: bool = False) -> dict[str, float]:
@@ -146,5 +162,10 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "perf/throughput": tokens / max(seconds, 1e-9) / env.world_size,
          "perf/max_memory_allocated_gb": (torch.cuda.max_memory_allocated(env.device) / 2**30
                                           if env.device.type == "cuda" else 0.0)}
+    if not len(scores):  # no group kept: no score, length or advantage to report (never a fake 0)
+        m = {k: v for k, v in m.items() if not k.startswith(("critic/", "response_length/", "prompt_length/"))}
+    if not update.taken:  # no optimizer step: no loss, gradient norm or token statistics
+        m = {k: v for k, v in m.items() if not k.startswith("actor/")}
+    m["actor/skipped_steps"] = float(sum(update.nonfinite))
     return m
 

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
+from ..errors import FlashdapoError
+
 REQUIRED_KEYS = (
     "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
     "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
     "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
     "prompt_length/mean", "prompt_length/max", "actor/pg_loss", "actor/entropy", "actor/pg_clipfrac",
-    "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/token_prob",
+    "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/token_prob", "actor/skipped_steps",
     "train/num_gen_batches", "train/kept_fraction",
     "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
     "timing_s/step", "perf/throughput", "perf/max_memory_allocated_gb",
@@ -56,7 +58,7 @@ def describe(prefix: str, values: torch.Tensor) -> dict[str, float]:
     return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
 
 
-class MetricsError(ValueError):
+class MetricsError(FlashdapoError, ValueError):
     """metrics.jsonl cannot be read back (not the torn last line of a crash, which is dropped)."""
 
 
@@ -139,15 +141,27 @@ class MetricsLogger:
 
 
 def format_line(m: dict, total_steps: int) -> str:
-    """The one line per step: progress, learning signals, speed, and time per stage."""
-    if "actor/pg_loss" not in m:  # a validation-only record (before training)
+    """The one line per step: progress, learning signals, speed, and time per stage. A step that kept no group
+    or took no optimizer step says so instead of showing zeros."""
+    if "train/num_gen_batches" not in m:  # a validation-only record (before training)
         return f"step {int(m['step']):>4}/{total_steps} | " + _val_part(m)
     stages = " ".join(f"{k.split('/')[1]} {v:.1f}" for k, v in m.items()
                       if k.startswith("timing_s/") and k != "timing_s/step")
+    acc = f"acc {m.get('train/gen_acc', float('nan')):.3f}"
+    learned = (f"score {m['critic/score/mean']:+.3f} {acc} | " if "critic/score/mean" in m else
+               f"no group kept, {acc} | ")
+    if "actor/entropy" in m:
+        learned += f"ent {m['actor/entropy']:.3f} "
+    elif m.get("actor/skipped_steps"):
+        learned += "no update (non-finite) "
+    else:
+        learned += "no update "
+    if "response_length/mean" in m:
+        learned += f"len {m['response_length/mean']:.1f} clip {m['response_length/clip_ratio']:.2f} "
+    if m.get("actor/skipped_steps"):
+        learned += f"skipped {int(m['actor/skipped_steps'])} "
     line = (
-        f"step {int(m['step']):>4}/{total_steps} | score {m['critic/score/mean']:+.3f} "
-        f"acc {m.get('train/gen_acc', float('nan')):.3f} | ent {m['actor/entropy']:.3f} "
-        f"len {m['response_length/mean']:.1f} clip {m['response_length/clip_ratio']:.2f} | "
+        f"step {int(m['step']):>4}/{total_steps} | {learned}| "
         f"kept {m['train/kept_fraction']:.2f} rounds {int(m['train/num_gen_batches'])} | "
         f"{m['perf/throughput']:.0f} tok/s | {m['timing_s/step']:.1f}s ({stages})"
     )

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..collectives import all_gather_objects
 from ..config import Config
 from ..data import Prompt, PromptSampler, build_datasets
+from ..model_dir import check_model_dir
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
@@ -54,6 +55,8 @@ class Run:
     """This run's id, recorded in its checkpoints (resumed runs keep theirs); see rundir.py."""
     claim: RunDirClaim | None = None
     """Rank 0's lock on the run directory, released when the run ends."""
+    skipped_in_a_row: int = 0
+    """Optimizer steps skipped in a row for a non-finite loss or gradient norm (loop.stop_after_skips)."""
     policy_version: int = 0
     """Optimizer updates so far in this process: the version the rollout engine's `wake` is given."""
 
@@ -122,7 +125,8 @@ def _optimizer(cfg: Config, policy: PolicyModel):
     oc = cfg.optim
     optimizer = torch.optim.AdamW(policy.parameters(), lr=oc.lr, betas=oc.betas, eps=oc.eps,
                                   weight_decay=oc.weight_decay)
-    # Linear warmup over `warmup_steps` training steps (the first step already uses lr/warmup), then constant.
+    # Linear warmup over `warmup_steps` training steps (the first step already uses lr/warmup), then constant;
+    # the loop steps the schedule only after a training step that took an optimizer step.
     warmup = max(oc.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     return optimizer, scheduler
@@ -171,6 +175,8 @@ def _claim_run_dir(cfg: Config, env: DistEnv, run_dir: Path, log) -> RunDirClaim
 
 
 def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log) -> Run:
+    if cfg.model.path:
+        check_model_dir(cfg.model.path)
     candidates = resume_candidates(cfg.checkpoint.resume, run_dir)
     torch.manual_seed(cfg.trainer.seed + env.rank)
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_toy_tokenizer(cfg.data.toy)

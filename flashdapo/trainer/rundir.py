@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ..errors import FlashdapoError
+
 LOCK_NAME = ".flashdapo.lock"
 
 
-class RunDirError(RuntimeError):
+class RunDirError(FlashdapoError, RuntimeError):
     """The run directory cannot be used as asked; the message says why and what to do."""
 
 

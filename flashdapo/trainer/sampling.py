@@ -21,14 +21,15 @@ from ..algorithm import informative_groups, shaped_scores
 from ..collectives import all_gather_objects, all_reduce
 from ..config import Config
 from ..data import Prompt, PromptSampler
-from ..reward import Verifier, verify_responses
+from ..errors import FlashdapoError
+from ..reward import Verifier, check_reward, verify_responses
 from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
 from .batch import Group, mini_batch_layout
 from .distributed import DistEnv
 from .metrics import StageTimer
 
 
-class DynamicSamplingError(RuntimeError):
+class DynamicSamplingError(FlashdapoError, RuntimeError):
     """max_gen_batches rounds did not find train_batch informative groups (on_max_gen_batches=error)."""
 
 
@@ -57,10 +58,12 @@ class Collected:
 def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier: Verifier, cfg: Config) -> list[Group]:
     """Verify every response, add the overlong penalty, and bundle responses per prompt."""
     truths = [prompts[int(g)].ground_truth for g in rollouts.group_ids]
-    _, verdicts = verify_responses(rollouts.response_ids, truths, tokenizer, verifier)
+    texts, verdicts = verify_responses(rollouts.response_ids, truths, tokenizer, verifier)
     acc = torch.tensor([v.acc for v in verdicts], dtype=torch.bool)
     scores = shaped_scores(torch.tensor([v.score for v in verdicts]), rollouts.response_lengths,
                            cfg.rollout.max_response_length, cfg.algorithm)
+    for i in (~torch.isfinite(scores)).nonzero().flatten().tolist():  # one NaN reward poisons its whole group
+        check_reward(scores[i].item(), prompts[int(rollouts.group_ids[i])].source, texts[i])
     groups = []
     for p in range(len(prompts)):
         idx = (rollouts.group_ids == p).nonzero().flatten().tolist()
@@ -124,6 +127,8 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                               f"in {-(-usable // tc.mini_batch)} mini-batches of up to {tc.mini_batch} (instead of "
                               f"{tc.train_batch // tc.mini_batch})", stacklevel=2)
             break
+        if env.is_main:
+            _report_round(step, rounds, total_kept, cfg)
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
     return Collected(
@@ -136,6 +141,26 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         gen_truncated=totals[2].item() / count,
         generated=generated,
     )
+
+
+UNBOUNDED_WARN_EVERY = 20
+"""With max_gen_batches <= 0 (unbounded), warn every this many generation rounds of one step."""
+
+
+def _report_round(step: int, rounds: int, kept: int, cfg: Config) -> None:
+    """Before each extra generation round: a progress line (logging.progress); when unbounded, a warning every
+    UNBOUNDED_WARN_EVERY rounds with the kept rate, so a search that cannot end is visible."""
+    tc = cfg.trainer
+    if cfg.logging.progress:
+        print(f"flashdapo: step {step}: generation round {rounds + 1}: {kept} of {tc.train_batch} informative "
+              "groups kept so far", flush=True)
+    if cfg.algorithm.max_gen_batches <= 0 and rounds % UNBOUNDED_WARN_EVERY == 0:
+        rate = kept / (rounds * tc.gen_batch)
+        outlook = (f"about {-(-(tc.train_batch - kept) * rounds // kept)} more rounds at this rate" if kept
+                   else "it may never end")
+        warnings.warn(f"step {step}: {rounds} generation rounds kept {kept} of {rounds * tc.gen_batch} groups "
+                      f"({rate:.1%}); train_batch needs {tc.train_batch}: {outlook}. algorithm.max_gen_batches=0 is "
+                      "unbounded: set it to a bound to stop or continue at that bound", stacklevel=3)
 
 
 def _deal_out(kept_per_round: list[list[Group]], train_batch: int, mini_batch: int,

@@ -10,6 +10,7 @@ micro-batch split, give the same gradient.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from ..algorithm import LossStats, mini_batch_normalizers, resolved_rollout_correction, token_loss
 from ..collectives import all_reduce
 from ..config import Config
+from ..errors import FlashdapoError
 from .batch import Group, TrainBatch, flat_prompts, flat_responses, plan_micro_batches
 from .distributed import DistEnv
 from .policy import PolicyModel, per_token_split
@@ -76,26 +78,44 @@ def compute_old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, 
     return out  # type: ignore[return-value]
 
 
+class NonFiniteError(FlashdapoError, RuntimeError):
+    """trainer.max_skipped_steps optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
 @dataclass
 class UpdateResult:
-    """Per optimizer step: global pg_loss and grad norm; and the token sums of the whole update."""
+    """Per optimizer step taken: global pg_loss and grad norm; the token sums of those steps; and, per
+    attempted optimizer step (a mini-batch with valid tokens), whether it was skipped as non-finite."""
 
     pg_losses: list[float]
     grad_norms: list[float]
     stats: LossStats
+    nonfinite: list[bool]
+
+    @property
+    def taken(self) -> int:
+        """Optimizer steps that happened."""
+        return len(self.pg_losses)
 
 
 def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg: Config,
                  env: DistEnv, pad_id: int) -> UpdateResult:
-    """ppo_epochs x mini-batches optimizer steps over this rank's share of the batch."""
-    result = UpdateResult([], [], LossStats.zeros())
+    """ppo_epochs x mini-batches optimizer steps over this rank's share of the batch. A mini-batch with no
+    valid token on any rank takes no step; one whose global loss or gradient norm is NaN/inf takes none either
+    (on every rank: both are global), so a non-finite value never reaches the weights or Adam's moments."""
+    result = UpdateResult([], [], LossStats.zeros(), [])
     for _ in range(cfg.trainer.ppo_epochs):
         for groups in batch.mini_batches:
-            loss, grad_norm, stats = _mini_batch_step(policy, optimizer, batch, batch.response_slices(groups),
-                                                      cfg, env, pad_id)
-            result.pg_losses.append(loss)
-            result.grad_norms.append(grad_norm)
-            result.stats = result.stats + stats
+            outcome = _mini_batch_step(policy, optimizer, batch, batch.response_slices(groups), cfg, env, pad_id)
+            if outcome is None:
+                continue
+            loss, grad_norm, stats = outcome
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            result.nonfinite.append(not finite)
+            if finite:
+                result.pg_losses.append(loss)
+                result.grad_norms.append(grad_norm)
+                result.stats = result.stats + stats
     return result
 
 
@@ -111,7 +131,7 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     if num_tokens == 0:
         # No valid token on any rank (all ranks agree: the count is global). An optimizer step on zero
         # gradients would still move the weights (Adam momentum, weight decay): skip it.
-        return 0.0, 0.0, LossStats.zeros()
+        return None
     optimizer.zero_grad(set_to_none=True)
     # [loss, *stats] summed on the device: no host sync per micro-batch, one all-reduce per mini-batch.
     totals = torch.zeros(1 + len(fields(LossStats)), dtype=torch.float64, device=env.device)
@@ -132,10 +152,11 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
                                        weights=weight_t, entropy=entropy.detach())
         loss.backward()
         totals += torch.cat([loss.detach().double().reshape(1), micro_stats.as_vector()])
-    grad_norm = _clip_grad_norm(policy, cfg.optim.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)  # free the gradients now, not at the next mini-batch
     totals = all_reduce(totals).cpu()
+    grad_norm = _clip_grad_norm(policy, cfg.optim.grad_clip)
+    if math.isfinite(grad_norm) and math.isfinite(totals[0].item()):  # global values: every rank agrees
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # free the gradients now, not at the next mini-batch
     return totals[0].item(), grad_norm, LossStats.from_vector(totals[1:])
 
 

@@ -323,3 +323,10 @@ def test_sampler_distribution_chi_square(temperature, top_k, top_p):
     p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
     assert p_value > 1e-4, (stat.item(), dof)
     torch.testing.assert_close(logp.double(), expected.log()[tokens], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40])
+def test_a_temperature_below_vllms_threshold_decodes_greedily(temperature):
+    logits = torch.randn(5, 37, generator=torch.Generator().manual_seed(3)) * 30
+    tokens, logprobs = sample(logits, temperature=temperature)
+    assert torch.equal(tokens, logits.argmax(dim=-1)) and torch.equal(logprobs, torch.zeros(5))

@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM
 from flashdapo.__main__ import main as cli
 from flashdapo.config import ToyTaskConfig, merge, toy
 from flashdapo.data import PromptSampler
-from flashdapo.reward import Verdict
+from flashdapo.reward import RewardError, Verdict
 from flashdapo.toy import toy_records
 from flashdapo.trainer.checkpoint import export_hf
 from flashdapo.trainer.distributed import DistEnv, shutdown
 from flashdapo.trainer.loop import train, train_step
-from flashdapo.trainer.metrics import REQUIRED_KEYS, StageTimer
+from flashdapo.trainer.metrics import REQUIRED_KEYS, StageTimer, format_line
 from flashdapo.trainer.run import setup_run
 from flashdapo.trainer.sampling import DynamicSamplingError, collect_groups
 
@@ -182,6 +182,33 @@ def test_filter_metric_score_keeps_groups_whose_scores_differ(metric, kept):
     assert [int(g.prompt[0]) for g in collected.groups] == kept
 
 
+def test_each_extra_generation_round_prints_its_progress(capsys):
+    _collect({1, 2, 5, 8, 9, 10})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "generation round" in line]
+    assert lines == ["flashdapo: step 1: generation round 2: 2 of 4 informative groups kept so far",
+                     "flashdapo: step 1: generation round 3: 3 of 4 informative groups kept so far"]
+
+
+def test_unbounded_dynamic_sampling_warns_with_the_kept_rate():
+    # Informative prompts only in rounds 21 and 22 (4 prompts a round): the warning after round 20 says so.
+    with pytest.warns(UserWarning, match=r"step 1: 20 generation rounds kept 0 of 80 groups \(0.0%\); train_batch "
+                                         r"needs 4: it may never end. algorithm.max_gen_batches=0 is unbounded"):
+        collected = _collect({80, 81, 84, 85}, num_prompts=88, algorithm={"max_gen_batches": 0})
+    assert collected.num_gen_batches == 22 and len(collected.groups) == 4
+
+
+def test_a_non_finite_reward_names_the_prompt_and_response():
+    def verifier(text, truth):
+        return Verdict(float("nan") if text.startswith("3 ") else -1.0, False, "")
+
+    with pytest.raises(RewardError, match=r"reward nan for prompt t:3 \(response ending '3 0'\)"):
+        collect_groups(1, PromptSampler(numbered_prompts(4), 4, seed=0, shuffle=False), ScriptedEngine(),
+                       PlainTokenizer(), verifier, merge(toy(), {"rollout": {"n": 2}, "trainer": {
+                           "train_batch": 4, "gen_batch": 4, "mini_batch": 2}}),
+                       DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None),
+                       StageTimer(torch.device("cpu")))
+
+
 def test_dynamic_sampling_off_keeps_everything():
     collected = _collect(set(), algorithm={"dynamic_sampling": False})
     assert collected.num_gen_batches == 1 and len(collected.groups) == 4
@@ -200,6 +227,11 @@ def test_step_without_informative_groups_leaves_weights_alone(tmp_path):
         after = {n: t.clone() for n, t in run.full_state_dict()}
     finally:
         shutdown()
-    assert metrics["train/kept_groups"] == 0 and metrics["actor/grad_norm"] == 0
+    assert metrics["train/kept_groups"] == 0 and metrics["actor/skipped_steps"] == 0
     assert metrics["train/mini_batches"] == 1  # one empty mini-batch, skipped
     assert all(torch.equal(before[n], after[n]) for n in before)
+    # No optimizer step: the LR schedule stays, and nothing is reported as a score or a loss (no fake 0).
+    assert run.scheduler.last_epoch == 0 and run.policy_version == 0
+    assert not [k for k in metrics if k.startswith(("critic/", "response_length/")) or k == "actor/grad_norm"]
+    line = format_line(metrics, 2)
+    assert "no group kept, acc 0.000 | no update |" in line and "score" not in line

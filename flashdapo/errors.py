@@ -1,0 +1,44 @@
+"""Errors a user can cause and fix, and how the command line reports them.
+
+Every such error (data, model directory, checkpoint, run directory, verifier output, non-finite training,
+dynamic sampling) derives from `FlashdapoError`; its message alone says what went wrong, where, and what to
+do. The CLI prints it as one line, `flashdapo: error: <message>`, and exits with status 1 (config errors,
+`ConfigError`, with 2); `--debug` or `FLASHDAPO_DEBUG=1` shows the traceback instead. A full or read-only
+disk (OSError with a file name) is reported the same way. Anything else is a bug: its traceback is shown.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+DEBUG_ENV = "FLASHDAPO_DEBUG"
+
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOTDIR,
+                errno.EISDIR, errno.ENOENT}
+
+
+class FlashdapoError(Exception):
+    """An error the user can fix; the message is the whole report (no traceback needed)."""
+
+    every_rank = True
+    """Raised by every rank together (same data, same collective outcome): under torchrun rank 0 alone
+    reports it. False for errors one rank may hit alone; that rank reports it."""
+
+
+def debug_requested() -> bool:
+    """Whether FLASHDAPO_DEBUG asks for tracebacks (the CLI's --debug sets it for every rank it starts)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def user_error_line(err: BaseException) -> str | None:
+    """`flashdapo: error: ...` on one line for an error the user can fix, else None (a bug: show the
+    traceback). Disk errors name the file and the system's reason."""
+    if isinstance(err, FlashdapoError):
+        message = str(err)
+    elif isinstance(err, OSError) and err.errno in _DISK_ERRORS and err.filename:
+        message = f"{err.filename}: {err.strerror}; free disk space or fix the permissions, then resume with " \
+                  "--checkpoint.resume auto"
+    else:
+        return None
+    return "flashdapo: error: " + " ".join(message.split())
