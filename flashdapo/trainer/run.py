@@ -197,7 +197,7 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
         scheduler.load_state_dict(state.scheduler)
         sampler.load_state_dict(state.sampler)
         start_step, run_id = state.step, state.run_id or run_id
-        log(f"resumed run {run_id} from {resume_path} at step {start_step}")
+        log(f"resumed from {resume_path} at step {start_step} (run {run_id})")
     dropped = logger.truncate_after(start_step if resumed is not None else -1)
     if dropped:
         log(f"dropped {dropped} metrics records after step {max(start_step, 0)}: they are recomputed from "
