@@ -9,8 +9,8 @@
 - **Liveness.** A live run holds an exclusive `flock` on `<run_dir>/.flashdapo.lock` (rank 0); a second
   run or a resume in that directory is refused while it is held. The kernel releases the lock when the
   process dies, however it dies, so a crashed run never leaves a stale lock behind.
-- **No orphans.** Under torchrun, each worker watches its parent (the torchrun agent): if the agent dies
-  (SIGKILL leaves its workers running, in their own sessions), the worker stops within about a second
+- **No orphans.** Under torchrun, each worker watches its parent (the torchrun launcher): if the launcher dies
+  (SIGKILL leaves its workers running, in process groups of their own), the worker stops within about a second
   instead of training on alone and racing the next run in the same directory.
 """
 
@@ -123,21 +123,21 @@ def _move_aside(path: Path) -> Path:
 
 
 def stop_if_launcher_dies(rank: int, poll_s: float = 0.5) -> None:
-    """Under torchrun, end this worker soon after the torchrun agent (its parent) dies.
+    """Under torchrun, end this worker soon after the torchrun launcher (its parent) dies.
 
-    torchrun starts workers in their own sessions, so a SIGKILL of the agent alone leaves them running
-    (and holding the run directory). A daemon thread compares os.getppid() with the agent's pid: once the
+    torchrun starts workers in process groups of their own, so a SIGKILL of the launcher alone leaves them running
+    (and holding the run directory). A daemon thread compares os.getppid() with the launcher's pid: once the
     worker is re-parented it exits. Checkpoints are written to a temporary directory and renamed, so an
     exit at any moment leaves the run resumable."""
     watcher = "flashdapo-launcher-watch"
     if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == watcher for t in threading.enumerate()):
         return
-    agent = os.getppid()
+    launcher = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == agent:
+        while os.getppid() == launcher:
             time.sleep(poll_s)
-        sys.stderr.write(f"flashdapo: error: rank {rank}: the torchrun agent (pid {agent}) died; this worker stops "
+        sys.stderr.write(f"flashdapo: error: rank {rank}: the torchrun launcher (pid {launcher}) died; this worker stops "
                          "instead of training on alone. Resume with --checkpoint.resume auto\n")
         sys.stderr.flush()
         os._exit(1)

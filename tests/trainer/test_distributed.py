@@ -204,36 +204,36 @@ def _alive(pid: int) -> bool:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
-def test_workers_stop_when_the_torchrun_agent_is_killed_and_their_lock_refuses_a_resume(tmp_path):
+def test_workers_stop_when_the_torchrun_launcher_is_killed_and_their_lock_refuses_a_resume(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "flashdapo",
            "train", *TINY, "--trainer.total-steps", "100000", "--checkpoint.save-every", "1",
            "--logging.run-dir", str(run_dir)]
     with (tmp_path / "out.txt").open("w") as out:
-        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
     workers = []
     try:
         deadline = time.monotonic() + 240
         while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
-            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
             time.sleep(0.5)
-        workers = _children(agent.pid)
+        workers = _children(launcher.pid)
         assert len(workers) == 2, (tmp_path / "out.txt").read_text()[-3000:]
         with pytest.raises(RunDirError, match="in use by a live run"):  # a resume meanwhile is refused
             claim_run_dir(run_dir, resume="auto", move_old_run=False)
-        agent.send_signal(signal.SIGKILL)  # the agent alone: its workers live in their own sessions
-        agent.wait()
+        launcher.send_signal(signal.SIGKILL)  # the launcher alone: its workers live in process groups of their own
+        launcher.wait()
         deadline = time.monotonic() + 30
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(w) for w in workers), \
-            "workers kept running after their agent died:\n" + (tmp_path / "out.txt").read_text()[-3000:]
+            "workers kept running after their launcher died:\n" + (tmp_path / "out.txt").read_text()[-3000:]
     finally:
         for pid in workers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        if agent.poll() is None:
-            agent.kill()
+        if launcher.poll() is None:
+            launcher.kill()
     # The kernel releases their lock once every thread has exited (a dying process shows as a zombie first).
     deadline = time.monotonic() + 30
     while True:
