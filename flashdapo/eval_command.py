@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from .config import Config, ConfigError, DataConfig, RolloutConfig, starting_point
+from .config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig, TrainerConfig, starting_point
 from .config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
 from .data import load_prompts
 from .eval_results import EvalReport, format_report
@@ -73,6 +73,10 @@ def eval_args_class(base: Config) -> type:
             help="Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
                  f"only on the seed and the prompt), {VLLM_PROMPTS_PER_CALL} with vllm.")], 0),
         ("progress", Annotated[bool, tyro.conf.arg(help="Show prompts done / total, tokens/s and the ETA.")], True),
+        ("fsdp", Annotated[bool, tyro.conf.arg(
+            help="torch engine: shard the model over the ranks with FSDP2 as in training (rank 0 reads the "
+                 "checkpoint; every forward gathers one block at a time), for a model that does not fit one "
+                 "device. Samples then depend on the rank count. Default: a whole replica per rank.")], False),
         ("sources", Annotated[Literal["column", "file"], tyro.conf.arg(
             help="What a data source is: 'column', the data_source column (the file name where it is absent), "
                  "or 'file', the file name (the public AIME-2024 parquet says math_dapo, as the training set "
@@ -90,7 +94,9 @@ def eval_args_class(base: Config) -> type:
     cls = dataclasses.make_dataclass("EvalArgs", fields, bases=(Section,))
     cls.__doc__ = "Evaluate a saved model (HF directory) on a parquet/jsonl in the DAPO / AIME-2024 schema."
     cls.RULES = (Rule("device", lambda a: a.device != "cuda" or torch.cuda.is_available(),
-                      lambda a: "'auto' or 'cpu' (CUDA is not available)"),)
+                      lambda a: "'auto' or 'cpu' (CUDA is not available)"),
+                 Rule("fsdp", lambda a: not (a.fsdp and a.engine == "vllm"), lambda a: "false with --engine vllm "
+                      "(vLLM shards with --tensor-parallel-size)"))
     register_tree(cls, "eval.")
     return cls
 
@@ -125,10 +131,20 @@ def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
 
     from .rollout.torch_engine import TorchEngine
 
-    dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(env.device)
+    on_gpu = env.device.type == "cuda"
+    if args.fsdp:
+        from .trainer.loading import load_sharded_policy
+
+        cfg = Config(model=ModelConfig(path=args.model, dtype="bfloat16" if on_gpu else "float32"),
+                     trainer=TrainerConfig(device=args.device))
+        # Never woken: the shards stay sharded and each forward gathers one block at a time.
+        group = torch.distributed.group.WORLD if env.world_size > 1 else None
+        return TorchEngine(load_sharded_policy(cfg, env), eos_token_ids(tokenizer), tokenizer.pad_token_id,
+                           env.device, process_group=group, max_batch=args.batch_size)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32)
     # No process group: each rank holds a full replica and generates on its own, seeded per prompt only.
-    return TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, max_batch=args.batch_size)
+    return TorchEngine(model.to(env.device), eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device,
+                       max_batch=args.batch_size)
 
 
 def prompts_per_call(args: Any) -> int:
@@ -141,7 +157,7 @@ def eval_settings(args: Any) -> dict[str, Any]:
             "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "max_prompt_length": args.max_prompt_length,
             "seed": args.seed, "verifier": args.verifier, "engine": args.engine,
-            "prompts_per_call": prompts_per_call(args), "sources": args.sources}
+            "prompts_per_call": prompts_per_call(args), "sources": args.sources, "fsdp": args.fsdp}
 
 
 def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:

@@ -110,12 +110,18 @@ def samples_or_torn(out: Path) -> list[str]:
 
 
 @pytest.mark.distributed
-def test_two_ranks_equal_one_rank(export, two_sources, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
+def test_two_ranks_equal_one_rank_and_fsdp_shards_sample_as_the_replica(export, two_sources, tmp_path):
+    one, two, sharded = tmp_path / "one", tmp_path / "two", tmp_path / "fsdp"
     run(eval_cmd(export, two_sources, one, nproc=1))
     proc = run(eval_cmd(export, two_sources, two, nproc=2))
     assert "2 rank(s)" in proc.stdout
     assert samples(two) == samples(one) and report(two) == report(one)
+    # FSDP2 over 2 ranks: rank 0 (even prompt ids) draws the replica's tokens from the sharded weights;
+    # rank 1 seeds its generator with its rank, so its prompts get other samples.
+    run([*eval_cmd(export, two_sources, sharded, nproc=2), "--fsdp"])
+    got, want = samples(sharded), samples(one)
+    assert [r["prompt_id"] for r in got] == list(range(6))
+    assert got[0::2] == want[0::2] and got[1::2] != want[1::2]
 
 
 def test_aime_schema_file_dedups_to_30_prompts_under_one_source_named_by_its_file(export, tmp_path):
