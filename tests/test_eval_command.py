@@ -36,6 +36,8 @@ def test_config_file_sets_the_defaults(tmp_path, capsys):
                                   "['missing.jsonl']"),
     (["--prompts-per-call", "-1"], "eval.prompts_per_call: expected >= 0, got -1"),
     (["--engine", "sglang"], None),
+    (["--fsdp", "--engine", "vllm"], "eval.fsdp: expected false with --engine vllm (vLLM shards with "
+                                     "--tensor-parallel-size), got True"),
     (["--model", "missing-dir"], "eval.model: expected an existing directory, got 'missing-dir'"),
 ])
 def test_bad_options_stop_before_the_model_loads(tmp_path, capsys, flags, message):
