@@ -1,8 +1,6 @@
-"""Kernel tests: on a machine without a GPU the Triton kernels run under the interpreter.
-
-TRITON_INTERPRET must be set before `triton.jit` decorates the kernels, i.e. before
-flashdapo.kernels.triton_tiles is first imported; flashdapo imports it lazily, so setting it while
-this conftest loads is early enough. With a GPU the compiled kernels are tested instead.
+"""Kernel tests: on a machine without a GPU the Triton kernels run under the interpreter (TRITON_INTERPRET,
+set by tests/conftest.py before any test module is collected). With a GPU the compiled kernels are
+tested instead.
 
 Seeds: each test's seed is fixed by its node id, so a CI run is reproducible. FLASHDAPO_TEST_SEED=<int>
 runs every test with that seed, FLASHDAPO_TEST_SEED=random with a fresh one each; a failing test prints
@@ -15,9 +13,6 @@ import zlib
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
