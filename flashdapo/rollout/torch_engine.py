@@ -41,6 +41,7 @@ The choices, before the code:
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,9 @@ from ..collectives import all_reduce, world_size
 from .base import Rollouts, SamplingParams, WeightSource, derive_seed
 
 __all__ = ["TorchEngine", "cache_argument", "left_pad", "sample"]
+
+CDF_BLOCK = 256
+"""Entries per block of the two-level inverse CDF (the vocabulary's largest power-of-two factor up to this)."""
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -93,14 +97,30 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> to
 
     One uniform number per row against the running sum: u * total falls in entry i's interval
     [cdf[i-1], cdf[i]) with probability weights[i] / total; an entry of weight 0 has an empty interval
-    and is never drawn. The running sum of non-negative fp32 values never decreases, and u * total is
-    kept strictly below total, so the index is always that of an entry of positive weight.
+    and is never drawn. In two levels, because a running sum over the whole row is a slow sequential
+    pass: block sums (a vectorized reduction) and their running sum pick the block, then the running
+    sum inside that one block picks the entry. Running sums of non-negative fp32 values never decrease,
+    and each target is kept strictly below its total, so the index is always that of a positive weight.
     """
-    cdf = weights.cumsum(dim=-1)
+    rows, vocab = weights.shape
+    block = vocab if vocab <= CDF_BLOCK else math.gcd(vocab, CDF_BLOCK)
+    if block < CDF_BLOCK // 8:  # a vocabulary with no large power-of-two factor: pad it (a copy)
+        block = CDF_BLOCK
+        weights = torch.nn.functional.pad(weights, (0, -vocab % block))
+    blocks = weights.reshape(rows, -1, block)
+    sums = blocks.sum(dim=-1)
+    cdf = sums.cumsum(dim=-1)
+
+    def below(target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        return torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=weights.device, dtype=weights.dtype)
-    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    u = below(torch.rand(total.shape, generator=generator, device=weights.device, dtype=weights.dtype) * total,
+              total)
+    j = torch.searchsorted(cdf, u, right=True)  # [B, 1]: the block holding u (its sum is > 0)
+    inner = blocks.gather(1, j[:, :, None].expand(rows, 1, block)).squeeze(1).cumsum(dim=-1)
+    rest = below((u - (cdf.gather(-1, j) - sums.gather(-1, j))).clamp_min(0), inner[:, -1:])
+    return (j * block + torch.searchsorted(inner, rest, right=True)).squeeze(-1)
 
 
 def _sample_filtered(scaled: torch.Tensor, top_p: float, top_k: int,

@@ -8,7 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashdapo.kernels import token_logprobs
 from flashdapo.rollout.base import SamplingParams
-from flashdapo.rollout.torch_engine import TorchEngine, left_pad, sample
+from flashdapo.rollout.torch_engine import TorchEngine, _inverse_cdf, left_pad, sample
 
 VOCAB, EOS, PAD = 97, 3, 0
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # different lengths -> left padding
@@ -330,3 +330,19 @@ def test_a_temperature_below_vllms_threshold_decodes_greedily(temperature):
     logits = torch.randn(5, 37, generator=torch.Generator().manual_seed(3)) * 30
     tokens, logprobs = sample(logits, temperature=temperature)
     assert torch.equal(tokens, logits.argmax(dim=-1)) and torch.equal(logprobs, torch.zeros(5))
+
+
+@pytest.mark.parametrize("vocab", [1536, 777])  # 6 blocks of 256; no power-of-two factor: padded to 4 blocks
+def test_two_level_draw_chi_square(vocab):
+    """The block-then-entry inverse CDF draws index i with probability w_i / sum(w) across blocks, and
+    never an index of weight 0 (20 live entries spread over the blocks, the rest 0)."""
+    gen = torch.Generator().manual_seed(vocab)
+    live = torch.randperm(vocab, generator=gen)[:20]
+    weights = torch.zeros(vocab)
+    weights[live] = torch.rand(20, generator=gen) + 0.2
+    draws = 20_000
+    counts = torch.bincount(_inverse_cdf(weights.expand(draws, -1), gen), minlength=vocab).double()
+    expected = weights.double() / weights.double().sum()
+    assert counts[expected == 0].sum() == 0
+    stat = ((counts[live] - draws * expected[live]) ** 2 / (draws * expected[live])).sum()
+    assert torch.special.gammaincc(torch.tensor(19 / 2, dtype=torch.float64), stat / 2).item() > 1e-4, stat
