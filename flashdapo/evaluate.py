@@ -10,9 +10,10 @@ The choices, stated first:
 - Seeds: a call's seed is `derive_seed(seed, first prompt id of the call)`. With one prompt per call
   (the default) a prompt's samples therefore depend only on (seed, prompt id), not on the world
   size, the rank or what was already done: 1 and N ranks, and killed-then-resumed runs, sample the
-  same tokens with an engine that does not mix the rank into its seed (the torch engine without a
-  process group). More prompts per call (what vLLM wants) keeps runs repeatable for a fixed world
-  size and set of pending prompts only.
+  same tokens with an engine whose draws do not depend on the rank (the torch engine without a
+  process group, which seeds as rank 0). An FSDP2-sharded torch engine mixes its rank into the seed,
+  and more prompts per call (what vLLM wants) keeps runs repeatable for a fixed world size and set of
+  pending prompts only.
 - Progress (rank 0): prompts done / total, response tokens per second, and the ETA (tqdm).
 """
 
