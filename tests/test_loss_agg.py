@@ -31,9 +31,9 @@ def _surrogate(logp, old, adv, algo):
     return torch.where(adv < 0, torch.minimum(loss, -adv * algo.clip_ratio_c), loss)
 
 
-def _formula(mode, lengths, l, mask, owner, micro):
+def _formula(mode, lengths, token_losses, mask, owner, micro):
     """float64, from the definitions: per-response token sums and counts, then the mode's mean."""
-    sums = [l[(owner == s) & mask].sum() for s in range(len(lengths))]
+    sums = [token_losses[(owner == s) & mask].sum() for s in range(len(lengths))]
     counts = [int(((owner == s) & mask).sum()) for s in range(len(lengths))]
     live = [s for s in range(len(lengths)) if counts[s] > 0]
     if mode == "token-mean":
