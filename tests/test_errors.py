@@ -1,6 +1,7 @@
 """Errors a user can cause come out as one line naming the place, with a non-zero exit status and no
 traceback; --debug or FLASHDAPO_DEBUG=1 shows the traceback instead; under torchrun one rank prints it."""
 
+import errno
 import json
 import os
 import subprocess
@@ -120,3 +121,12 @@ def test_under_torchrun_one_rank_prints_the_error(tmp_path):
     assert len(lines) == 1 and "absent.jsonl: no such file" in lines[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + "".join(
         line for line in proc.stderr.splitlines(True) if "[rank" in line)
+
+
+def test_a_disk_error_is_one_line_naming_the_file_and_a_bug_is_not_hidden():
+    from flashdapo.errors import user_error_line
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/a/metrics.jsonl")
+    assert user_error_line(full) == ("flashdapo: error: /runs/a/metrics.jsonl: No space left on device; free disk "
+                                     "space or fix the permissions, then resume with --checkpoint.resume auto")
+    assert user_error_line(KeyError("x")) is None and user_error_line(OSError(errno.ENOSPC, "no file")) is None
