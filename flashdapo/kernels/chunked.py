@@ -80,12 +80,12 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
-def _mm_add(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b (fp32/fp64 acc)."""
+def _mm_add(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """acc += alpha a @ b (fp32/fp64 acc)."""
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, alpha=alpha)
     else:
-        acc.add_(_mm(a, b))
+        acc.add_(_mm(a, b), alpha=alpha)
 
 
 def _ops(impl: str):
@@ -160,10 +160,13 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl
     ge = ge * (scale / temperature) if ge is not None else None
     n_act, hdim = h_a.shape
     dh = torch.zeros((n_act, hdim), dtype=sdtype, device=h.device) if need[0] else None
-    dw = torch.empty_like(w) if need[1] else None
+    dw = (torch.empty_like(w) if n_act else torch.zeros_like(w)) if need[1] else None
+    if n_act == 0:
+        return dh, dw, rows
+    one_chunk = n_act <= plan.chunk_tokens  # dW_c in one matmul: no fp32 slab to accumulate
     for v0 in range(0, vocab, plan.chunk_vocab):
         w_c, y_local = w[v0 : v0 + plan.chunk_vocab], y_a - v0
-        dw_c = torch.zeros((w_c.shape[0], hdim), dtype=sdtype, device=h.device) if need[1] else None
+        dw_c = None if one_chunk or not need[1] else torch.zeros((w_c.shape[0], hdim), dtype=sdtype, device=h.device)
         for r0 in range(0, n_act, plan.chunk_tokens):
             r = slice(r0, r0 + plan.chunk_tokens)
             z = _mm(h_a[r], w_c.T)
@@ -172,7 +175,9 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl
             del z
             if need[0]:
                 _mm_add(dh[r], dz, w_c)
-            if need[1]:
+            if need[1] and one_chunk:
+                dw_c = _mm(dz.T, h_a[r])
+            elif need[1]:
                 _mm_add(dw_c, dz.T, h_a[r])
         if need[1]:
             dw[v0 : v0 + plan.chunk_vocab] = dw_c.mul_(1.0 / scale) if scale != 1.0 else dw_c

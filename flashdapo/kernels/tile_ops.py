@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+STATS_OVERWRITES_Z = True  # tile_stats works in place on its tile
+
 
 def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy: bool) -> None:
     """Merge the statistics of tile z [n, bv] into state = (m, s, u, z_y), each [n], in place.

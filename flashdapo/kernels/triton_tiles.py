@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+STATS_OVERWRITES_Z = False  # the kernels only read their tile
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,88 @@
+"""The fused sweep (log-probs and a per-token loss's gradient in one pass) against the generic composition:
+naive log-probs in float64, then the DAPO token loss on them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from flashdapo.algorithm import token_loss
+from flashdapo.config import AlgorithmConfig
+from flashdapo.kernels import CHUNKED_IMPLS, token_logprobs
+from flashdapo.kernels.fused import fused_token_loss
+
+_NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+IMPLS = [pytest.param(i, marks=_NO_TRITON) if i == "triton" else i for i in CHUNKED_IMPLS]
+ALGO = AlgorithmConfig()
+
+
+def _device(impl):
+    return torch.device("cuda" if impl == "triton" and torch.cuda.is_available() else "cpu")
+
+
+def _case(impl, n=53, hdim=24, vocab=97):
+    dev = _device(impl)
+    h, w = torch.randn(n, hdim), torch.randn(vocab, hdim) * 0.3
+    y = torch.randint(0, vocab, (n,))
+    logp = token_logprobs(h.double(), w.double(), y, impl="naive")
+    old = logp - torch.empty(n, dtype=torch.float64).uniform_(-1.2, 1.4)  # ratios in [0.25, 3.3]
+    adv, mask = torch.randn(n, dtype=torch.float64) * 2, torch.rand(n) > 0.25
+    return [t.to(dev) for t in (h, w, y, old, adv, mask)]
+
+
+def _fused(impl, h, w, y, old, adv, mask, temperature=0.7, **kw):
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    norm = mask.sum().double()
+    fn = lambda lp, rows: token_loss(lp, old[rows], adv[rows], mask[rows], ALGO, normalizer=norm)[0]  # noqa: E731
+    loss, logp, ent = fused_token_loss(hh, ww, y, fn, keep=mask, temperature=temperature, impl=impl, **kw)
+    loss.backward()
+    return [t.detach().double().cpu() for t in (loss, logp, ent, hh.grad, ww.grad)]
+
+
+def _reference(h, w, y, old, adv, mask, temperature=0.7):
+    hh, ww = h.double().cpu().requires_grad_(True), w.double().cpu().requires_grad_(True)
+    logp, ent = token_logprobs(hh, ww, y.cpu(), temperature=temperature, with_entropy=True, impl="naive")
+    loss, _ = token_loss(logp, old.cpu(), adv.cpu(), mask.cpu(), ALGO)
+    loss.backward()
+    return [t.detach() for t in (loss, logp, ent, hh.grad, ww.grad)]
+
+
+@pytest.mark.parametrize("chunks", [(None, None), (16, 32)])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_matches_float64_composition(impl, chunks, seed):
+    case = _case(impl)
+    loss, logp, ent, dh, dw = _fused(impl, *case, chunk_tokens=chunks[0], chunk_vocab=chunks[1])
+    ref = _reference(*case)
+    mask = case[5].cpu()
+    torch.testing.assert_close(loss, ref[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logp[mask], ref[1][mask], rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent[mask], ref[2][mask], rtol=0, atol=2e-6)
+    assert (logp[~mask] == 0).all() and (ent[~mask] == 0).all(), "dropped rows come back as 0"
+    for got, want in ((dh, ref[3]), (dw, ref[4])):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    assert (dh[~mask] == 0).all()
+    dead = (ref[3].abs().sum(1) == 0) & mask
+    assert dead.any(), "the case should contain clipped live tokens"
+    assert (dh[dead] == 0).all(), "clipped tokens must have exactly zero gradient"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_deterministic(impl, seed):
+    case = _case(impl)
+    first, second = _fused(impl, *case, chunk_tokens=16), _fused(impl, *case, chunk_tokens=16)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), "two runs must be bitwise equal"
+
+
+def test_fused_no_grad_and_fully_masked(seed):
+    h, w, y, old, adv, mask = _case("torch")
+    fn = lambda lp, rows: token_loss(lp, old[rows], adv[rows], mask[rows], ALGO, normalizer=1.0)[0]  # noqa: E731
+    with torch.no_grad():
+        loss, logp, _ = fused_token_loss(h, w, y, fn, keep=mask)
+    assert loss.requires_grad is False and torch.isfinite(logp).all()
+    hh = h.clone().requires_grad_(True)
+    loss, _, _ = fused_token_loss(hh, w, y, fn, keep=torch.zeros_like(mask))
+    loss.backward()
+    assert loss.item() == 0.0 and (hh.grad == 0).all()
