@@ -1,21 +1,23 @@
 """LM-head log-prob kernels, forward + backward, one harness for every provider.
 
-Providers (each one step = forward, then backward into h and W):
+Providers (each one step = forward, then backward into h and W), named from flashdapo.kernels' registry:
   naive          token_logprobs(impl="naive"): materialized fp32 logits (the baseline; tests' reference)
-  torch          token_logprobs(impl="torch"): chunked, recompute in backward
-  torch-50%      the same with half the rows at zero upstream gradient (masked/clipped): skipped rows
-  triton         token_logprobs(impl="triton"), compiled (CUDA only; the interpreter is for tests)
-  triton-50%     the same, half the rows live
+  <impl>         token_logprobs(impl=<impl>) for each chunked impl (torch; triton, compiled, CUDA only)
+  <impl>-50%     the same with half the rows at zero upstream gradient (masked/clipped): skipped rows
+  <impl>-fused   fused_token_loss(impl=<impl>): the gradient formed in the forward sweep (6NHV), with the
+                 loss sum(g * logp) so that its upstream gradient is the same g as the others'
   torch-lce      torch.nn.functional.linear_cross_entropy (torch >= 2.13), chunked via
                  LinearCrossEntropyOptions(), reduction="sum": log-prob only, no temperature/entropy
   liger-dapo     Liger's LigerFusedLinearGRPOLoss(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28,
                  beta=0, compiled=False), 1024-token sequences; skipped when liger-kernel is absent
 Upstream gradients are random of both signs (all rows live unless stated). Time: median of `reps` steps
-after one warm-up (CUDA events on GPU). TFLOP/s counts 8 N H V per step for every provider (KERNELS.md).
+after one warm-up (CUDA events on GPU). TFLOP/s counts 8 N H V per step for every provider.
 Peak extra memory: GPU, torch.cuda.max_memory_allocated during one step minus what was allocated before
 it (inputs); CPU, the peak resident set (VmHWM, reset through /proc/self/clear_refs) during one step
 minus the resident set before it, each provider in a fresh process so no allocator cache is reused.
-Both include the gradients dh and dW the step produces.
+Both include the gradients dh and dW the step produces. Beside the measured columns the table prints
+each design's modelled H200 time at the Qwen2.5 shapes (bench/kernel_model.py: matmul FLOPs and HBM
+bytes from the chunk plan), and a second table the FLOPs, bytes and peak memory behind them.
 
   python -m bench.bench_kernels [--device cpu|cuda] [--out DIR]   # table -> DIR/<date>-<machine>-<commit>.md
   pytest bench/bench_kernels.py                                    # the same steps under pytest-benchmark
@@ -38,9 +40,16 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-PROVIDERS = ["naive", "torch", "torch-50%", "triton", "triton-50%", "torch-lce", "liger-dapo"]
+sys.path.insert(0, str(REPO))  # `bench.kernel_model` also under `pytest bench/bench_kernels.py`
+
+from bench.kernel_model import SHAPES as MODEL_SHAPES  # noqa: E402
+from bench.kernel_model import predict  # noqa: E402
+from flashdapo.kernels import CHUNKED_IMPLS  # noqa: E402
+
+PROVIDERS = ["naive", *(f"{impl}{suffix}" for impl in CHUNKED_IMPLS for suffix in ("", "-50%", "-fused")),
+             "torch-lce", "liger-dapo"]
 # (label, N, H, V, dtype, reps)
-CPU_SHAPES = [("issue target, fp32", 8192, 256, 32768, "float32", 3)]
+CPU_SHAPES = [("CPU target, fp32", 8192, 256, 32768, "float32", 3)]
 SMOKE_SHAPE = ("smoke", 512, 64, 2048, "float32", 2)  # plumbing check (`--shapes smoke`, any device)
 GPU_SHAPES = [
     ("Qwen2.5-0.5B", 8192, 896, 151936, "bfloat16", 5),
@@ -57,16 +66,20 @@ class Unavailable(Exception):
 def make_step(provider: str, h, w, y, g):
     """A closure running one forward + backward of `provider`; raises Unavailable with a reason."""
     from flashdapo.kernels import token_logprobs
+    from flashdapo.kernels.fused import fused_token_loss
 
-    if provider.startswith(("naive", "torch", "triton")) and provider != "torch-lce":
-        impl = provider.split("-")[0]
+    impl, _, variant = provider.partition("-")
+    if impl in ("naive", *CHUNKED_IMPLS) and variant in ("", "50%", "fused"):
         if impl == "triton" and h.device.type != "cuda":
             raise Unavailable("needs CUDA (interpreter only in tests)")
         if importlib.util.find_spec("triton") is None and impl == "triton":
             raise Unavailable("triton not installed")
         upstream = g.clone()
-        if provider.endswith("50%"):
+        if variant == "50%":
             upstream[torch.rand(len(g), device=g.device) < 0.5] = 0
+        if variant == "fused":
+            loss_fn = lambda lp, rows: (lp * upstream[rows]).sum()  # noqa: E731 - dL/dlogp = upstream
+            return lambda: fused_token_loss(h, w, y, loss_fn, impl=impl)[0].backward()
 
         def step():
             logp = token_logprobs(h, w, y, impl=impl)
@@ -100,7 +113,7 @@ def _liger_step(h, w, y, g):
     adv = g.view(-1, seq)[:, 0].float()
 
     def step():
-        out = loss_fn(h, w, ids, mask, adv)
+        out = loss_fn(h.view(-1, seq, h.shape[1]), w, ids, mask, adv)
         (out[0] if isinstance(out, tuple) else out).backward()
 
     return step
@@ -222,6 +235,27 @@ def git_commit() -> str:
     return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def _model_cells(provider: str) -> list[str]:
+    """Modelled H200 ms of the provider's design per Qwen shape ('' where not modelled)."""
+    costs = [predict(provider, shape) for shape in MODEL_SHAPES]
+    return [f"{c.ms:.0f}" if c else "" for c in costs]
+
+
+def model_table() -> list[str]:
+    """The analytic table: per modelled provider and shape, TFLOP, HBM GB, peak extra GB, H200 ms."""
+    lines = ["## Modelled on an H200 (bf16 inputs; bench/kernel_model.py)", "",
+             "| provider | shape | matmul TFLOP | HBM GB | peak extra GB | vs naive | time ms | vs 8NHV at 790 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for shape, (n, h, v) in MODEL_SHAPES.items():
+        naive = predict("naive", shape)
+        for p in ("naive", "torch", "triton", "triton-50%", "triton-fused"):
+            c = predict(p, shape)
+            ideal_ms = 8 * n * h * v / 790e12 * 1e3
+            lines.append(f"| {p} | {shape} | {c.matmul_tflop:.1f} | {c.hbm_gb:.1f} | {c.peak_extra_gb:.2f} | "
+                         f"{naive.peak_extra_gb / c.peak_extra_gb:.1f}x less | {c.ms:.0f} | {c.ms / ideal_ms:.2f}x |")
+    return lines + [""]
+
+
 def build_table(device: str, providers, shapes, timeout: int, commit: str) -> str:
     """Run every provider at every shape (fresh process each) and return the Markdown report."""
     ceiling = matmul_ceiling_tflops() if device == "cuda" else None
@@ -230,24 +264,28 @@ def build_table(device: str, providers, shapes, timeout: int, commit: str) -> st
     lines = [f"# Kernel benchmark: {machine_tag(device)}, commit {commit}, {datetime.date.today()}", "",
              f"torch {torch.__version__}; {where}",
              "Step = forward + backward into h and W; TFLOP/s by 8NHV; peak = extra memory of one step "
-             "(see bench/bench_kernels.py).", ""]
+             "(see bench/bench_kernels.py); H200 columns: modelled time of the same design at the Qwen2.5 "
+             "shapes (bf16), not measured.", ""]
+    model_head = " | ".join(f"H200 {s} ms (model)" for s in MODEL_SHAPES)
     for shape in shapes:
         label, n, hdim, vocab, dtype, reps = shape
         lines += [f"## {label}: N={n} H={hdim} V={vocab} {dtype}, median of {reps}", "",
-                  "| provider | time (ms) | vs naive | TFLOP/s | % ceiling | peak extra (MB) | vs naive |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  f"| provider | time (ms) | vs naive | TFLOP/s | % ceiling | peak extra (MB) | vs naive | {model_head} |",
+                  "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(MODEL_SHAPES)]
         results = {p: _run_child(p, shape, device, timeout) for p in providers}
         naive = results.get("naive", {})
         for p, r in results.items():
+            model = " | ".join(_model_cells(p))
             if r.get("status") != "ok":
-                lines.append(f"| {p} | {r.get('status')} | | | | | |")
+                lines.append(f"| {p} | {r.get('status')} | | | | | | {model} |")
                 continue
             t_rel = f"{r['ms'] / naive['ms']:.2f}x" if naive.get("status") == "ok" else ""
             m_rel = f"{r['peak_mb'] / naive['peak_mb']:.3f}x" if naive.get("status") == "ok" else ""
             frac = f"{100 * r['tflops'] / ceiling:.0f}%" if ceiling else ""
-            lines.append(f"| {p} | {r['ms']:.1f} | {t_rel} | {r['tflops']:.2f} | {frac} | {r['peak_mb']:.0f} | {m_rel} |")
+            lines.append(f"| {p} | {r['ms']:.1f} | {t_rel} | {r['tflops']:.2f} | {frac} | {r['peak_mb']:.0f} | "
+                         f"{m_rel} | {model} |")
         lines.append("")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + model_table()) + "\n"
 
 
 def main(argv=None) -> int:

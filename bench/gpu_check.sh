@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks of /work/shared/GPU.md, in one go (~8 minutes on one H200):
+# The GPU checks (docs/gpu.md), in one go (~8 minutes on one H200):
 #   1. environment report        2. pytest -m cuda
-#   3. kernel benchmark table at the Qwen shapes, with the bf16 matmul ceiling of the same run
+#   3. kernel benchmark table, bf16 forward + backward at the Qwen2.5 0.5B / 7B / 32B shapes: naive,
+#      the triton driver (all rows, half the rows, fused sweep), F.linear_cross_entropy and Liger's
+#      fused GRPO loss, with the bf16 matmul ceiling of the same run and the modelled time beside each
 #   4. a short training run of the toy preset on the GPU (tokens/s, time per stage)
 # Logs and results go to $OUT (default bench/results/gpu-check-<date>); a short table is printed last.
 # Each step has a time budget and failing steps are reported, not fatal.
@@ -16,8 +18,9 @@ DRY=0
 PY=${PYTHON:-.venv/bin/python}
 [[ -x "$PY" ]] || PY=python3
 OUT=${OUT:-bench/results/gpu-check-$(date +%Y-%m-%d)}
-# Wheels carried from bench/fetch_gpu_wheels.sh (tyro for the CLI): install them for this run only.
-if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c "import tyro" 2>/dev/null; then
+# Wheels carried from bench/fetch_gpu_wheels.sh (tyro for the CLI, liger-kernel for the kernel table):
+# install them for this run only.
+if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c "import tyro, liger_kernel" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -80,7 +83,7 @@ t0=$SECONDS
 if [[ $DRY -eq 1 ]]; then
   bench_args=(--device cpu --shapes smoke --timeout 120)
 else
-  bench_args=(--device cuda --providers naive,torch,triton,triton-50%,torch-lce,liger-dapo --timeout 100)
+  bench_args=(--device cuda --providers naive,triton,triton-50%,triton-fused,torch-lce,liger-dapo --timeout 100)
 fi
 log "python -m bench.bench_kernels ${bench_args[*]}"
 timeout 240 "$PY" -m bench.bench_kernels "${bench_args[@]}" --out "$OUT" >"$OUT/bench.log" 2>&1

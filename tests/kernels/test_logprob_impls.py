@@ -1,4 +1,4 @@
-"""KERNELS.md "Tests that matter" for impl="torch" (chunked) and impl="triton", each against float64.
+"""The hard cases of docs/kernels.md (numbered as there) for impl="torch" and impl="triton", against float64.
 
 `tiled` is the chunked torch path forced into many small token and vocabulary chunks, so that the
 online merge across vocabulary chunks is exercised at these small shapes. On a CPU the Triton kernels
