@@ -28,7 +28,8 @@ IMPLS: tuple[str, ...] = get_args(KernelImpl)
 CHUNKED_IMPLS: tuple[str, ...] = ("torch", "triton")
 """The impls run by the chunked driver (what the kernel tests and benchmarks compare to naive)."""
 
-__all__ = ["CHUNKED_IMPLS", "IMPLS", "KernelImpl", "resolve_impl", "token_logprobs"]
+__all__ = ["CHUNKED_IMPLS", "IMPLS", "KernelImpl", "fused_loss_default", "fused_token_loss", "resolve_impl",
+           "token_logprobs"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -78,3 +79,27 @@ def token_logprobs(
     logp, entropy = _logprobs(hidden, weight, targets, temperature, with_entropy, impl)
     return (logp, entropy) if with_entropy else logp
 
+
+
+def fused_loss_default(impl: str, device: torch.device) -> bool:
+    """Whether a training loss should run through `fused_token_loss` rather than token_logprobs + loss.
+
+    Chosen by measurement and model (bench/results/NOTES.md): on CPU the fused sweep (6 NHV) is the
+    faster; on CUDA the generic path keeps the extra memory ~18x below naive at the 7B shape, where the
+    fused sweep's [C, V] tile set and fp32 dW accumulator would take ~5x more. naive has no fused form.
+    """
+    return device.type != "cuda" and resolve_impl(impl, device) in CHUNKED_IMPLS
+
+
+def fused_token_loss(hidden, weight, targets, loss_fn, *, keep=None, temperature: float = 1.0, impl: str = "auto"):
+    """`flashdapo.kernels.fused.fused_token_loss` with `impl` resolved ("auto": triton on CUDA, torch
+    elsewhere; naive is refused) and the inputs checked as token_logprobs checks them."""
+    from .fused import fused_token_loss as fused
+
+    _check_inputs(hidden, weight, targets)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    impl = resolve_impl(impl, hidden.device)
+    if impl not in CHUNKED_IMPLS:
+        raise ValueError(f"fused_token_loss runs the chunked impls {CHUNKED_IMPLS}, got {impl!r}")
+    return fused(hidden, weight, targets, loss_fn, keep=keep, temperature=temperature, impl=impl)

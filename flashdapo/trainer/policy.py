@@ -25,7 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from ..config import ModelConfig, TrainerConfig
-from ..kernels import token_logprobs
+from ..kernels import fused_loss_default, fused_token_loss, token_logprobs
 from ..rollout.torch_engine import cache_argument
 from .distributed import DistEnv
 
@@ -107,8 +107,11 @@ class PolicyModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.hf.get_output_embeddings().weight
 
-    def forward(self, batch: TokenBatch | None = None, with_entropy: bool = False, cache=None, **hf_kwargs):
-        """Training: per-token (logp, entropy or None) of `batch`, fp32, differentiable in the weights.
+    def forward(self, batch: TokenBatch | None = None, with_entropy: bool = False, cache=None, loss_fn=None,
+                keep: torch.Tensor | None = None, **hf_kwargs):
+        """Training: per-token (logp, entropy or None) of `batch`, fp32, differentiable in the weights; with
+        `loss_fn` (a per-token loss, see kernels.fused_token_loss) and `keep` (its loss mask), (loss,
+        logp, entropy) from the fused sweep, logp and entropy detached and 0 outside `keep`.
         Sampling: with HF keyword arguments and no batch, the HF model's own forward (`cache` is the KV
         cache, passed under the name this transformers version uses)."""
         if batch is None:
@@ -116,9 +119,16 @@ class PolicyModel(nn.Module):
                 hf_kwargs[self._cache_arg] = cache
             return self.hf(**hf_kwargs)
         hidden = self._hidden_states(batch)
+        if loss_fn is not None:
+            return fused_token_loss(hidden, self.lm_head_weight(), batch.targets, loss_fn, keep=keep,
+                                    temperature=self.temperature, impl=self.kernel_impl)
         out = token_logprobs(hidden, self.lm_head_weight(), batch.targets, temperature=self.temperature,
                              with_entropy=with_entropy, impl=self.kernel_impl)
         return out if with_entropy else (out, None)
+
+    def fused_loss(self, device: torch.device) -> bool:
+        """Whether the update should pass its loss to forward (the fused sweep) on `device`."""
+        return fused_loss_default(self.kernel_impl, device)
 
     @property
     def packed_layout(self) -> bool:

@@ -147,9 +147,19 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
             old_t = None
             adv_t, weight_t, norm_t = (torch.zeros(1, device=env.device) for _ in range(3))
             mask_t = torch.zeros(1, dtype=torch.bool, device=env.device)
-        logp, entropy = policy(packed, with_entropy=True)
-        loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
-                                       weights=weight_t, entropy=entropy.detach())
+        if indices and policy.fused_loss(env.device):  # log-probs and the loss gradient in one sweep
+            def loss_fn(lp, r, old_t=old_t, adv_t=adv_t, mask_t=mask_t, weight_t=weight_t, norm_t=norm_t):
+                return token_loss(lp, None if old_t is None else old_t[r], adv_t[r].float(), mask_t[r],
+                                  cfg.algorithm, normalizer=norm_t[r], weights=weight_t[r])[0]
+
+            loss, logp, entropy = policy(packed, loss_fn=loss_fn, keep=mask_t)
+            with torch.no_grad():
+                _, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
+                                            weights=weight_t, entropy=entropy)
+        else:
+            logp, entropy = policy(packed, with_entropy=True)
+            loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
+                                           weights=weight_t, entropy=entropy.detach())
         loss.backward()
         totals += torch.cat([loss.detach().double().reshape(1), micro_stats.as_vector()])
     totals = all_reduce(totals).cpu()
