@@ -109,9 +109,10 @@ class PolicyModel(nn.Module):
 
     def forward(self, batch: TokenBatch | None = None, with_entropy: bool = False, cache=None, loss_fn=None,
                 keep: torch.Tensor | None = None, **hf_kwargs):
-        """Training: per-token (logp, entropy or None) of `batch`, fp32, differentiable in the weights; with
-        `loss_fn` (a per-token loss, see kernels.fused_token_loss) and `keep` (its loss mask), (loss,
-        logp, entropy) from the fused sweep, logp and entropy detached and 0 outside `keep`.
+        """Training: per-token (logp, entropy or None) of `batch`, fp32, differentiable in the weights. With
+        `keep` (the loss mask), rows outside it get no LM-head work and 0 for logp and entropy; with
+        `loss_fn` too (a per-token loss, see kernels.fused_token_loss), (loss, logp, entropy) from the
+        fused sweep, logp and entropy detached.
         Sampling: with HF keyword arguments and no batch, the HF model's own forward (`cache` is the KV
         cache, passed under the name this transformers version uses)."""
         if batch is None:
@@ -122,6 +123,12 @@ class PolicyModel(nn.Module):
         if loss_fn is not None:
             return fused_token_loss(hidden, self.lm_head_weight(), batch.targets, loss_fn, keep=keep,
                                     temperature=self.temperature, impl=self.kernel_impl)
+        if keep is not None:  # rows outside the loss mask cost no LM-head work; their outputs are 0
+            rows = torch.nonzero(keep).squeeze(1)
+            logp, entropy = token_logprobs(hidden[rows], self.lm_head_weight(), batch.targets[rows],
+                                           temperature=self.temperature, with_entropy=True, impl=self.kernel_impl)
+            zeros = logp.new_zeros(keep.shape)
+            return zeros.index_put((rows,), logp), zeros.index_put((rows,), entropy)
         out = token_logprobs(hidden, self.lm_head_weight(), batch.targets, temperature=self.temperature,
                              with_entropy=with_entropy, impl=self.kernel_impl)
         return out if with_entropy else (out, None)

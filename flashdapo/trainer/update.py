@@ -157,7 +157,7 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
                 _, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
                                             weights=weight_t, entropy=entropy)
         else:
-            logp, entropy = policy(packed, with_entropy=True)
+            logp, entropy = policy(packed, with_entropy=True, keep=mask_t if indices else None)
             loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
                                            weights=weight_t, entropy=entropy.detach())
         loss.backward()
