@@ -15,7 +15,7 @@ import pytest
 from flashdapo.__main__ import main as cli
 from flashdapo.eval_store import EvalStoreError
 
-from .toy_export import dapo_rows, toy_export, two_source_parquet, write_parquet
+from .toy_export import toy_export, two_source_parquet
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -124,12 +124,9 @@ def test_two_ranks_equal_one_rank_and_fsdp_shards_sample_as_the_replica(export, 
     assert got[0::2] == want[0::2] and got[1::2] != want[1::2]
 
 
-def test_aime_schema_file_dedups_to_30_prompts_under_one_source_named_by_its_file(export, tmp_path):
-    """30 problems x 32 copies with the public AIME-2024 parquet's columns (its answers are integers)."""
-    problems = [(f"Find the number of ordered pairs (a, b) with a + b = {n} and 0 < a < b.", str(n // 2 - (n % 2 == 0)))
-                for n in range(10, 40)]
-    rows = [row for copy in range(32) for row in dapo_rows(problems, "math_dapo")]
-    path = write_parquet(tmp_path / "aime-2024.parquet", rows)
+def test_public_aime_2024_file_dedups_to_30_prompts_under_one_source_named_by_its_file(export, tmp_path):
+    """The public AIME-2024 parquet (30 problems x 32 copies) end to end on the toy export."""
+    path = Path(__file__).parents[1] / "data" / "aime-2024.parquet"
     out = tmp_path / "out"
     assert cli(["eval", "--model", str(export), "--data", str(path), "--out", str(out), "--k", "2",
                 "--max-new-tokens", "3", "--max-prompt-length", "48", "--prompts-per-call", "8", "--sources", "file", "--no-progress"]) == 0
