@@ -118,8 +118,8 @@ def make_workload_dir(w: Workload, root: Path, seed: int = 0) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from flashdapo.config import DataConfig, ToyTaskConfig
-    from flashdapo.data import build_datasets
-    from flashdapo.toy import build_toy_tokenizer
+    from flashdapo.tasks import build_datasets
+    from flashdapo.tasks.toy import build_toy_tokenizer
 
     tokenizer = build_toy_tokenizer(ToyTaskConfig())
     config = Qwen2Config(vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.intermediate,

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         elif command == "config":
             print(resolve_config(rest, "flashdapo config").to_yaml(), end="")
         elif command == "eval":
-            from .eval_command import eval_main
+            from .eval.command import eval_main
 
             eval_main(rest)
         else:

@@ -14,7 +14,6 @@ Choices, stated first:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,23 +346,3 @@ class PromptSampler:
         if not 0 <= int(state["position"]) < len(self.dataset) or int(state["epoch"]) < 0:
             raise DataError(f"PromptSampler: invalid state {state!r}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Train and validation sets
-
-
-def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
-    """(train, val) from cfg.train_files / cfg.val_files, or the toy task when train_files is empty."""
-    if not cfg.train_files:
-        from .toy import toy_records  # the toy task is built on this module
-
-        train = prompts_from_records(toy_records(cfg.toy, "train"), tokenizer, cfg, ["toy:train"])
-        val = (prompts_from_records(toy_records(cfg.toy, "val"), tokenizer, cfg, ["toy:val"])
-               if cfg.toy.num_val > 0 and not cfg.val_files else None)
-    else:
-        train, val = load_prompts(cfg.train_files, tokenizer, cfg), None
-    if cfg.val_files:
-        # Evaluation sets repeat each problem (AIME-2024: 30 x 32 rows); k samples per unique prompt.
-        val = load_prompts(cfg.val_files, tokenizer, dataclasses.replace(cfg, dedup=True))
-    return train, val

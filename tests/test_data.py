@@ -14,13 +14,13 @@ from flashdapo.data import (
     DAPO_TEMPLATE,
     DataError,
     PromptSampler,
-    build_datasets,
     chat_ids,
     load_prompts,
     prompts_from_records,
     read_records,
 )
-from flashdapo.toy import TOY_DATA_SOURCE, build_toy_tokenizer
+from flashdapo.tasks import build_datasets
+from flashdapo.tasks.toy import TOY_DATA_SOURCE, build_toy_tokenizer
 
 # The public AIME-2024 set in the DAPO schema (30 problems x 32 copies), as released with DAPO.
 AIME = Path(__file__).parent / "data" / "aime-2024.parquet"

@@ -4,7 +4,7 @@ import pytest
 
 from flashdapo.__main__ import main as cli
 from flashdapo.config import Config, preset
-from flashdapo.eval_command import OPTIONS, eval_args_class
+from flashdapo.eval.command import OPTIONS, eval_args_class
 
 
 def test_options_take_defaults_and_checks_from_the_tree(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from flashdapo.config import DataConfig, ToyTaskConfig
 from flashdapo.data import DAPO_TEMPLATE, load_prompts
-from flashdapo.eval_results import (
+from flashdapo.eval.results import (
     PromptResult,
     SampleResult,
     maj_at_k,
@@ -20,7 +20,7 @@ from flashdapo.eval_results import (
     reported_ks,
     summarize,
 )
-from flashdapo.toy import build_toy_tokenizer
+from flashdapo.tasks.toy import build_toy_tokenizer
 
 
 def sample(acc: bool, pred: str = "", length: int = 3, finish: str = "stop") -> SampleResult:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flashdapo.config import ToyTaskConfig
+from flashdapo.tasks.toy import build_toy_tokenizer
 from flashdapo.tokenizer import IM_END, PAD_TOKEN, eos_token_ids, load_tokenizer
-from flashdapo.toy import build_toy_tokenizer
 
 
 @pytest.fixture(scope="module")

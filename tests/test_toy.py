@@ -10,8 +10,7 @@ import torch
 
 from flashdapo.config import ConfigError, ModelConfig, ToyTaskConfig
 from flashdapo.data import chat_ids
-from flashdapo.tokenizer import IM_END, IM_START, PAD_TOKEN
-from flashdapo.toy import (
+from flashdapo.tasks.toy import (
     TOY_DATA_SOURCE,
     build_toy_model,
     build_toy_tokenizer,
@@ -19,6 +18,7 @@ from flashdapo.toy import (
     toy_records,
     toy_sft_examples,
 )
+from flashdapo.tokenizer import IM_END, IM_START, PAD_TOKEN
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from ..collectives import all_gather_objects
-from ..eval_results import PromptResult
+from ..eval.results import PromptResult
 from .batch import Group, TrainBatch
 from .distributed import DistEnv
 

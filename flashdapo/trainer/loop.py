@@ -21,8 +21,8 @@ import torch
 
 from ..algorithm import resolved_rollout_correction
 from ..collectives import all_gather_objects
-from ..eval_results import summarize
-from ..evaluate import EvalSampling, Shard, sample_prompts
+from ..eval.results import summarize
+from ..eval.sampling import EvalSampling, Shard, sample_prompts
 from ..rollout import derive_seed
 from .batch import TrainBatch, build_train_batch
 from .checkpoint import export_hf, latest_checkpoint, save_checkpoint

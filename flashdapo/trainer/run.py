@@ -4,6 +4,7 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,14 +15,15 @@ import torch.distributed as dist
 
 from ..collectives import all_gather_objects
 from ..config import Config
-from ..data import Prompt, PromptSampler, build_datasets
+from ..data import Prompt, PromptSampler
 from ..model_dir import check_model_dir
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
+from ..tasks import build_datasets
+from ..tasks.toy import build_toy_model, build_toy_tokenizer, toy_sft_examples
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids, load_tokenizer
-from ..toy import build_toy_model, build_toy_tokenizer, supervised_warmup
 from .checkpoint import TrainerState, load_first_loadable, resume_candidates
 from .distributed import DistEnv, init_distributed, shutdown
 from .failfast import FailFast
@@ -29,6 +31,7 @@ from .loading import load_sharded_policy
 from .metrics import MetricsLogger
 from .policy import PolicyModel, parallelize
 from .rundir import RunDirClaim, RunDirError, claim_run_dir, new_run_id, stop_if_launcher_dies
+from .warmup import supervised_warmup
 from .weight_sync import iter_full_state_dict
 
 
@@ -103,7 +106,10 @@ def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> 
     policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
     if not resuming:
         # Same seed, same data, same arithmetic on every rank: every rank gets the same base model.
-        supervised_warmup(policy, tokenizer, cfg, log=log if env.is_main else (lambda _m: None))
+        toy = cfg.model.toy
+        examples = toy_sft_examples(cfg.data.toy, toy.sft_steps * toy.sft_batch, random.Random(cfg.trainer.seed))
+        supervised_warmup(policy, tokenizer, examples, steps=toy.sft_steps, batch=toy.sft_batch, lr=toy.sft_lr,
+                          log=log if env.is_main else (lambda _m: None))
     return parallelize(policy, env, cfg.model, cfg.trainer)
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from flashdapo.__main__ import main as cli
-from flashdapo.eval_store import EvalStoreError
+from flashdapo.eval.store import EvalStoreError
 
 from .toy_export import toy_export, two_source_parquet
 
@@ -139,8 +139,8 @@ def test_public_aime_2024_file_dedups_to_30_prompts_under_one_source_named_by_it
 def test_vllm_engine_through_the_recording_double(export, two_sources, tmp_path):
     from flashdapo.config import DataConfig
     from flashdapo.data import load_prompts
-    from flashdapo.eval_command import build_engine
-    from flashdapo.evaluate import EvalSampling, sample_prompts
+    from flashdapo.eval.command import build_engine
+    from flashdapo.eval.sampling import EvalSampling, sample_prompts
     from flashdapo.reward import dapo_verify
     from flashdapo.tokenizer import load_tokenizer
     from flashdapo.trainer.distributed import init_distributed, shutdown

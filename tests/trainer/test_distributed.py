@@ -166,7 +166,7 @@ def test_hf_checkpoint_loads_into_two_shards_exactly(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from flashdapo.config import ModelConfig
-    from flashdapo.toy import build_toy_model
+    from flashdapo.tasks.toy import build_toy_model
 
     model = build_toy_model(ModelConfig(), vocab_size=40, max_positions=64, seed=3)
     model.save_pretrained(tmp_path / "ckpt")

@@ -14,7 +14,7 @@ from flashdapo.__main__ import main as cli
 from flashdapo.config import ToyTaskConfig, merge, toy
 from flashdapo.data import PromptSampler
 from flashdapo.reward import RewardError, Verdict
-from flashdapo.toy import toy_records
+from flashdapo.tasks.toy import toy_records
 from flashdapo.trainer.checkpoint import export_hf
 from flashdapo.trainer.distributed import DistEnv, shutdown
 from flashdapo.trainer.loop import train, train_step

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 
-import flashdapo.eval_store as store
+import flashdapo.eval.store as store
 from flashdapo.__main__ import main
 
 kill_round = int(sys.argv[1])

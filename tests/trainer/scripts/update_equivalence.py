@@ -13,7 +13,7 @@ import torch
 
 import flashdapo.trainer.update as update
 from flashdapo.config import merge, toy
-from flashdapo.toy import build_toy_model
+from flashdapo.tasks.toy import build_toy_model
 from flashdapo.trainer.batch import Group, build_train_batch, mini_batch_layout
 from flashdapo.trainer.correction import rollout_correction_metrics
 from flashdapo.trainer.distributed import init_distributed, shutdown

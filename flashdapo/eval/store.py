@@ -21,8 +21,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .data import Prompt
-from .eval_results import EvalReport, PromptResult
+from ..data import Prompt
+from .results import EvalReport, PromptResult
 
 
 class EvalStoreError(ValueError):

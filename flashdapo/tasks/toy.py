@@ -1,6 +1,6 @@
 """The built-in toy task, everything the default preset needs without a download: small-integer
 arithmetic posed as a math problem, a tokenizer trained on it, a tiny Qwen2-style model, and the
-supervised warm-up that makes that model the "base model" DAPO starts from.
+demonstrations of the supervised warm-up (trainer/warmup.py) that makes it the "base model" DAPO starts from.
 
 Choices, stated first:
 - A problem is "Compute 7+12. End with Answer: N" (the format is `data.toy.prompt_format`); its ground
@@ -19,18 +19,15 @@ Real runs load an HF checkpoint (`model.path`) and data files instead, and use n
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from .config import Config, ConfigError, ModelConfig, ToyTaskConfig, field_path
-from .data import Record, chat_ids
-from .tokenizer import IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS, ensure_pad
-
-if TYPE_CHECKING:  # the trainer imports this module; the policy is only a parameter here
-    from .trainer.policy import PolicyModel
+from ..config import ConfigError, ModelConfig, ToyTaskConfig, field_path
+from ..data import Record
+from ..tokenizer import IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS, ensure_pad
 
 TOY_DATA_SOURCE = "toy_arithmetic"
 TOY_VOCAB_SIZE = 512
@@ -161,7 +158,7 @@ def build_toy_tokenizer(cfg: ToyTaskConfig, vocab_size: int = TOY_VOCAB_SIZE) ->
 
 
 # ---------------------------------------------------------------------------------------------------
-# Model and warm-up
+# Model
 
 
 def build_toy_model(cfg: ModelConfig, vocab_size: int, max_positions: int, seed: int) -> Qwen2ForCausalLM:
@@ -175,39 +172,3 @@ def build_toy_model(cfg: ModelConfig, vocab_size: int, max_positions: int, seed:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)
-
-
-def supervised_warmup(policy: PolicyModel, tokenizer, cfg: Config, log=print) -> list[float]:
-    """Train on (toy prompt, correct 'Answer: N' response) pairs for model.toy.sft_steps steps.
-
-    Cross-entropy on response tokens only, through the same packing and fused log-prob path as DAPO.
-    Deterministic for trainer.seed, so every rank produces the same base model. Returns the losses.
-    """
-    toy = cfg.model.toy
-    if toy.sft_steps == 0:
-        return []
-    rng = random.Random(cfg.trainer.seed)
-    examples = toy_sft_examples(cfg.data.toy, toy.sft_steps * toy.sft_batch, rng)
-    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-    pairs = [(torch.tensor(chat_ids(tokenizer, rec.messages)),
-              torch.tensor(tokenizer.encode(text, add_special_tokens=False) + [eos])) for rec, text in examples]
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=toy.sft_lr, weight_decay=0.0)
-    device = next(policy.parameters()).device
-    losses = []
-    policy.train()
-    # Plain maximum likelihood: temperature 1, whatever temperature the RL phase samples and scores at.
-    rl_temperature, policy.temperature = policy.temperature, 1.0
-    try:
-        for step in range(toy.sft_steps):
-            chunk = pairs[step * toy.sft_batch:(step + 1) * toy.sft_batch]
-            packed = policy.token_batch([p for p, _ in chunk], [r for _, r in chunk], device)
-            logp, _ = policy(packed)
-            loss = -logp.mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    finally:
-        policy.temperature = rl_temperature
-    log(f"toy warm-up: {toy.sft_steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    return losses

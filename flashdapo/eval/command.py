@@ -8,7 +8,7 @@ checked before the model is loaded.
 Under torchrun every rank loads the whole model (torch engine: a plain replica per device, no
 collectives inside generate) or its tensor-parallel part (vLLM, `--tensor-parallel-size`), samples its
 share of the prompts (evaluate.py), and rank 0 gathers the results, appends them to OUT/samples.jsonl,
-writes OUT/metrics.json (eval_store.py) and prints a table per data source. A plain `flashdapo eval`
+writes OUT/metrics.json (eval/store.py) and prints a table per data source. A plain `flashdapo eval`
 is the same with one rank.
 """
 
@@ -21,15 +21,23 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from .config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig, TrainerConfig, starting_point
-from .config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
-from .data import load_prompts
-from .eval_results import EvalReport, format_report
-from .evaluate import EvalSampling, Shard, evaluate_to_dir
-from .model_dir import check_model_dir
-from .tokenizer import eos_token_ids, load_tokenizer
-from .trainer.distributed import DistEnv, init_distributed, shutdown
-from .trainer.failfast import FailFast
+from ..config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RolloutConfig,
+    TrainerConfig,
+    starting_point,
+)
+from ..config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
+from ..data import load_prompts
+from ..model_dir import check_model_dir
+from ..tokenizer import eos_token_ids, load_tokenizer
+from ..trainer.distributed import DistEnv, init_distributed, shutdown
+from ..trainer.failfast import FailFast
+from .results import EvalReport, format_report
+from .sampling import EvalSampling, Shard, evaluate_to_dir
 
 OPTIONS = {
     "k": "rollout.val_n",
@@ -110,7 +118,7 @@ def eval_main(argv: list[str]) -> EvalReport:
     args = tyro.cli(cls, args=rest, prog="flashdapo eval",
                     description=f"{cls.__doc__}\n\nDefaults: {start} (--preset NAME, --config FILE).")
     try:
-        from .reward import get_verifier
+        from ..reward import get_verifier
 
         get_verifier(args.verifier)
     except ImportError as err:
@@ -121,7 +129,7 @@ def eval_main(argv: list[str]) -> EvalReport:
 def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
     """The rollout engine `args.engine` names, holding the model at `args.model` on this rank."""
     if args.engine == "vllm":
-        from .rollout.vllm_engine import VLLMEngine
+        from ..rollout.vllm_engine import VLLMEngine
 
         rollout = RolloutConfig(engine="vllm", tensor_parallel_size=args.tensor_parallel_size)
         return VLLMEngine(rollout, args.model, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
@@ -129,11 +137,11 @@ def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
                           seed=args.seed, dummy_weights=False, vllm_module=vllm_module)
     from transformers import AutoModelForCausalLM
 
-    from .rollout.torch_engine import TorchEngine
+    from ..rollout.torch_engine import TorchEngine
 
     on_gpu = env.device.type == "cuda"
     if args.fsdp:
-        from .trainer.loading import load_sharded_policy
+        from ..trainer.loading import load_sharded_policy
 
         cfg = Config(model=ModelConfig(path=args.model, dtype="bfloat16" if on_gpu else "float32"),
                      trainer=TrainerConfig(device=args.device))
@@ -152,7 +160,7 @@ def prompts_per_call(args: Any) -> int:
 
 
 def eval_settings(args: Any) -> dict[str, Any]:
-    """What determines the samples; a resumed evaluation must match it (see eval_store)."""
+    """What determines the samples; a resumed evaluation must match it (see eval/store.py)."""
     return {"model": str(Path(args.model).resolve()), "data": [str(Path(f).resolve()) for f in args.data],
             "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "max_prompt_length": args.max_prompt_length,
@@ -162,7 +170,7 @@ def eval_settings(args: Any) -> dict[str, Any]:
 
 def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     """Evaluate `args.model` on `args.data` into `args.out`; print the table on rank 0; return the report."""
-    from .reward import get_verifier
+    from ..reward import get_verifier
 
     check_model_dir(args.model, "--model")
     env = init_distributed(args.device)

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from .collectives import all_gather_objects, broadcast_object
-from .data import Prompt
-from .eval_results import EvalReport, PromptResult, SampleResult, summarize
-from .eval_store import EvalStoreError, SampleLog
-from .reward import Verifier, verify_responses
-from .rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
+from ..collectives import all_gather_objects, broadcast_object
+from ..data import Prompt
+from ..reward import Verifier, verify_responses
+from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
+from .results import EvalReport, PromptResult, SampleResult, summarize
+from .store import EvalStoreError, SampleLog
 
 
 @dataclass(frozen=True)
