@@ -15,6 +15,7 @@ Choices, stated first:
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,17 @@ def load_prompts(files: list[str], tokenizer: Any, cfg: DataConfig) -> PromptDat
     """Read, tokenize and check prompt files (see `read_records`, `prompts_from_records`)."""
     records = [record for path in files for record in read_records(path)]
     return prompts_from_records(records, tokenizer, cfg, [str(f) for f in files])
+
+
+def load_eval_prompts(files: list[str], tokenizer: Any, cfg: DataConfig) -> PromptDataset:
+    """Evaluation sets: each file deduplicated on its own (AIME-2024 holds each problem 32 times), so a
+    problem that two files share is evaluated under both files' data sources and neither table loses it."""
+    per_file = [load_prompts([path], tokenizer, dataclasses.replace(cfg, dedup=True)) for path in files]
+    reports = [d.report for d in per_file]
+    report = DatasetReport(*(sum(getattr(r, name) for r in reports)
+                             for name in ("rows", "duplicates", "removed", "truncated", "dropped")),
+                           files=[str(f) for f in files])
+    return PromptDataset([p for d in per_file for p in d.prompts], report)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -343,6 +343,9 @@ class LoggingConfig(Section):
     """W&B project name."""
     progress: bool = True
     """Print one line per step (rank 0)."""
+    heartbeat_s: Annotated[float, ge(0)] = 60.0
+    """A step still running after this many seconds prints a line naming the stage it is in and how long it
+    has run, and again every as many seconds (rank 0; 0: never)."""
     dump_rollouts_every: NonNegative = 0
     """Every N steps write the step's rollouts (prompt, responses, scores, advantages, trained / filtered /
     unused) and, at validations on such steps, the validation generations as jsonl under RUN_DIR/rollouts/

@@ -31,13 +31,14 @@ from ..config import (
     starting_point,
 )
 from ..config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
-from ..data import load_prompts
+from ..data import load_eval_prompts
 from ..model_dir import check_model_dir
 from ..tokenizer import eos_token_ids, load_tokenizer
 from ..trainer.distributed import DistEnv, init_distributed, shutdown
 from ..trainer.failfast import FailFast
 from .results import EvalReport, format_report
 from .sampling import EvalSampling, Shard, evaluate_to_dir
+from .store import SampleLog
 
 OPTIONS = {
     "k": "rollout.val_n",
@@ -176,21 +177,23 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     env = init_distributed(args.device)
     failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
     failfast.watch()
+    log = None
     try:
         tokenizer = load_tokenizer(args.model)
-        dataset = load_prompts(list(args.data), tokenizer,
-                               DataConfig(max_prompt_length=args.max_prompt_length, dedup=True))
+        dataset = load_eval_prompts(list(args.data), tokenizer, DataConfig(max_prompt_length=args.max_prompt_length))
         prompts = dataset.prompts if args.sources == "column" else [
             dataclasses.replace(p, data_source=Path(p.source.rsplit(":", 1)[0]).stem) for p in dataset.prompts]
         if env.is_main:
             print(f"flashdapo eval: {dataset.report.summary()}; {env.world_size} rank(s) on {env.device}, "
                   f"{args.engine} engine", flush=True)
+        # OUT is claimed (locked, its settings compared) before the model loads: a wrong OUT fails first.
+        log = SampleLog(args.out, eval_settings(args)) if env.is_main else None
         engine = build_engine(args, env, tokenizer, vllm_module)
         sampling = EvalSampling(k=args.k, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 prompts_per_call=prompts_per_call(args))
-        report = evaluate_to_dir(engine, prompts, tokenizer, get_verifier(args.verifier), sampling,
-                                 args.out, eval_settings(args), Shard(env.rank, env.world_size), args.progress)
+        report = evaluate_to_dir(engine, prompts, tokenizer, get_verifier(args.verifier), sampling, log,
+                                 Shard(env.rank, env.world_size), args.progress)
         if env.is_main:
             print(format_report(report))
             print(f"flashdapo eval: per-prompt samples in {Path(args.out) / 'samples.jsonl'}; metrics (pass@j and "
@@ -199,6 +202,9 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
         failfast.fail(err)
         shutdown(synchronize=False)
         raise
+    finally:
+        if log is not None:
+            log.close()
     failfast.close()
     shutdown()
     return report

@@ -115,15 +115,14 @@ def sample_prompts(engine: RolloutEngine, prompts: list[Prompt], tokenizer, veri
 
 
 def evaluate_to_dir(engine: RolloutEngine, prompts: list[Prompt], tokenizer, verifier: Verifier,
-                    sampling: EvalSampling, out_dir: str, settings: dict, shard: Shard = Shard(),
+                    sampling: EvalSampling, log: SampleLog | None, shard: Shard = Shard(),
                     progress: bool = True) -> EvalReport:
-    """Evaluate into `out_dir` (samples.jsonl, eval_settings.json, metrics.json), resuming what is there.
-
-    Rank 0 reads and writes the files; every rank samples its share and returns the same report."""
-    log, done, error = None, [], ""
-    if shard.rank == 0:
+    """Evaluate into `log`'s directory (samples.jsonl, eval_settings.json, metrics.json), resuming what is
+    there. Rank 0 holds the open `log` (opened before the model loads, so a wrong OUT fails first) and reads
+    and writes the files; other ranks pass None. Every rank samples its share and returns the same report."""
+    done, error = [], ""
+    if log is not None:
         try:
-            log = SampleLog(out_dir, settings)
             done = log.load(prompts)
         except EvalStoreError as err:
             error = str(err)
@@ -138,6 +137,6 @@ def evaluate_to_dir(engine: RolloutEngine, prompts: list[Prompt], tokenizer, ver
                          on_round=log.append if log is not None else None, progress=progress)
     report = summarize(done + new) if shard.rank == 0 else None
     if log is not None:
-        log.write_metrics(report, {"settings": settings, "wall_time_s": time.perf_counter() - start,
+        log.write_metrics(report, {"settings": log.settings, "wall_time_s": time.perf_counter() - start,
                                    "prompts_sampled_now": len(new), "world_size": shard.world_size})
     return broadcast_object(report)

@@ -8,6 +8,9 @@ The choices, stated first:
   verifier, engine). A rerun into the same OUT must match it (else a one-line error naming the first
   differing setting) and skips the prompts already in samples.jsonl; the metrics are computed from the
   file, so a resumed evaluation reports what an uninterrupted one does.
+- One evaluation at a time per OUT: the evaluation holds an exclusive `flock` on OUT/.flashdapo-eval.lock
+  (released by the kernel when the process ends, however it ends); a second one into the same OUT is
+  refused instead of sampling the same prompts twice.
 - A last line without its newline is a write cut short: it is dropped (with a warning) and the file is
   truncated before it. Any other unreadable line, a duplicated prompt, or a prompt whose 'file:row'
   differs from the data's is an error naming the line.
@@ -15,6 +18,7 @@ The choices, stated first:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import warnings
@@ -22,16 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from ..data import Prompt
+from ..errors import FlashdapoError
 from .results import EvalReport, PromptResult
 
 
-class EvalStoreError(ValueError):
-    """OUT holds results that do not belong to this evaluation; the message names the file and line."""
+class EvalStoreError(FlashdapoError, ValueError):
+    """OUT cannot hold this evaluation's results (another evaluation's, a file, in use); the message names the
+    file and line and what to do."""
 
 
 SAMPLES = "samples.jsonl"
 SETTINGS = "eval_settings.json"
 METRICS = "metrics.json"
+LOCK = ".flashdapo-eval.lock"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -50,18 +57,36 @@ class SampleLog:
         """Create `out_dir` or check that the evaluation already there used the same `settings`."""
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / SAMPLES
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise EvalStoreError(f"--out {self.out_dir} is a file, not a directory; choose a directory path")
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = (self.out_dir / LOCK).open("a")
+        except OSError as err:
+            raise EvalStoreError(f"--out {self.out_dir}: cannot create it or its lock file ({err.strerror})") from err
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise EvalStoreError(f"--out {self.out_dir} is in use by another evaluation; wait for it to end or choose "
+                                 "another --out") from None
         settings_path = self.out_dir / SETTINGS
         settings = json.loads(json.dumps(settings))  # tuples -> lists, as they read back
+        self.settings = settings
         if settings_path.is_file():
             old = json.loads(settings_path.read_text(encoding="utf-8"))
             for key in sorted(set(old) | set(settings)):
                 if old.get(key) != settings.get(key):
+                    self.close()
                     raise EvalStoreError(
                         f"{settings_path}: {key} was {old.get(key)!r}, this evaluation has {settings.get(key)!r}; "
                         f"use a fresh output directory (or the same settings to resume)")
         else:
             _write_atomic(settings_path, json.dumps(settings, indent=2) + "\n")
+
+    def close(self) -> None:
+        """Release OUT for another evaluation (also released when the process ends)."""
+        self._lock.close()
 
     def load(self, prompts: list[Prompt]) -> list[PromptResult]:
         """The results already written, checked against `prompts` (the evaluation set, by prompt id)."""

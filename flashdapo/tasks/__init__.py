@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ..config import DataConfig
-from ..data import PromptDataset, load_prompts, prompts_from_records
+from ..data import PromptDataset, load_eval_prompts, load_prompts, prompts_from_records
 from .toy import toy_records
 
 
@@ -23,5 +22,5 @@ def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset, Prom
         train, val = load_prompts(cfg.train_files, tokenizer, cfg), None
     if cfg.val_files:
         # Evaluation sets repeat each problem (AIME-2024: 30 x 32 rows); k samples per unique prompt.
-        val = load_prompts(cfg.val_files, tokenizer, dataclasses.replace(cfg, dedup=True))
+        val = load_eval_prompts(cfg.val_files, tokenizer, cfg)
     return train, val

@@ -9,7 +9,9 @@ blackboard. The first rank to fail counts itself in with an atomic `add`, writes
 traceback and exits with status 1. Every rank polls the blackboard from a daemon thread (`poll_s`,
 default 0.5 s); a rank that sees a failure prints one line naming the failed rank and exits with status
 1 at once, from whatever wait it is in. A rank whose own error follows another's (gloo's "connection
-closed by peer") prints that one line too, not a second traceback. Exits use `os._exit`: interpreter
+closed by peer") prints that one line too, not a second traceback; a first failure that is only a lost
+peer (a rank killed without a word: SIGKILL, the OOM killer) prints one line saying so (`--debug` for the
+traceback). Exits use `os._exit`: interpreter
 teardown can hang on a communicator or a thread that still waits on the dead peer. A single-rank run
 has no peers: its errors propagate unchanged.
 """
@@ -82,7 +84,7 @@ class FailFast:
         first = self._count_in()
         with self._exiting:  # the watcher thread may be exiting already: one message per process
             self._stop.set()
-            line = None if debug_requested() else user_error_line(err)
+            line = None if debug_requested() else user_error_line(err) or lost_peer_line(err)
             if first and line is not None:  # an error the user can fix: its one line (flashdapo/errors.py)
                 print(f"{line} (rank {self.rank}; stopping every rank)", file=sys.stderr, flush=True)
             elif first:
@@ -121,6 +123,23 @@ class FailFast:
                 print(f"flashdapo: rank {self.rank} stops: rank {failed} failed (its error is above)",
                       file=sys.stderr, flush=True)
                 _exit()
+
+
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "remote process exited", "socket closed")
+"""How gloo (and NCCL, where it notices) words a collective whose peer process is gone."""
+
+
+def lost_peer_line(err: BaseException) -> str | None:
+    """One line for a collective that failed because a peer process vanished without reporting (SIGKILL, the
+    OOM killer): the peer has no error of its own to show and this rank's traceback is gloo's, not a clue."""
+    text = str(err).lower()
+    if not isinstance(err, RuntimeError) or not any(marker in text for marker in _LOST_PEER):
+        return None
+    reason = next(marker for marker in _LOST_PEER if marker in text)
+    return ("flashdapo: error: a collective lost its peer (" + reason + "): another rank died without reporting "
+            "an error (killed by a signal, e.g. out of memory; the launcher's summary below names it and its exit "
+            "code); resume with --checkpoint.resume auto")
 
 
 def _exit() -> None:

@@ -28,6 +28,7 @@ from .batch import TrainBatch, build_train_batch
 from .checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from .correction import rollout_correction_metrics
 from .dumps import dump_train_rollouts, dump_validation, dumping
+from .heartbeat import heartbeat
 from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe, plot_dynamics
 from .run import Run, setup_run
@@ -69,7 +70,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     timer = StageTimer(env.device)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    with timer("step"):
+    with timer("step"), heartbeat(step, timer, cfg.logging.heartbeat_s, env.is_main and cfg.logging.progress):
         with timer("weight_sync"):
             run.engine.wake(run.policy_weights, run.policy_version)
         dump = dumping(cfg.logging.dump_rollouts_every, step)

@@ -35,16 +35,20 @@ class StageTimer:
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds: dict[str, float] = defaultdict(float)
+        self.running: list[tuple[str, float]] = []
+        """The stages running now, outermost first, with their start times (read by the heartbeat)."""
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
+        self.running.append((name, start))
         try:
             yield
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # deliberate: stage times must include queued GPU work
             self.seconds[name] += time.perf_counter() - start
+            self.running.pop()
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}

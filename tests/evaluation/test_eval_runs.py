@@ -3,6 +3,7 @@ SIGKILL, 2 torchrun ranks vs 1, an AIME-2024-schema file, and the vLLM engine th
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -15,7 +16,10 @@ import pytest
 from flashdapo.__main__ import main as cli
 from flashdapo.eval.store import EvalStoreError
 
-from .toy_export import toy_export, two_source_parquet
+from flashdapo.config import ToyTaskConfig
+from flashdapo.tasks.toy import toy_records
+
+from .toy_export import toy_export, two_source_parquet, write_parquet
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -60,7 +64,7 @@ def eval_cmd(export: Path, data: Path, out: Path, nproc: int = 0) -> list[str]:
             *EVAL_ARGS]
 
 
-def test_table_per_source_files_and_resume_after_a_torn_line(export, two_sources, tmp_path, capsys):
+def test_table_per_source_files_and_resume_after_a_torn_line(export, two_sources, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     assert cli(["eval", "--model", str(export), "--data", str(two_sources), "--out", str(out), *EVAL_ARGS]) == 0
     printed = capsys.readouterr().out
@@ -83,10 +87,46 @@ def test_table_per_source_files_and_resume_after_a_torn_line(export, two_sources
     assert "resuming, 2 of 6" in capsys.readouterr().out
     assert samples(out) == full and report(out) == full_report
 
-    # Other settings into the same OUT: refused, naming the setting.
-    with pytest.raises(EvalStoreError, match="eval_settings.json: k was 4"):
-        cli(["eval", "--model", str(export), "--data", str(two_sources), "--out", str(out), "--k", "2",
+    # Other settings into the same OUT: one line naming the setting, before the model loads.
+    assert cli(["eval", "--model", str(export), "--data", str(two_sources), "--out", str(out), "--k", "2",
+                "--max-new-tokens", "6", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "eval_settings.json: k was 4, this evaluation has 2" in err and "Traceback" not in err, err
+    monkeypatch.setenv("FLASHDAPO_DEBUG", "0")  # --debug sets it for the process: restored after the test
+    with pytest.raises(EvalStoreError, match="k was 4"):  # the traceback on request
+        cli(["--debug", "eval", "--model", str(export), "--data", str(two_sources), "--out", str(out), "--k", "2",
              "--max-new-tokens", "6", "--no-progress"])
+
+
+def test_out_that_is_a_file_or_in_use_is_refused_in_one_line(export, two_sources, tmp_path, capsys):
+    a_file = tmp_path / "out.txt"
+    a_file.write_text("not a directory")
+    assert cli(["eval", "--model", str(export), "--data", str(two_sources), "--out", str(a_file), *EVAL_ARGS]) == 1
+    err = capsys.readouterr().err
+    assert f"--out {a_file} is a file, not a directory" in err and "Traceback" not in err, err
+
+    out = tmp_path / "busy"
+    out.mkdir()
+    with open(out / ".flashdapo-eval.lock", "a") as held:  # another evaluation holds OUT
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert cli(["eval", "--model", str(export), "--data", str(two_sources), "--out", str(out), *EVAL_ARGS]) == 1
+    assert "is in use by another evaluation" in capsys.readouterr().err
+    assert not (out / "samples.jsonl").exists()
+    # Released (here by closing; a dead process's lock goes with it): the evaluation runs, then releases it.
+    assert cli(["eval", "--model", str(export), "--data", str(two_sources), "--out", str(out), *EVAL_ARGS]) == 0
+    assert len(samples(out)) == 6
+
+
+def test_a_problem_in_two_files_counts_under_both_sources(export, tmp_path, capsys):
+    records = toy_records(ToyTaskConfig(num_val=3), "val")
+    rows = lambda source, recs: [{"data_source": source, "prompt": r.messages, "ability": "MATH",  # noqa: E731
+                                  "reward_model": {"ground_truth": r.ground_truth, "style": "rule"}} for r in recs]
+    first = write_parquet(tmp_path / "a.parquet", rows("set_a", records) * 2)  # each file repeats its problems
+    second = write_parquet(tmp_path / "b.parquet", rows("set_b", records[1:]))  # two of them shared with a
+    out = tmp_path / "out"
+    assert cli(["eval", "--model", str(export), "--data", str(first), str(second), "--out", str(out), *EVAL_ARGS]) == 0
+    sources = {s["source"]: s["prompts"] for s in report(out)["sources"]}
+    assert sources == {"set_a": 3, "set_b": 2}, sources
 
 
 @pytest.mark.slow

@@ -94,3 +94,14 @@ def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     assert "flashdapo: rank 0 failed; stopping every rank" in out
     assert out.count("flashdapo: rank 0 failed") == 1 and "injected failure" not in out
     assert re.search(r"[Tt]imed? ?out", out), out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job_with_one_line_and_no_traceback(tmp_path):
+    """Rank 1 is SIGKILLed mid-step (as by the OOM killer) and reports nothing; rank 0's collective fails with
+    gloo's 'Connection reset/closed by peer': one line saying a peer died, no worker traceback."""
+    out = _finish([_launch(2, 1, 0, 0, "reward-kill", tmp_path)], tmp_path)
+    assert "flashdapo: error: a collective lost its peer" in out and "(rank 0; stopping every rank)" in out, out
+    worker_lines = [line for line in out.splitlines() if "/flashdapo/" in line or "pair.cc" in line]
+    assert not worker_lines, out  # no frame of flashdapo's code, no gloo message: torchrun's summary only

@@ -88,7 +88,8 @@ def test_train_cli_path_runs_validation_checkpoint_plot_and_eval(tmp_path, capsy
     run_dir = tmp_path / "run"
     # Activation checkpointing on: same loop, recomputed blocks.
     train(tiny_config(run_dir, model={"gradient_checkpointing": True},
-                      checkpoint={"save_every": 1, "keep_last": 1}))
+                      checkpoint={"save_every": 1, "keep_last": 1}, logging={"progress": True, "heartbeat_s": 0.01}))
+    assert "flashdapo: step 1: in " in capsys.readouterr().out  # a step longer than heartbeat_s says where it is
     records = _read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert "val/acc/mean@k" in records[0] and "val/acc/mean@k" in records[-1]

@@ -1,10 +1,12 @@
 """Run `flashdapo train ARGS` and raise on one rank at one step, inside reward scoring or generation:
-`python raise_on_rank.py reward|generate|reward-stall|reward-hang RANK STEP ARGS...` (under torchrun).
+`python raise_on_rank.py reward|generate|reward-stall|reward-hang|reward-kill RANK STEP ARGS...` (under torchrun).
 With reward-stall the other ranks wait 10 minutes in reward scoring at that step, as a rank waits in an
 NCCL collective whose peer died (which, unlike gloo, does not notice). With reward-hang the rank does
-not raise: it waits 10 minutes there itself, while the others go on to the next collective."""
+not raise: it waits 10 minutes there itself, while the others go on to the next collective. With reward-kill
+the rank SIGKILLs itself there (as the OOM killer would): it reports nothing, its peers lose it."""
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,8 @@ def fail_here(what: str) -> None:
         (run_dir / "failed_at").write_text(repr(time.time()))
         if where == "reward-hang":
             time.sleep(600)
+        if where == "reward-kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure in {what} on rank {rank} at step {bad_step}")
     if where == "reward-stall":
         time.sleep(600)
