@@ -14,8 +14,8 @@ Choices, stated first:
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

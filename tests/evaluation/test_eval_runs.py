@@ -14,9 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from flashdapo.__main__ import main as cli
-from flashdapo.eval.store import EvalStoreError
-
 from flashdapo.config import ToyTaskConfig
+from flashdapo.eval.store import EvalStoreError
 from flashdapo.tasks.toy import toy_records
 
 from .toy_export import toy_export, two_source_parquet, write_parquet
