@@ -15,10 +15,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import tyro  # noqa: E402
 
-from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
+from . import __version__  # noqa: E402
+from .config import CLI_REGISTRY, DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
 
-USAGE = """usage: flashdapo {train,config,eval} [options]
+USAGE = """usage: flashdapo {train,config,eval} [options]   (flashdapo --version)
 
   train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
   config   print the resolved config (YAML; reusable with --config)
@@ -34,7 +35,7 @@ def resolve_config(argv: list[str], prog: str) -> Config:
     description = (f"{Config.__doc__}\n\nStarting point: {start} (presets: {', '.join(PRESETS)}; --preset NAME, "
                    "--config FILE). Defaults below are that start.")
     return tyro.cli(Config, default=base, args=rest, prog=prog, description=description,
-                    config=(tyro.conf.FlagConversionOff,))
+                    config=(tyro.conf.FlagConversionOff,), registry=CLI_REGISTRY)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DEBUG_ENV] = "1"  # also read by failfast.py on every rank
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"flashdapo {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
     try:
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         if debug_requested():
             raise
-        print(f"flashdapo: config error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: rank 0 reports it
+            print(f"flashdapo: config error: {err}", file=sys.stderr, flush=True)
         return 2
     except Exception as err:
         line = user_error_line(err)

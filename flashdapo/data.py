@@ -5,7 +5,9 @@ Choices, stated first:
   generation prompt turns it into a `Prompt` (token ids). Plain {problem, answer} rows are wrapped in
   the DAPO prompt template as one user message (docs/algorithm.md, section 4).
 - Bad input stops with a `DataError` naming the file, the 0-based row and what was expected; no row is
-  ever skipped silently. Prompts over the budget are left-truncated (DAPO), dropped or refused, and
+  ever skipped silently. Rows that load but look wrong (an empty user message, a role other than system,
+  user or assistant, a conversation ending in an assistant turn, a prompt seen with two different ground
+  truths) are counted into warnings, one per file and kind, naming the first row (`record_warnings`). Prompts over the budget are left-truncated (DAPO), dropped or refused, and
   counted; exact-duplicate prompts (same messages) are counted and optionally removed (the public
   DAPO-Math-17k file holds each problem ~100 times). Duplicates are tokenized once and share ids.
 - `PromptSampler` walks a deterministic permutation per epoch; every rank computes the same global
@@ -201,6 +203,8 @@ class DatasetReport:
     dropped: int
     """Prompts dropped for exceeding max_prompt_length (truncation='drop')."""
     files: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """Rows that loaded but look wrong, one line per file and kind (`record_warnings`); the caller logs them."""
 
     def summary(self) -> str:
         """One line for the console."""
@@ -234,6 +238,35 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     if out and isinstance(out[0], (list, tuple)):
         out = out[0]
     return [int(i) for i in out]
+
+
+ROLES = ("system", "user", "assistant")
+"""Chat roles the templates know."""
+
+
+def record_warnings(records: list[Record]) -> list[str]:
+    """One line per file and kind of suspicious row, counted, naming the first row: an empty user message, an
+    unknown role, a trailing assistant turn (the model would be asked to continue it), and a prompt whose
+    ground truth differs from an earlier row's with the same messages (one of them is wrong)."""
+    found: dict[tuple[str, str], list[str]] = {}
+    first_truth: dict[tuple, Record] = {}
+    for record in records:
+        file, _, row = record.source.rpartition(":")
+        kinds = []
+        if any(m["role"] == "user" and not m["content"].strip() for m in record.messages):
+            kinds.append(("an empty user message", ""))
+        unknown = sorted({m["role"] for m in record.messages} - set(ROLES))
+        if unknown:
+            kinds.append((f"a role other than {', '.join(ROLES)}", f", role {unknown[0]!r}"))
+        if record.messages[-1]["role"] == "assistant":
+            kinds.append(("a conversation ending in an assistant turn", ""))
+        earlier = first_truth.setdefault(tuple((m["role"], m["content"]) for m in record.messages), record)
+        if earlier.ground_truth != record.ground_truth:
+            kinds.append(("a prompt seen earlier with another ground truth",
+                          f", {record.ground_truth!r} here, {earlier.ground_truth!r} at {earlier.source}"))
+        for kind, detail in kinds:
+            found.setdefault((file, kind), []).append(f"row {row}{detail}")
+    return [f"{file}: {len(rows)} row(s) with {kind} (first: {rows[0]})" for (file, kind), rows in found.items()]
 
 
 def _fit(ids: list[int], record: Record, cfg: DataConfig) -> tuple[list[int] | None, bool]:
@@ -273,7 +306,7 @@ def prompts_from_records(records: list[Record], tokenizer: Any, cfg: DataConfig,
         raise DataError(f"{', '.join(files or []) or 'dataset'}: every prompt was dropped (longer than "
                         f"data.max_prompt_length={cfg.max_prompt_length})")
     report = DatasetReport(len(records), duplicates, duplicates if cfg.dedup else 0, truncated, dropped,
-                           list(files or []))
+                           list(files or []), record_warnings(records))
     return PromptDataset(prompts, report)
 
 
@@ -290,7 +323,7 @@ def load_eval_prompts(files: list[str], tokenizer: Any, cfg: DataConfig) -> Prom
     reports = [d.report for d in per_file]
     report = DatasetReport(*(sum(getattr(r, name) for r in reports)
                              for name in ("rows", "duplicates", "removed", "truncated", "dropped")),
-                           files=[str(f) for f in files])
+                           files=[str(f) for f in files], warnings=[w for r in reports for w in r.warnings])
     return PromptDataset([p for d in per_file for p in d.prompts], report)
 
 

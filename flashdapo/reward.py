@@ -22,6 +22,10 @@ The substitution and removal lists are data from EleutherAI's lm-evaluation-harn
 reproduced entry for entry, quirks included ("sue", "\\text{<newline>s}"), because the rule is
 defined by them.
 
+`dapo_verl` is the same rule as current verl (0.9) applies it: when the window holds no "Answer:" line, the
+last `\\boxed{...}` (braces balanced) within the window's last 100 characters is taken instead, and its raw
+content must equal the raw ground truth (no normalization on that path: verl's strict-box comparison).
+
 `math_verify` (optional extra `math`) instead parses both sides into sympy and checks equivalence.
 """
 
@@ -47,9 +51,11 @@ __all__ = [
     "Verdict",
     "Verifier",
     "dapo_verify",
+    "dapo_verl_verify",
     "check_reward",
     "extract_answer",
     "get_verifier",
+    "last_boxed_content",
     "math_verify_verify",
     "normalize_final_answer",
     "normalize_ground_truth",
@@ -252,6 +258,42 @@ def dapo_verify(response: str, ground_truth: str) -> Verdict:
 
 
 # ---------------------------------------------------------------------------------------------
+# The DAPO rule with current verl's \boxed{} fallback
+# ---------------------------------------------------------------------------------------------
+
+BOXED_WINDOW_CHARS = 100
+"""The boxed fallback searches only this many trailing characters of the 300-character window (verl 0.9
+`is_correct_strict_box`: `pred[-100:]`)."""
+
+
+def last_boxed_content(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` in `text`, braces balanced; None when there is none or its
+    braces never close."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if text[i] == "}" and depth == 0:
+            return text[start + len("\\boxed{"):i]
+    return None
+
+
+def dapo_verl_verify(response: str, ground_truth: str) -> Verdict:
+    """The DAPO rule as verl 0.9's `math_dapo.compute_score` applies it (+1 / -1): the "Answer:" rule first;
+    when no Answer line is found, the last \\boxed{} of the last 100 characters of the window, compared raw
+    (unnormalized) with the raw ground truth."""
+    if extract_answer(response) is not None:
+        return dapo_verify(response, ground_truth)
+    boxed = last_boxed_content(response[-WINDOW_CHARS:][-BOXED_WINDOW_CHARS:])
+    if boxed is None:
+        return Verdict(score=-1.0, acc=False, pred="")
+    correct = boxed == ground_truth
+    return Verdict(score=1.0 if correct else -1.0, acc=correct, pred=boxed)
+
+
+# ---------------------------------------------------------------------------------------------
 # math-verify (optional extra)
 # ---------------------------------------------------------------------------------------------
 
@@ -298,13 +340,14 @@ def math_verify_verify(response: str, ground_truth: str) -> Verdict:
 
 VERIFIERS: dict[str, Callable[[str, str], Verdict]] = {
     "dapo": dapo_verify,
+    "dapo_verl": dapo_verl_verify,
     "math_verify": math_verify_verify,
 }
 """Verifier names accepted by `get_verifier` (and by the config's `verifier` field)."""
 
 
 def get_verifier(name: str) -> Verifier:
-    """Return the verifier called `name` ("dapo" or "math_verify").
+    """Return the verifier called `name` ("dapo", "dapo_verl" or "math_verify").
 
     Raises ValueError for an unknown name, and ImportError (naming the pip extra) when
     "math_verify" is asked for without the math-verify package installed.

@@ -15,6 +15,7 @@ from flashdapo.config import (
     RolloutConfig,
     ToyTaskConfig,
     TrainerConfig,
+    compact_summary,
     field_path,
     load_file,
     merge,
@@ -102,6 +103,10 @@ YAML_CASES = [
     ("checkpoint: {keep_last: null}", "checkpoint.keep_last: expected an integer, got null"),
     ("data: {train_files: a.jsonl}", "data.train_files: expected a list of strings, got 'a.jsonl'"),
     ("trainer: {total_steps: 3\n  bad", "not valid YAML/JSON at line"),
+    ("optim:\n  lr: 1.0e-5\ntrainer:\n  seed: 1\noptim:\n  lr: 2.0e-5\n",
+     "line 5: key 'optim' appears twice (first at line 1); keep one"),
+    ("optim:\n  lr: 1.0e-5\n  eps: 1.0e-8\n  lr: 2.0e-5\n", "line 4: key 'lr' appears twice (first at line 2); keep one"),
+    ('{"trainer": {"seed": 1, "seed": 2}}', "line 1: key 'seed' appears twice"),
 ]
 
 
@@ -191,3 +196,50 @@ def _differences(overrides, defaults, prefix=""):
 def test_presets_state_only_what_differs_from_the_defaults(name):
     for path, value, default in _differences(PRESETS[name], Config()):
         assert value != default and not (isinstance(default, tuple) and tuple(value) == default), (name, path)
+
+
+def _bool_fields(cls=Config, prefix=""):
+    from flashdapo.config.checks import field_spec, section_type
+
+    for f in dataclasses.fields(cls):
+        sub = section_type(cls, f.name)
+        if sub is not None:
+            yield from _bool_fields(sub, f"{prefix}{f.name}.")
+        elif field_spec(cls, f.name)[0] is bool:
+            yield f"{prefix}{f.name}"
+
+
+@pytest.mark.parametrize(("word", "value"), [("true", True), ("false", False), ("True", True), ("False", False),
+                                             ("1", True), ("0", False), ("TRUE", True)])
+def test_every_bool_field_takes_the_words_the_docs_write(word, value, capsys):
+    names = list(_bool_fields())
+    assert len(names) > 10 and "logging.move_old_run" in names
+    args = [a for name in names for a in ("--" + name.replace("_", "-"), word)]
+    args += ["--trainer.gen-batch", "32"] if not value else []  # dynamic_sampling false needs gen == train batch
+    assert cli(["config", *args]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    for name in names:
+        section, *rest = name.split(".")
+        leaf = printed[section]
+        for part in rest:
+            leaf = leaf[part]
+        assert leaf is value, name
+
+
+def test_a_bool_flag_refuses_other_words(capsys):
+    with pytest.raises(SystemExit):
+        cli(["config", "--logging.move-old-run", "yes"])
+    assert "invalid choice 'yes'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import flashdapo
+
+    assert cli(["--version"]) == 0 and capsys.readouterr().out == f"flashdapo {flashdapo.__version__}\n"
+
+
+def test_compact_summary_is_one_line_per_changed_section():
+    lines = compact_summary(merge(preset("toy"), {"data": {"train_files": ["a.jsonl", "b.jsonl"]}}))
+    assert lines[0] == "data: train_files=a.jsonl,b.jsonl"
+    assert "optim: lr=0.0005 weight_decay=0.0 warmup_steps=2" in lines and len(lines) == len(PRESETS["toy"]) + 1
+    assert compact_summary(Config()) == []

@@ -309,3 +309,42 @@ def test_aime_2024(tok):
                for r, x in zip(records, raw, strict=True))
     data = load_prompts([str(AIME)], tok, DataConfig(dedup=True))
     assert len(data) == 30 and (data.report.rows, data.report.duplicates, data.report.removed) == (960, 930, 930)
+
+
+def test_suspicious_rows_are_warned_once_per_file_counted_naming_the_first_row(tmp_path, tok):
+    def row(messages, answer="1"):
+        return {"prompt": messages, "reward_model": {"ground_truth": answer}}
+
+    user = [{"role": "user", "content": "Compute 1+0."}]
+    a = write_jsonl(tmp_path / "a.jsonl", [
+        row(user), row([{"role": "user", "content": " "}]), row([{"role": "user", "content": ""}]),
+        row([{"role": "human", "content": "hi"}]), row([*user, {"role": "assistant", "content": "Answer: 1"}])])
+    b = write_jsonl(tmp_path / "b.jsonl", [row(user, "2"), row(user, "1"), row(user, "3")])
+    report = load_prompts([str(a), str(b)], tok, DataConfig()).report
+    assert report.warnings == [
+        f"{a}: 2 row(s) with an empty user message (first: row 1)",
+        f"{a}: 1 row(s) with a role other than system, user, assistant (first: row 3, role 'human')",
+        f"{a}: 1 row(s) with a conversation ending in an assistant turn (first: row 4)",
+        f"{b}: 2 row(s) with a prompt seen earlier with another ground truth (first: row 0, '2' here, '1' at {a}:0)",
+    ]
+    clean = write_jsonl(tmp_path / "c.jsonl", [row(user), row(user), row([{"role": "system", "content": "s"}, *user])])
+    assert load_prompts([str(clean)], tok, DataConfig()).report.warnings == []
+
+
+def test_data_warnings_are_logged_at_start(tmp_path, capsys, monkeypatch):
+    from flashdapo.__main__ import main
+
+    monkeypatch.setenv("FLASHDAPO_DEBUG", "1")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1", "answer": "2"}, {"problem": "1+1", "answer": "3"}])
+    import flashdapo.trainer.run as run
+
+    def stop(*_args):  # the data is loaded and reported: nothing after it is needed here
+        raise RuntimeError("stop after the data")
+
+    monkeypatch.setattr(run, "_build_policy", stop)
+    argv = ["train", "--data.train-files", str(data), "--logging.run-dir", str(tmp_path / "run"),
+            "--model.toy.sft-steps", "0"]
+    with pytest.raises(RuntimeError, match="stop after the data"):
+        main(argv)
+    out = capsys.readouterr().out
+    assert out.count(f"flashdapo: warning: {data}: 1 row(s) with a prompt seen earlier with another ground truth") == 1

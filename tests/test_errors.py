@@ -16,15 +16,18 @@ from flashdapo.data import DataError
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_DATA = ["--data.train-files", "d.jsonl"]  # a model needs data files (checked after the model directory)
+
+
 def _empty_model(tmp):
     (tmp / "model").mkdir()
-    return ["train", "--model.path", str(tmp / "model")], 1, f"model.path={tmp / 'model'}: the directory is empty"
+    return ["train", "--model.path", str(tmp / "model"), *_DATA], 1, f"model.path={tmp / 'model'}: the directory is empty"
 
 
 def _model_without_config(tmp):
     (tmp / "model").mkdir()
     (tmp / "model" / "model.safetensors").write_bytes(b"")
-    return ["train", "--model.path", str(tmp / "model")], 1, "model: no config.json"
+    return ["train", "--model.path", str(tmp / "model"), *_DATA], 1, "model: no config.json"
 
 
 def _corrupt_safetensors(tmp):
@@ -32,7 +35,7 @@ def _corrupt_safetensors(tmp):
     (tmp / "model" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     (tmp / "model" / "tokenizer.json").write_text("{}")
     (tmp / "model" / "model-00002-of-00002.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ")
-    return (["train", "--model.path", str(tmp / "model")], 1,
+    return (["train", "--model.path", str(tmp / "model"), *_DATA], 1,
             f"{tmp / 'model' / 'model-00002-of-00002.safetensors'}: not a readable safetensors file")
 
 
@@ -68,6 +71,12 @@ def _bad_config_value(tmp):
     return ["train", "--optim.lr", "inf"], 2, "optim.lr: expected a finite number"
 
 
+def _config_file_with_a_section_twice(tmp):
+    (tmp / "c.yaml").write_text("optim:\n  lr: 1.0e-5\ntrainer:\n  seed: 1\noptim:\n  lr: 2.0e-5\n")
+    return (["train", "--config", str(tmp / "c.yaml")], 2,
+            f"--config {tmp / 'c.yaml'}: line 5: key 'optim' appears twice (first at line 1)")
+
+
 def _bad_eval_argument(tmp):
     (tmp / "model").mkdir()
     (tmp / "d.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
@@ -84,7 +93,7 @@ def _eval_on_an_empty_model_dir(tmp):
 
 CASES = [_empty_model, _model_without_config, _corrupt_safetensors, _missing_data, _bad_data_row,
          _missing_checkpoint, _run_dir_is_a_file, _run_dir_of_another_run, _run_dir_cannot_be_created,
-         _bad_config_value, _bad_eval_argument, _eval_on_an_empty_model_dir]
+         _bad_config_value, _config_file_with_a_section_twice, _bad_eval_argument, _eval_on_an_empty_model_dir]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__.strip("_") for c in CASES])

@@ -19,7 +19,9 @@ from flashdapo.reward import (
     Verdict,
     check_reward,
     dapo_verify,
+    dapo_verl_verify,
     get_verifier,
+    last_boxed_content,
     math_verify_verify,
     normalize_final_answer,
     normalize_ground_truth,
@@ -403,3 +405,41 @@ def test_non_finite_reward_names_prompt_and_response(score: float) -> None:
     with pytest.raises(RewardError, match=r"for prompt data.jsonl:7 \(response ending 'Answer: 5'\)"):
         check_reward(score, "data.jsonl:7", "Answer: 5")
     check_reward(-1.0, "data.jsonl:7", "Answer: 5")
+
+
+# ---------------------------------------------------------------------------------------------
+# dapo_verl: current verl's \boxed{} fallback (verl 0.9 math_dapo.compute_score)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "response, correct, pred",
+    [
+        ("So \\boxed{540}", True, "540"),  # no Answer line: the last box decides
+        ("\\boxed{7} first, then \\boxed{540}", True, "540"),  # the last box wins
+        ("\\boxed{\\frac{1}{2}}", False, "\\frac{1}{2}"),  # nested braces balanced; raw content compared
+        ("\\boxed{ 540 }", False, " 540 "),  # raw: no normalization on the fallback path
+        ("\\boxed{$540$}", False, "$540$"),
+        ("\\boxed{540", False, ""),  # never closed: nothing extracted
+        ("The answer is 540", False, ""),  # neither an Answer line nor a box
+        ("\\boxed{540}\nAnswer: 7", False, "7"),  # an Answer line wins over any box
+        ("Answer: $540$\n\\boxed{7}", True, "540"),  # ... and is normalized as the release does
+    ],
+)
+def test_dapo_verl_falls_back_to_the_last_box(response: str, correct: bool, pred: str) -> None:
+    v = dapo_verl_verify(PREAMBLE + response, "540")
+    assert (v.acc, v.score, v.pred) == (correct, 1.0 if correct else -1.0, pred)
+    assert not dapo_verify(PREAMBLE + response, "540").acc or "Answer" in response  # the release: no fallback
+
+
+def test_dapo_verl_box_is_searched_in_the_last_100_characters_only() -> None:
+    inside, outside = "\\boxed{540}" + "x" * (100 - len("\\boxed{540}")), "\\boxed{540}" + "x" * 100
+    assert dapo_verl_verify(inside, "540").acc and not dapo_verl_verify(outside, "540").acc
+    assert last_boxed_content("a \\boxed{{b}c} d") == "{b}c" and last_boxed_content("none") is None
+
+
+def test_dapo_verl_is_a_named_verifier() -> None:
+    from flashdapo.config import AlgorithmConfig
+
+    assert get_verifier("dapo_verl") is dapo_verl_verify
+    assert AlgorithmConfig(verifier="dapo_verl").verifier == "dapo_verl" and AlgorithmConfig().verifier == "dapo"

@@ -1,8 +1,8 @@
 """The config tree (tree.py), its declarative checks (checks.py), overrides and files (io.py), presets."""
 
 from .checks import ConfigError, field_path
-from .io import load_file, merge
-from .presets import DEFAULT_PRESET, PRESETS, preset, starting_point, toy
+from .io import CLI_REGISTRY, load_file, merge
+from .presets import DEFAULT_PRESET, PRESETS, compact_summary, differences, preset, starting_point, toy
 from .tree import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -18,7 +18,8 @@ from .tree import (
 )
 
 __all__ = [
-    "DEFAULT_PRESET", "PRESETS", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "CLI_REGISTRY", "DEFAULT_PRESET", "PRESETS", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "ToyModelConfig", "ToyTaskConfig",
-    "TrainerConfig", "field_path", "load_file", "merge", "preset", "starting_point", "toy",
+    "TrainerConfig", "compact_summary", "differences", "field_path", "load_file", "merge", "preset",
+    "starting_point", "toy",
 ]

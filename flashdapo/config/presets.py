@@ -1,12 +1,14 @@
 """Named presets: each is the set of fields that differ from the tree's defaults. `toy` is the default.
 
 The defaults themselves are the released DAPO recipe's values (docs/algorithm.md, section 6), so the
-32B preset only adds the model, the data and the cluster's layout.
+32B preset only adds the model, the data and the cluster's layout. No preset sets model.dtype: its `auto`
+computes in bfloat16 on GPUs and float32 on a CPU. Every preset uses the released verifier, `dapo`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from .checks import ConfigError
@@ -29,7 +31,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # in docs/vllm.md. Qwen2.5-Math-7B would need max_response_length <= 2048: its config allows 4096
     # positions, which vLLM enforces.
     "qwen2.5-7b-math": {
-        "model": {"path": "checkpoints/Qwen2.5-7B", "dtype": "bfloat16", "gradient_checkpointing": True},
+        "model": {"path": "checkpoints/Qwen2.5-7B", "gradient_checkpointing": True},
         "data": {"train_files": ["data/dapo-math-17k.parquet"], "val_files": ["data/aime-2024.parquet"],
                  "dedup": True},
         "rollout": {"engine": "vllm", "max_response_length": 8192, "max_num_batched_tokens": 16384},
@@ -42,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The released recipe for Qwen2.5-32B on 16 nodes x 8 GPUs. Not reproduced by flashdapo: the recipe's
     # sequence parallelism of 8 (Ulysses).
     "qwen2.5-32b-dapo": {
-        "model": {"path": "checkpoints/Qwen2.5-32B", "dtype": "bfloat16", "gradient_checkpointing": True},
+        "model": {"path": "checkpoints/Qwen2.5-32B", "gradient_checkpointing": True},
         "data": {"train_files": ["data/dapo-math-17k.parquet"], "val_files": ["data/aime-2024.parquet"]},
         "rollout": {"engine": "vllm", "tensor_parallel_size": 4, "gpu_memory_utilization": 0.7,
                     "max_num_batched_tokens": 22528},
@@ -78,3 +80,33 @@ def starting_point(argv: list[str], default_preset: str | None) -> tuple[Config,
         base = load_file(known.config, base)
     start = f"preset '{known.preset}'" if known.preset else "the config tree's defaults"
     return base, rest, start + (f" + {known.config}" if known.config else "")
+
+
+def differences(cfg: Any, base: Any) -> dict[str, Any]:
+    """The fields of `cfg` whose values differ from `base`'s, nested by section (what a preset is)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        mine, theirs = getattr(cfg, f.name), getattr(base, f.name)
+        if dataclasses.is_dataclass(mine):
+            sub = differences(mine, theirs)
+            if sub:
+                out[f.name] = sub
+        elif mine != theirs:
+            out[f.name] = mine
+    return out
+
+
+def compact_summary(cfg: Config) -> list[str]:
+    """The resolved config, compactly: per section one line of the fields that differ from the tree's
+    defaults ('optim: lr=0.0005 warmup_steps=2'); a section at its defaults is left out."""
+    def flat(values: dict[str, Any], prefix: str = "") -> list[str]:
+        return [item for name, value in values.items() for item in
+                (flat(value, f"{prefix}{name}.") if isinstance(value, dict) else [f"{prefix}{name}={_short(value)}"])]
+
+    return [f"{section}: {' '.join(flat(values))}" for section, values in differences(cfg, Config()).items()]
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value) or "[]"
+    return str(value) if value != "" else "''"

@@ -63,9 +63,10 @@ class ModelConfig(Section):
 
     path: str = ""
     """Local HF checkpoint directory (config, safetensors, tokenizer). Empty: build the toy model."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype used for compute: bfloat16 on GPU (FSDP2 mixed precision, fp32 master weights and
-    fp32 gradient reduction); float32 on CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype used for compute (master weights and gradient reduction stay fp32; FSDP2 mixed
+    precision). auto: bfloat16 on CUDA, float32 on CPU (bf16 matmuls on a CPU are several times slower).
+    The HF export is written in this dtype, and its config.json says so."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """transformers attention backend of the policy."""
     gradient_checkpointing: bool = False
@@ -235,9 +236,11 @@ class AlgorithmConfig(Section):
     """Responses per micro-batch of loss_agg_mode=token-mean-per-micro-batch (consecutive responses of the
     mini-batch, whatever the ranks and the trainer's own micro-batches). 4: the released 32B recipe's
     512 responses per mini-batch over 128 GPUs."""
-    verifier: Literal["dapo", "math_verify"] = "dapo"
-    """dapo: the released 'Answer:' rule with Minerva normalization. math_verify: equivalence checking
-    with the math-verify package (extra `math`)."""
+    verifier: Literal["dapo", "dapo_verl", "math_verify"] = "dapo"
+    """dapo: the released 'Answer:' rule with Minerva normalization (no Answer line: wrong). dapo_verl: the
+    same rule as current verl (0.9) applies it, falling back to the last \\boxed{} of the response's last
+    100 characters when no Answer line matches. math_verify: equivalence checking with the math-verify
+    package (extra `math`). docs/algorithm.md, section 4."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """pi_old of the clipped ratio when a step takes several optimizer steps (train_batch > mini_batch, or
     ppo_epochs > 1). recompute: one no-grad pass of the policy over the batch before the update (exact in
@@ -341,6 +344,15 @@ class LoggingConfig(Section):
     """Also log to Weights & Biases (needs the wandb package)."""
     wandb_project: str = "flashdapo"
     """W&B project name."""
+    wandb_entity: str = ""
+    """W&B entity (user or team); empty: wandb's default for the logged-in user."""
+    wandb_run_name: str = ""
+    """W&B run name; empty: the run directory's name."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B run tags."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """W&B mode: online (sync as it runs), offline (write under the run directory, `wandb sync` later),
+    disabled."""
     progress: bool = True
     """Print one line per step (rank 0)."""
     heartbeat_s: Annotated[float, ge(0)] = 60.0

@@ -33,7 +33,8 @@ from ..config import (
 from ..config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
 from ..data import load_eval_prompts
 from ..model_dir import check_model_dir
-from ..tokenizer import eos_token_ids, load_tokenizer
+from ..preflight import check_engine, check_model
+from ..tokenizer import eos_token_ids
 from ..trainer.distributed import DistEnv, init_distributed, shutdown
 from ..trainer.failfast import FailFast
 from .results import EvalReport, format_report
@@ -124,6 +125,7 @@ def eval_main(argv: list[str]) -> EvalReport:
         get_verifier(args.verifier)
     except ImportError as err:
         raise ConfigError(f"{field_path(cls, 'verifier')}: {err}") from err
+    check_engine(args.engine, field_path(cls, "engine"))
     return run_eval(args)
 
 
@@ -174,18 +176,25 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     from ..reward import get_verifier
 
     check_model_dir(args.model, "--model")
+    # vLLM refuses a model length over the model's positions; the torch engine samples on, out of its range.
+    checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
+                          "--max-prompt-length + --max-new-tokens", "error" if args.engine == "vllm" else "note")
     env = init_distributed(args.device)
     failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
     failfast.watch()
     log = None
     try:
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = checked.tokenizer
+        for note in checked.notes if env.is_main else []:
+            print(f"flashdapo eval: {note}", flush=True)
         dataset = load_eval_prompts(list(args.data), tokenizer, DataConfig(max_prompt_length=args.max_prompt_length))
         prompts = dataset.prompts if args.sources == "column" else [
             dataclasses.replace(p, data_source=Path(p.source.rsplit(":", 1)[0]).stem) for p in dataset.prompts]
         if env.is_main:
             print(f"flashdapo eval: {dataset.report.summary()}; {env.world_size} rank(s) on {env.device}, "
                   f"{args.engine} engine", flush=True)
+            for warning in dataset.report.warnings:
+                print(f"flashdapo eval: warning: {warning}", flush=True)
         # OUT is claimed (locked, its settings compared) before the model loads: a wrong OUT fails first.
         log = SampleLog(args.out, eval_settings(args)) if env.is_main else None
         engine = build_engine(args, env, tokenizer, vllm_module)

@@ -55,7 +55,7 @@ def train(cfg) -> Run:
                 save_checkpoint(run.run_dir, run.env, run.policy, run.optimizer, run.trainer_state(step),
                                 cfg.checkpoint.keep_last)
         if cfg.checkpoint.export_hf:
-            export_hf(run.full_state_dict(), run.policy.config, run.tokenizer, run.run_dir / "export", run.env.is_main)
+            export_hf(run.full_state_dict(), run.export_config(), run.tokenizer, run.run_dir / "export", run.env.is_main)
             run.log(f"exported the final policy to {run.run_dir / 'export'}")
     except BaseException as err:
         run.close(err)

@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -92,7 +93,7 @@ class MetricsLogger:
     """Writes one JSON object per step to metrics.jsonl and to the optional sinks; prints a line."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: bool, wandb_project: str,
-                 progress: bool, total_steps: int, config_dict: dict):
+                 progress: bool, total_steps: int, config_dict: dict, wandb_run: WandbRun | None = None):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.progress = progress and enabled
@@ -106,7 +107,7 @@ class MetricsLogger:
         if tensorboard:
             self._tb = _optional_tensorboard(run_dir)
         if wandb:
-            self._wandb = _optional_wandb(wandb_project, run_dir, config_dict)
+            self._wandb = _start_wandb(wandb_run or WandbRun(wandb_project), run_dir, config_dict)
 
     def truncate_after(self, step: int) -> int:
         """Forget steps after `step` (resume from a checkpoint taken at `step`); returns how many records went."""
@@ -189,13 +190,31 @@ def _optional_tensorboard(run_dir: Path):
     return SummaryWriter(str(run_dir / "tensorboard"))
 
 
-def _optional_wandb(project: str, run_dir: Path, config_dict: dict):
+@dataclass(frozen=True)
+class WandbRun:
+    """Where and how a run logs to W&B (the logging.wandb_* fields)."""
+
+    project: str
+    entity: str = ""
+    """'' : wandb's default entity."""
+    name: str = ""
+    """'' : the run directory's name."""
+    tags: tuple[str, ...] = ()
+    mode: str = "online"
+
+    @classmethod
+    def from_config(cls, logging_cfg) -> WandbRun:
+        lc = logging_cfg
+        return cls(lc.wandb_project, lc.wandb_entity, lc.wandb_run_name, tuple(lc.wandb_tags), lc.wandb_mode)
+
+
+def _start_wandb(settings: WandbRun, run_dir: Path, config_dict: dict):
     try:
         import wandb
-    except ImportError:
-        print("flashdapo: logging.wandb=true but wandb is not installed; skipping it")
-        return None
-    return wandb.init(project=project, dir=str(run_dir), config=config_dict, name=run_dir.name)
+    except ImportError as err:  # preflight.check_launch refuses this before the run starts
+        raise MetricsError("logging.wandb: true needs the wandb package (pip install wandb); or set it false") from err
+    return wandb.init(project=settings.project, entity=settings.entity or None, name=settings.name or run_dir.name,
+                      tags=list(settings.tags) or None, mode=settings.mode, dir=str(run_dir), config=config_dict)
 
 
 PLOT_PANELS = (

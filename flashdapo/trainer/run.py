@@ -4,6 +4,7 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,21 +15,22 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import all_gather_objects
-from ..config import Config
+from ..config import Config, compact_summary
 from ..data import Prompt, PromptSampler
 from ..model_dir import check_model_dir
+from ..preflight import check_launch, check_model, resolve_auto
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
 from ..tasks import build_datasets
 from ..tasks.toy import build_toy_model, build_toy_tokenizer, toy_sft_examples
 from ..threads import configure_threads
-from ..tokenizer import eos_token_ids, load_tokenizer
+from ..tokenizer import eos_token_ids
 from .checkpoint import TrainerState, load_first_loadable, resume_candidates
 from .distributed import DistEnv, init_distributed, shutdown
 from .failfast import FailFast
 from .loading import load_sharded_policy
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, WandbRun
 from .policy import PolicyModel, parallelize
 from .rundir import RunDirClaim, RunDirError, claim_run_dir, new_run_id, stop_if_launcher_dies
 from .warmup import supervised_warmup
@@ -90,6 +92,12 @@ class Run:
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None  # export in the compute dtype
         return iter_full_state_dict(self.policy.hf, dtype=dtype)
 
+    def export_config(self):
+        """The policy's HF config, saying the dtype `full_state_dict` exports in (config.json matches the tensors)."""
+        config = copy.deepcopy(self.policy.config)
+        config.dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        return config
+
     def policy_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's HF-named full tensors, cast to `dtype`, for a rollout engine's `wake` (a WeightSource)."""
         return iter_full_state_dict(self.policy.hf, dtype=dtype)
@@ -141,14 +149,15 @@ def _optimizer(cfg: Config, policy: PolicyModel):
 def setup_run(cfg: Config) -> Run:
     """Build every piece of a run; resume from a checkpoint when configured. From the process group on, a
     failure on any rank ends every rank (`failfast.py`)."""
+    check_launch(cfg)  # before the process group: a config this launch cannot run is one line
     env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    cfg = resolve_auto(cfg, env.device.type == "cuda")
     failfast = FailFast.connect(env.rank, env.world_size)
     failfast.watch()
     run_dir = Path(cfg.logging.run_dir)
     log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
     claim = None
     try:
-        _check_world(cfg, env)
         claim = _claim_run_dir(cfg, env, run_dir, log)
         run = _build_run(cfg, env, failfast, run_dir, log)
     except BaseException as err:
@@ -181,21 +190,24 @@ def _claim_run_dir(cfg: Config, env: DistEnv, run_dir: Path, log) -> RunDirClaim
 
 
 def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log) -> Run:
-    if cfg.model.path:
-        check_model_dir(cfg.model.path)
+    for line in compact_summary(cfg):
+        log(f"config {line}")
+    tokenizer = _checked_tokenizer(cfg, log)
     candidates = resume_candidates(cfg.checkpoint.resume, run_dir)
     torch.manual_seed(cfg.trainer.seed + env.rank)
-    tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_toy_tokenizer(cfg.data.toy)
     train_set, val_set = build_datasets(cfg.data, tokenizer)
     log(f"train data: {train_set.report.summary()}")
     if val_set is not None:
         log(f"val data: {val_set.report.summary()}")
+    for warning in train_set.report.warnings + (val_set.report.warnings if val_set is not None else []):
+        log(f"warning: {warning}")
     policy = _build_policy(cfg, env, tokenizer, bool(candidates), log)
     optimizer, scheduler = _optimizer(cfg, policy)
     sampler = PromptSampler(train_set, cfg.trainer.gen_batch, cfg.trainer.seed, cfg.data.shuffle, env.rank,
                             env.world_size)
     logger = MetricsLogger(run_dir, env.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
-                           cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict())
+                           cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict(),
+                           WandbRun.from_config(cfg.logging))
     start_step, run_id = 0, all_gather_objects(new_run_id())[0]
     resumed = load_first_loadable(candidates, env, policy, optimizer, log)
     if resumed is not None:
@@ -209,22 +221,33 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
         log(f"dropped {dropped} metrics records after step {max(start_step, 0)}: they are recomputed from "
             f"{'the checkpoint' if resumed is not None else 'the start (no checkpoint to resume from)'}")
     engine = _build_engine(cfg, env, policy, tokenizer)
-    log(f"world size {env.world_size} on {env.device}; {sum(p.numel() for p in policy.parameters()):,} "
-        f"parameters (sharded count on this rank); run dir {run_dir}; {library_versions()}")
+    log(f"world size {env.world_size} on {env.device}; {_parameter_counts(policy)}; run dir {run_dir}; "
+        f"{library_versions()}")
     return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
                scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
                pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id)
 
 
-def _check_world(cfg: Config, env: DistEnv) -> None:
-    tc = cfg.trainer
-    for name in ("train_batch", "gen_batch", "mini_batch"):
-        if getattr(tc, name) % env.world_size:
-            raise ValueError(f"trainer.{name}={getattr(tc, name)} must be divisible by the world size {env.world_size}")
-    if cfg.rollout.engine == "vllm" and env.world_size % cfg.rollout.tensor_parallel_size:
-        raise ValueError(f"world size {env.world_size} must be divisible by rollout.tensor_parallel_size="
-                         f"{cfg.rollout.tensor_parallel_size}")
+def _checked_tokenizer(cfg: Config, log):
+    """The toy task's tokenizer, or model.path's once it and the model passed the checks (preflight.py)."""
+    if not cfg.model.path:
+        return build_toy_tokenizer(cfg.data.toy)
+    check_model_dir(cfg.model.path)
+    check = check_model(cfg.model.path, "model.path", cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                        "data.max_prompt_length + rollout.max_response_length")
+    for note in check.notes:
+        log(note)
+    return check.tokenizer
+
+
+def _parameter_counts(policy: PolicyModel) -> str:
+    """'N parameters (M in this rank's shards)': a DTensor's numel is the full tensor's, to_local() its shard."""
+    from torch.distributed.tensor import DTensor
+
+    full = sum(p.numel() for p in policy.parameters())
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in policy.parameters())
+    return f"{full:,} parameters ({local:,} in this rank's shards)"
 
 
 __all__ = ["Run", "setup_run"]

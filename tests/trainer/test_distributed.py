@@ -3,6 +3,7 @@ exact resume, resharding a checkpoint, and which checkpoint directories `--resum
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,7 +119,11 @@ def test_sigkill_mid_step_then_resume_auto_reproduces_the_uninterrupted_run(tmp_
 def test_checkpoint_saved_by_two_ranks_resumes_on_one(tmp_path):
     run_dir = tmp_path / "run"
     common = [*TINY, "--checkpoint.save-every", "2", "--logging.run-dir", str(run_dir)]
-    torchrun(2, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2")
+    started = torchrun(2, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2")
+    # The start line counts the full model and rank 0's shards of it (FSDP2 splits every tensor's rows in two).
+    full, local = (int(n.replace(",", "")) for n in
+                   re.search(r"([\d,]+) parameters \(([\d,]+) in this rank's shards\)", started.stdout).groups())
+    assert full / 2 <= local < full
     saved = load_file(run_dir / "export" / "model.safetensors")
     # Resume at 1 rank with nothing left to do: the export is rewritten from the resharded checkpoint.
     torchrun(1, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--checkpoint.resume", "auto")

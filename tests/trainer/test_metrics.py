@@ -26,3 +26,32 @@ def test_a_damaged_middle_line_names_the_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(MetricsError, match=r"metrics.jsonl: line 2 is not JSON"):
         _logger(tmp_path)
+
+
+def test_wandb_gets_the_configured_entity_run_name_tags_and_mode(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from flashdapo.config import merge, preset
+    from flashdapo.trainer.metrics import WandbRun
+
+    calls = []
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or types.SimpleNamespace(finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    logging_cfg = merge(preset("toy"), {"logging": {"wandb": True, "wandb_project": "p", "wandb_entity": "team",
+                                                    "wandb_run_name": "r1", "wandb_tags": ["a", "b"],
+                                                    "wandb_mode": "offline"}}).logging
+    MetricsLogger(tmp_path, True, False, True, "p", False, 3, {"x": 1}, WandbRun.from_config(logging_cfg)).close()
+    assert calls == [{"project": "p", "entity": "team", "name": "r1", "tags": ["a", "b"], "mode": "offline",
+                      "dir": str(tmp_path), "config": {"x": 1}}]
+    calls.clear()
+    MetricsLogger(tmp_path, True, False, True, "p", False, 3, {}, WandbRun.from_config(preset("toy").logging)).close()
+    assert calls[0]["entity"] is None and calls[0]["name"] == tmp_path.name and calls[0]["mode"] == "online"
+
+
+def test_wandb_missing_is_an_error_not_a_warning(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(MetricsError, match="logging.wandb: true needs the wandb package"):
+        MetricsLogger(tmp_path, True, False, True, "p", False, 3, {})

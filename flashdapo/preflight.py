@@ -1,0 +1,175 @@
+"""Checks before any work: the launch (devices, optional packages, batch sizes vs ranks) and the model and
+tokenizer (from config.json and the tokenizer files, before the weights load). Used by `flashdapo train`
+(trainer/run.py) and `flashdapo eval` (eval/command.py).
+
+Each failure is one line naming the field or file and what to do: a launch setting is a `ConfigError`
+(`flashdapo: config error: ...`), a model directory that cannot serve the run a `ModelDirError`. What the
+checks find but accept (a tokenizer without a chat template, which then gets the plain template) comes
+back as notes for the log, said once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError
+from .model_dir import ModelDirError
+from .tokenizer import eos_token_ids, load_tokenizer
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+"""config.json `model_type`s whose layout the policy uses (decoder blocks at `model.layers`, an LM head,
+rotary positions) and that are tested (tests/test_preflight.py)."""
+
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+"""For a tokenizer without a chat template: 'User: <prompt>\\n\\nAssistant:' (a base model's plain format)."""
+
+VLLM_HINT = "pip install 'flashdapo[gpu]' (vLLM), or use 'torch'"
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The launch
+
+
+def check_launch(cfg: Config, world_size: int | None = None) -> None:
+    """Refuse, before the process group starts, a training config this machine or launch cannot run:
+    CUDA or a GPU-only kernel without a GPU, an optional package that is not installed, batch sizes the
+    data-parallel ranks cannot share, a model without data. `world_size`: torchrun's WORLD_SIZE by default."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    check_device(cfg.trainer.device, "trainer.device")
+    on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())
+    check_kernels(cfg, on_gpu)
+    check_engine(cfg.rollout.engine, "rollout.engine")
+    if cfg.logging.wandb and not installed("wandb"):
+        raise ConfigError("logging.wandb: true needs the wandb package (pip install wandb); or set it false")
+    if cfg.logging.tensorboard and not installed("tensorboard"):
+        raise ConfigError("logging.tensorboard: true needs the tensorboard package (pip install tensorboard); "
+                          "or set it false")
+    tc = cfg.trainer
+    for name in ("train_batch", "gen_batch", "mini_batch"):
+        value = getattr(tc, name)
+        if value % world_size:
+            raise ConfigError(f"trainer.{name}: {value} prompts cannot be shared by {world_size} data-parallel "
+                              f"ranks; use a multiple of {world_size} (or launch a divisor of {value} ranks)")
+    if cfg.rollout.engine == "vllm" and world_size % cfg.rollout.tensor_parallel_size:
+        raise ConfigError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
+                          f"world size {world_size}; use a divisor of it")
+    if cfg.model.path and not cfg.data.train_files:
+        raise ConfigError(f"data.train_files: empty with model.path={cfg.model.path}; the built-in toy task is for "
+                          "the toy model: give --data.train-files FILE [FILE ...] (.parquet or .jsonl)")
+
+
+def check_device(device: str, field_name: str) -> None:
+    """`cuda` asked for on a machine without one."""
+    if device == "cuda" and not _cuda_available():
+        raise ConfigError(f"{field_name}: 'cuda' but no CUDA GPU is available (torch.cuda.is_available() is "
+                          "False); use 'auto' or 'cpu'")
+
+
+def check_engine(engine: str, field_name: str) -> None:
+    """The vLLM engine asked for without vLLM installed (an import check: vLLM may run on a CPU)."""
+    if engine == "vllm" and not installed("vllm"):
+        raise ConfigError(f"{field_name}: 'vllm' but vLLM is not installed; {VLLM_HINT}")
+
+
+def check_kernels(cfg: Config, on_gpu: bool) -> None:
+    """GPU-only kernels asked for on a CPU: flash-attention, and Triton outside its interpreter."""
+    if cfg.model.attn_implementation == "flash_attention_2":
+        if not on_gpu:
+            raise ConfigError("model.attn_implementation: 'flash_attention_2' needs a CUDA GPU; use 'sdpa' on a CPU")
+        if not installed("flash_attn"):
+            raise ConfigError("model.attn_implementation: 'flash_attention_2' needs the flash-attn package "
+                              "(pip install flash-attn); or use 'sdpa'")
+    if cfg.trainer.kernel_impl == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ConfigError("trainer.kernel_impl: 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1, slow, for "
+                          "tests); use 'auto' or 'torch' on a CPU")
+
+
+def resolve_auto(cfg: Config, on_gpu: bool) -> Config:
+    """`cfg` with its `auto` choices made for this device: model.dtype bfloat16 on CUDA, float32 on a CPU."""
+    if cfg.model.dtype != "auto":
+        return cfg
+    model = dataclasses.replace(cfg.model, dtype="bfloat16" if on_gpu else "float32")
+    return dataclasses.replace(cfg, model=model)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model and its tokenizer
+
+
+@dataclass
+class ModelCheck:
+    """What `check_model` found: the tokenizer to use and what to say once in the log."""
+
+    tokenizer: Any
+    notes: list[str] = field(default_factory=list)
+
+
+def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str,
+                positions: str = "error") -> ModelCheck:
+    """Check the model at `path` against its tokenizer and the run's token budget, from config.json and the
+    tokenizer files only: a supported architecture; the tokenizer's vocabulary, pad and eos ids inside the
+    model's embedding; `max_tokens` (prompt + response, named by `tokens_field`) within its positions
+    (`positions`: 'error' refuses, 'note' reports it); a chat template (else the plain one, noted)."""
+    where = f"{field_name}={path}"
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        named = ", ".join(config.get("architectures") or []) or "no architectures"
+        raise ModelDirError(f"{where}: model_type {model_type!r} ({named}) is not supported; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    tokenizer = load_tokenizer(path)
+    _check_vocabulary(tokenizer, config, where)
+    notes = []
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and max_tokens > limit:
+        message = (f"{tokens_field} = {max_tokens} tokens > max_position_embeddings={limit} of {path}/config.json "
+                   "(the model has no positions beyond)")
+        if positions == "error":
+            raise ModelDirError(f"{message}; lower them to fit")
+        notes.append(f"warning: {message}; a sample that long is out of the model's range")
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+        notes.append(f"{path}: the tokenizer has no chat template; prompts use the plain one "
+                     "('User: <prompt>\\n\\nAssistant:')")
+    return ModelCheck(tokenizer, notes)
+
+
+def _check_vocabulary(tokenizer: Any, config: dict[str, Any], where: str) -> None:
+    rows = config.get("vocab_size")
+    if not isinstance(rows, int):
+        raise ModelDirError(f"{where}: config.json has no integer vocab_size")
+    if len(tokenizer) > rows:
+        raise ModelDirError(f"{where}: the tokenizer has {len(tokenizer):,} tokens but the model's embedding has "
+                            f"{rows:,} rows (config.json vocab_size): a tokenizer of another model?")
+    special = {"pad": [tokenizer.pad_token_id], "eos": eos_token_ids(tokenizer)}
+    for name, ids in special.items():
+        outside = [i for i in ids if i is not None and not 0 <= i < rows]
+        if outside:
+            raise ModelDirError(f"{where}: the tokenizer's {name} token id {outside[0]} is outside the model's "
+                                f"embedding (vocab_size {rows}); fix the tokenizer files' special tokens")
+    if not eos_token_ids(tokenizer):
+        raise ModelDirError(f"{where}: the tokenizer has no eos token (nor <|endoftext|> or <|im_end|>): a response "
+                            "would never end; set eos_token in tokenizer_config.json")

@@ -1,0 +1,289 @@
+"""Checks before any work (flashdapo/preflight.py): the model's architecture, its tokenizer against its embedding,
+positions against the token budget, a chat template; the launch (devices, packages, ranks); and `auto` dtype.
+Models are built from configs and saved to tmp_path; the tokenizer is the toy task's, trained locally."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from flashdapo.__main__ import main
+from flashdapo.config import Config, ConfigError, ToyTaskConfig, merge, preset
+from flashdapo.data import chat_ids
+from flashdapo.model_dir import ModelDirError
+from flashdapo.preflight import (
+    PLAIN_CHAT_TEMPLATE,
+    SUPPORTED_MODEL_TYPES,
+    _check_vocabulary,
+    check_launch,
+    check_model,
+    installed,
+    resolve_auto,
+)
+from flashdapo.tasks.toy import build_toy_tokenizer, toy_records
+
+SHAPE = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+CONFIGS = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "mistral": MistralConfig}
+
+
+def model_dir(path: Path, model_type: str = "qwen2", positions: int = 64, chat_template: bool = True,
+              tokenizer_edit=None, **config) -> Path:
+    """A tiny random model of `model_type` with the toy tokenizer, saved as an HF directory."""
+    tok = build_toy_tokenizer(ToyTaskConfig())
+    if not chat_template:
+        tok.chat_template = None
+    if model_type == "gpt2":
+        hf_config = GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=positions)
+    else:
+        extra = {"head_dim": 8} if model_type == "qwen3" else {}
+        hf_config = CONFIGS[model_type](vocab_size=config.pop("vocab_size", len(tok)), max_position_embeddings=positions,
+                                        tie_word_embeddings=True, **SHAPE, **extra, **config)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(path)
+    tok.save_pretrained(path)
+    if tokenizer_edit is not None:
+        tokenizer_edit(path)
+    return path
+
+
+def train_file(path: Path, rows: int = 8) -> Path:
+    """Toy problems in the DAPO-Math-17k schema."""
+    lines = [json.dumps({"prompt": r.messages, "reward_model": {"ground_truth": r.ground_truth}})
+             for r in toy_records(ToyTaskConfig(num_val=rows), "val")]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+TINY_RUN = ["--trainer.total-steps", "1", "--trainer.train-batch", "2", "--trainer.gen-batch", "2",
+            "--trainer.mini-batch", "2", "--rollout.n", "2", "--rollout.max-response-length", "4",
+            "--algorithm.overlong-buffer-len", "2", "--algorithm.dynamic-sampling", "false",
+            "--trainer.val-before-train", "false", "--logging.plot", "false", "--logging.progress", "false",
+            "--data.max-prompt-length", "32", "--checkpoint.export-hf", "false"]
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("model_type", [t for t in SUPPORTED_MODEL_TYPES if t != "qwen2"])
+def test_every_supported_architecture_trains_a_step(model_type, tmp_path, capsys, monkeypatch):
+    """qwen2 is the toy model's own architecture (every trainer test); the others train one step here. The
+    llama model's tokenizer has no chat template: the plain one is used, said once."""
+    monkeypatch.setenv("FLASHDAPO_DEBUG", "1")
+    no_template = model_type == "llama"
+    model = model_dir(tmp_path / "m", model_type, chat_template=not no_template)
+    argv = ["train", "--model.path", str(model), "--data.train-files", str(train_file(tmp_path / "d.jsonl")),
+            "--logging.run-dir", str(tmp_path / "run"), *TINY_RUN]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("the tokenizer has no chat template") == (1 if no_template else 0), out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and "actor/pg_loss" in rows[0]
+
+
+def _gpt2(tmp):
+    return model_dir(tmp / "m", "gpt2"), "model_type 'gpt2' (GPT2LMHeadModel) is not supported; supported: " + \
+        ", ".join(SUPPORTED_MODEL_TYPES)
+
+
+def _pad_outside_embedding(tmp):
+    def move_pad(path):
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        config["pad_token"] = "<|fresh_pad|>"  # a new special token: id len(vocab), past the embedding
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok_size = len(build_toy_tokenizer(ToyTaskConfig()))
+    return (model_dir(tmp / "m", tokenizer_edit=move_pad),
+            f"the tokenizer has {tok_size + 1:,} tokens but the model's embedding has {tok_size:,} rows")
+
+
+def _eos_outside_embedding(tmp):
+    tok = build_toy_tokenizer(ToyTaskConfig())
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    # An embedding that ends before the tokenizer's special tokens, whose vocabulary still fits: the tokenizer
+    # model's ordinary tokens are cut off too.
+    return (model_dir(tmp / "m", vocab_size=eos), f"the tokenizer has {len(tok):,} tokens but the model's "
+            f"embedding has {eos:,} rows")
+
+
+def _too_few_positions(tmp):
+    return (model_dir(tmp / "m", positions=32),
+            "data.max_prompt_length + rollout.max_response_length = 36 tokens > max_position_embeddings=32")
+
+
+@pytest.mark.parametrize("case", [_gpt2, _pad_outside_embedding, _eos_outside_embedding, _too_few_positions],
+                         ids=lambda c: c.__name__.strip("_"))
+def test_a_model_the_run_cannot_use_is_one_line_before_its_weights_load(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHDAPO_DEBUG", "0")
+    model, expected = case(tmp_path)
+    capsys.readouterr()  # saving the model printed a progress bar
+    loads = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a))
+    argv = ["train", "--model.path", str(model), "--data.train-files", str(train_file(tmp_path / "d.jsonl")),
+            "--logging.run-dir", str(tmp_path / "run"), *TINY_RUN]
+    assert main(argv) == 1
+    err = _error_line(capsys)
+    assert err.startswith("flashdapo: error: ") and expected in err, err
+    assert not loads
+
+
+class _Tokenizer:
+    """What the vocabulary check reads of a tokenizer: its size, pad and eos ids."""
+
+    def __init__(self, size: int, pad: int, eos: int):
+        self.size, self.pad_token_id, self.eos_token_id = size, pad, eos
+
+    def __len__(self):
+        return self.size
+
+    def get_vocab(self):
+        return {}
+
+
+@pytest.mark.parametrize(("pad", "eos", "expected"), [(9, 3, "pad token id 9"), (3, 8, "eos token id 8")])
+def test_a_special_token_id_outside_the_embedding_is_named(pad, eos, expected):
+    with pytest.raises(ModelDirError, match=f"model.path=m: the tokenizer's {expected} is outside the model's "
+                                            "embedding"):
+        _check_vocabulary(_Tokenizer(8, pad, eos), {"vocab_size": 8}, "model.path=m")  # rows 0..7
+    _check_vocabulary(_Tokenizer(8, 7, 6), {"vocab_size": 8}, "model.path=m")
+
+
+def test_eval_runs_the_same_model_checks(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHDAPO_DEBUG", "0")
+    model, expected = _gpt2(tmp_path)
+    capsys.readouterr()
+    argv = ["eval", "--model", str(model), "--data", str(train_file(tmp_path / "d.jsonl")), "--out",
+            str(tmp_path / "o"), "--max-new-tokens", "4", "--max-prompt-length", "16", "--no-progress"]
+    assert main(argv) == 1
+    err = _error_line(capsys)
+    assert err.startswith("flashdapo: error: --model=") and expected in err
+
+
+def test_a_tokenizer_without_chat_template_gets_the_plain_one(tmp_path):
+    checked = check_model(str(model_dir(tmp_path / "m", chat_template=False)), "model.path", 36, "budget")
+    assert checked.tokenizer.chat_template == PLAIN_CHAT_TEMPLATE and len(checked.notes) == 1
+    ids = chat_ids(checked.tokenizer, [{"role": "user", "content": "Compute 1+2."}])
+    assert checked.tokenizer.decode(ids) == "User: Compute 1+2.\n\nAssistant:"
+    kept = check_model(str(model_dir(tmp_path / "k")), "model.path", 36, "budget")
+    assert kept.tokenizer.chat_template != PLAIN_CHAT_TEMPLATE and not kept.notes
+
+
+def test_eval_with_the_torch_engine_notes_a_budget_past_the_positions(tmp_path):
+    checked = check_model(str(model_dir(tmp_path / "m", positions=32)), "--model", 40, "--max-prompt-length + "
+                          "--max-new-tokens", positions="note")
+    assert checked.notes == [f"warning: --max-prompt-length + --max-new-tokens = 40 tokens > max_position_embeddings"
+                             f"=32 of {tmp_path / 'm'}/config.json (the model has no positions beyond); a sample "
+                             "that long is out of the model's range"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The launch
+
+
+def _run(capsys, monkeypatch, tmp_path, *args: str) -> str:
+    monkeypatch.setenv("FLASHDAPO_DEBUG", "0")
+    capsys.readouterr()
+    assert main(["train", *args, "--logging.run-dir", str(tmp_path / "run"), "--model.toy.sft-steps", "0"]) == 2
+    err = _error_line(capsys)
+    assert err.startswith("flashdapo: config error: "), err
+    return err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--trainer.device", "cuda"], "trainer.device: 'cuda' but no CUDA GPU is available"),
+    (["--model.attn-implementation", "flash_attention_2"], "model.attn_implementation: 'flash_attention_2' needs a "
+                                                           "CUDA GPU; use 'sdpa' on a CPU"),
+])
+def test_gpu_only_settings_on_a_cpu_are_one_line(args, expected, tmp_path, capsys, monkeypatch):
+    assert expected in _run(capsys, monkeypatch, tmp_path, *args)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_triton_on_a_cpu_needs_the_interpreter(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    err = _run(capsys, monkeypatch, tmp_path, "--trainer.kernel-impl", "triton")
+    assert "trainer.kernel_impl: 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1" in err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_launch(merge(preset("toy"), {"trainer": {"kernel_impl": "triton"}}))  # the tests' interpreter: allowed
+
+
+@pytest.mark.skipif(installed("vllm"), reason="vLLM is installed")
+def test_vllm_without_vllm_is_one_line_in_train_and_eval(tmp_path, capsys, monkeypatch):
+    model, data = model_dir(tmp_path / "m"), train_file(tmp_path / "d.jsonl")
+    err = _run(capsys, monkeypatch, tmp_path, "--rollout.engine", "vllm", "--model.path", str(model),
+               "--data.train-files", str(data))
+    assert "rollout.engine: 'vllm' but vLLM is not installed; pip install 'flashdapo[gpu]'" in err
+    capsys.readouterr()
+    assert main(["eval", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "o"), "--engine",
+                 "vllm"]) == 2
+    assert "flashdapo: config error: eval.engine: 'vllm' but vLLM is not installed" in _error_line(capsys)
+
+
+@pytest.mark.skipif(installed("wandb"), reason="wandb is installed")
+def test_wandb_asked_for_and_missing_stops_at_start(tmp_path, capsys, monkeypatch):
+    err = _run(capsys, monkeypatch, tmp_path, "--logging.wandb", "true")
+    assert "logging.wandb: true needs the wandb package (pip install wandb); or set it false" in err
+
+
+@pytest.mark.parametrize("name", ["train_batch", "gen_batch", "mini_batch"])
+def test_batches_the_ranks_cannot_share_are_one_line(name, tmp_path, capsys, monkeypatch):
+    sizes = {"train_batch": "6", "gen_batch": "6", "mini_batch": "3"}
+    sizes[name] = {"train_batch": "9", "gen_batch": "9", "mini_batch": "1"}[name]
+    if name == "train_batch":
+        sizes["mini_batch"] = "3"
+    monkeypatch.setenv("WORLD_SIZE", "2")  # before the process group: nothing starts
+    args = [a for k, v in sizes.items() for a in (f"--trainer.{k.replace('_', '-')}", v)]
+    err = _run(capsys, monkeypatch, tmp_path, *args)
+    assert f"trainer.{name}: {sizes[name]} prompts cannot be shared by 2 data-parallel ranks" in err
+
+
+def test_a_model_without_train_files_is_refused(tmp_path, capsys, monkeypatch):
+    err = _run(capsys, monkeypatch, tmp_path, "--model.path", str(model_dir(tmp_path / "m")))
+    assert f"data.train_files: empty with model.path={tmp_path / 'm'}; the built-in toy task is for the toy model" in err
+
+
+def test_model_dtype_auto_is_bf16_on_cuda_and_fp32_on_a_cpu():
+    for name in ("toy", "qwen2.5-7b-math", "qwen2.5-32b-dapo"):
+        assert preset(name).model.dtype == "auto"
+        assert resolve_auto(preset(name), on_gpu=False).model.dtype == "float32"
+        assert resolve_auto(preset(name), on_gpu=True).model.dtype == "bfloat16"
+    assert resolve_auto(merge(Config(), {"model": {"dtype": "bfloat16"}}), on_gpu=False).model.dtype == "bfloat16"
+    with pytest.raises(ConfigError):
+        merge(Config(), {"model": {"dtype": "float16"}})
+
+
+@pytest.mark.parametrize(("dtype", "saved"), [("bfloat16", "bfloat16"), ("float32", "float32")])
+def test_the_exports_config_says_the_dtype_of_its_tensors(dtype, saved, tmp_path):
+    """bf16 runs export bf16 tensors (Run.full_state_dict): their config.json must say bfloat16, not the fp32
+    of the master weights the policy was loaded in."""
+    import types
+
+    import torch
+    from safetensors.torch import load_file
+
+    from flashdapo.config import ModelConfig
+    from flashdapo.tasks.toy import build_toy_model
+    from flashdapo.trainer.checkpoint import export_hf
+    from flashdapo.trainer.run import Run
+
+    tok = build_toy_tokenizer(ToyTaskConfig())
+    hf = build_toy_model(ModelConfig(), len(tok), 64, seed=0)
+    before = hf.config.dtype
+    run = types.SimpleNamespace(policy=types.SimpleNamespace(config=hf.config, hf=hf),
+                                cfg=merge(Config(), {"model": {"dtype": dtype}}))
+    export_hf(Run.full_state_dict(run), Run.export_config(run), tok, tmp_path / "export", True)
+    tensors = load_file(tmp_path / "export" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {getattr(torch, saved)}
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == saved
+    assert hf.config.dtype == before  # the live policy's config is left alone
