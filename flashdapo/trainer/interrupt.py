@@ -57,9 +57,9 @@ class StopOnInterrupt:
     def _handle(self, signum, frame) -> None:
         if self.phase.startswith("step") and not self.requested:
             self.requested = True
-            if self.is_main:  # os.write: a print here could re-enter a print the signal interrupted
-                os.write(sys.stderr.fileno(), f"flashdapo: Ctrl-C: stopping after {self.phase} (its checkpoint is "
-                                              "saved then); Ctrl-C again stops at once, without it\n".encode())
+            if self.is_main:
+                _notice(f"flashdapo: Ctrl-C: stopping after {self.phase} (its checkpoint is saved then); Ctrl-C "
+                        "again stops at once, without it\n")
             return
         newest = latest_checkpoint(self.run_dir)
         raise Interrupted(f"stopped by Ctrl-C during {self.phase}, without a checkpoint of it; the newest "
@@ -73,3 +73,12 @@ class StopOnInterrupt:
         """The error that ends a run stopped after `step`, whose checkpoint is saved."""
         return Interrupted(f"stopped at step {step} by Ctrl-C, after saving its checkpoint "
                            f"{latest_checkpoint(self.run_dir)}; resume with --checkpoint.resume auto")
+
+
+def _notice(text: str) -> None:
+    """Write from a signal handler: os.write, since a print could re-enter a print the signal interrupted (a
+    RuntimeError); a stream without a file descriptor (a test's capture) takes a plain write."""
+    try:
+        os.write(sys.stderr.fileno(), text.encode())
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        sys.stderr.write(text)
