@@ -174,7 +174,7 @@ def setup_run(cfg: Config) -> Run:
     run.claim = claim
     if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's files alone
         record_start(run_dir, run.run_id, run.start_step, cfg.to_yaml(), run.resumed and run.resumed.path,
-                     run.resumed.changes if run.resumed else [])
+                     run.resumed.changes if run.resumed else [], fresh=not cfg.checkpoint.resume)
     return run
 
 
@@ -198,7 +198,7 @@ def _claim_run_dir(cfg: Config, env: DistEnv, run_dir: Path, log) -> RunDirClaim
 def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log) -> Run:
     if cfg.model.path:
         check_model_dir(cfg.model.path)
-    dir_run_id = recorded_run_id(run_dir)
+    dir_run_id = recorded_run_id(run_dir) if cfg.checkpoint.resume else None  # a fresh run is a new run
     candidates = own_checkpoints(resume_candidates(cfg.checkpoint.resume, run_dir), dir_run_id,
                                  cfg.checkpoint.resume != "auto", log)
     torch.manual_seed(cfg.trainer.seed + env.rank)

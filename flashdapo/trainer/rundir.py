@@ -148,15 +148,16 @@ def _read_record(path: Path) -> dict[str, Any] | None:
 
 
 def record_start(path: Path, run_id: str, step: int, config_yaml: str, resumed_from: Path | None,
-                 changes: list[tuple[str, Any, Any]]) -> str:
+                 changes: list[tuple[str, Any, Any]], fresh: bool) -> str:
     """Rank 0, once a run has started: write its config (config.yaml on the first start, never rewritten;
-    config.resume-<N>.yaml on the N-th resume) and append the start to run.json. Returns the config's name."""
+    config.resume-<N>.yaml on the N-th resume) and append the start to run.json. Returns the config's name.
+    A fresh run (checkpoint.resume empty; claim_run_dir found no run data here) starts a new record."""
     name = "config.yaml"
-    if (path / name).exists():
+    if not fresh and (path / name).exists():
         taken = [int(m.group(1)) for p in path.iterdir() if (m := _RESUME_CONFIG.match(p.name))]
         name = f"config.resume-{max(taken, default=0) + 1}.yaml"
     (path / name).write_text(config_yaml)
-    record = _read_record(path) or {"run_id": run_id, "starts": []}
+    record = (None if fresh else _read_record(path)) or {"run_id": run_id, "starts": []}
     start: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step,
                              "config": name}
     if resumed_from is not None:
