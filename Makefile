@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: setup  ## the main job on the built-in default: DAPO on the toy task, a few minutes on a laptop CPU
-	$(VENV)/bin/flashdapo train
+	$(VENV)/bin/flashdapo train --logging.move-old-run True  # rerunnable: a previous demo moves to runs/toy.old-<time>/
 
 test: setup  ## the whole suite (GPU/vLLM cases skip with a reason where they cannot run)
 	$(VENV)/bin/pytest

@@ -326,6 +326,11 @@ class CheckpointConfig(Section):
     resume: str = ""
     """'' starts fresh; 'auto' resumes from the newest complete checkpoint in the run directory (fresh if
     none); a path resumes from that checkpoint."""
+    allow_changes: list[str] = field(default_factory=list)
+    """Settings a resume may change from the checkpoint's (field paths such as optim.lr or
+    data.train_files, or a section such as optim; see flashdapo/trainer/run_settings.py for what is
+    recorded). A resume with any other change is refused, naming each field old -> new; an accepted change
+    is logged and recorded in run.json, and a changed optim.lr is the rate the resumed optimizer uses."""
     export_hf: bool = True
     """Write an HF-format export (safetensors, config, tokenizer) of the final policy."""
 

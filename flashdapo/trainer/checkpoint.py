@@ -2,7 +2,7 @@
 
 A checkpoint is a directory `checkpoints/step_XXXXXXXX/` holding a `torch.distributed.checkpoint`
 (DCP) save of model + optimizer (sharded, so it reloads at any world size), `trainer_state.pt` (step,
-run id, LR schedule, data position), one `rng_rank{r}.pt` per rank (torch, CUDA, numpy, python), and a
+run id, LR schedule, data position, the run's settings: run_settings.py), one `rng_rank{r}.pt` per rank (torch, CUDA, numpy, python), and a
 `COMPLETE` marker (JSON: step, world size, run id). It is written under `step_XXXXXXXX.tmp/` and renamed
 into place only once every rank has finished, so a crash mid-save never leaves a directory that
 `--resume auto` would pick; a failed save (a full disk) removes its temporary directory and leaves every
@@ -11,16 +11,22 @@ older checkpoint as it was.
 `trainer_state.pt` and the RNG files hold only tensors, numbers, strings, lists and dicts, and are read
 with `torch.load(weights_only=True)`: loading a checkpoint never unpickles arbitrary objects (a crafted
 file cannot run code). `--resume auto` tries the complete checkpoints newest first and resumes from the
-first that loads, warning about each one it skips. Weights holding NaN or inf are never saved.
+first that loads, warning about each one it skips (resume.py decides which run's checkpoints qualify and
+checks the settings). Weights holding NaN or inf are never saved.
+
+The HF export is built in `export.tmp/` and its files then moved into `export/`, replacing only the previous
+export's files (listed in `export/.flashdapo-export.json`): a user's own files there are kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
 import re
+import resource
 import shutil
 import time
 import traceback
@@ -42,6 +48,10 @@ from .distributed import DistEnv
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+EXPORT_MANIFEST = ".flashdapo-export.json"
+"""In export/: the files the export wrote (a re-export replaces these and leaves every other file)."""
+StateCheck = Callable[["TrainerState", Path], None]
+"""Called with a checkpoint's state before its weights load; raises to refuse it."""
 
 
 class CheckpointError(FlashdapoError, RuntimeError):
@@ -57,6 +67,8 @@ class TrainerState:
     sampler: dict[str, Any]
     run_id: str = ""
     """The run that wrote the checkpoint (see rundir.py); pruning only touches this run's checkpoints."""
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The settings that shaped the run (run_settings.py), compared on resume; empty in older checkpoints."""
 
     @classmethod
     def from_plain(cls, data: Any, where: Path) -> TrainerState:
@@ -72,13 +84,30 @@ def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def one_line(err: BaseException) -> str:
-    """`Type: message` of the root failure, on one line (DCP's CheckpointException wraps every rank's
-    exception with its traceback)."""
+def _root(err: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException (which wraps each with its traceback)."""
     if isinstance(err, CheckpointException) and err.failures:
-        return one_line(next(iter(err.failures.values()))[0])
+        return _root(next(iter(err.failures.values()))[0])
+    return err
+
+
+def one_line(err: BaseException) -> str:
+    """`Type: message` of the root failure, on one line."""
+    err = _root(err)
     text = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
     return text[-1] if text else type(err).__name__
+
+
+def write_failure(err: BaseException) -> str:
+    """Why a write failed, on one line. Under a file size limit (`ulimit -f`; Python ignores SIGXFSZ, so the
+    write fails with EFBIG) torch.save reports only "enforce fail at inline_container.cc": say so instead."""
+    root = _root(err)
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    too_large = getattr(root, "errno", None) == errno.EFBIG or "inline_container.cc" in str(root)
+    if too_large and soft != resource.RLIM_INFINITY:
+        return (f"a file reached the file size limit ({soft} bytes: ulimit -f {soft // 1024}; raise it, e.g. "
+                "ulimit -f unlimited)")
+    return one_line(err)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -167,7 +196,7 @@ def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path,
     barrier()
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    reason = one_line(error) if error is not None else "a write failed on another rank"
+    reason = write_failure(error) if error is not None else "a write failed on another rank"
     raise CheckpointError(f"cannot write checkpoint {final}: {reason}. Older checkpoints are intact; free disk "
                           f"space (or fix the error), then continue with --checkpoint.resume auto") from error
 
@@ -190,7 +219,8 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _marker_run_id(path: Path) -> str | None:
+def marker_run_id(path: Path) -> str | None:
+    """The run id in a checkpoint's COMPLETE marker ('' in markers that predate run ids; None if unreadable)."""
     try:
         return json.loads((path / MARKER).read_text()).get("run_id", "")
     except (OSError, ValueError, AttributeError):
@@ -199,7 +229,7 @@ def _marker_run_id(path: Path) -> str | None:
 
 def _prune(root: Path, keep_last: int, run_id: str) -> None:
     """Remove this run's complete checkpoints beyond the newest `keep_last`; never another run's."""
-    mine = [p for p in _complete(root) if _marker_run_id(p) == run_id]
+    mine = [p for p in _complete(root) if marker_run_id(p) == run_id]
     for old in mine[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -243,13 +273,13 @@ def resume_candidates(resume: str, run_dir: Path) -> list[Path]:
 
 
 def load_first_loadable(candidates: list[Path], env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        warn: Callable[[str], None]) -> tuple[Path, TrainerState] | None:
+                        warn: Callable[[str], None], check: StateCheck | None = None) -> tuple[Path, TrainerState] | None:
     """Load the first candidate that loads, warning about each one skipped; None when there are none.
-    Raises CheckpointError when candidates exist but none loads."""
+    Raises CheckpointError when candidates exist but none loads; `check`'s errors propagate (never skipped)."""
     errors = []
     for path in candidates:
         try:
-            return path, load_checkpoint(path, env, model, optimizer)
+            return path, load_checkpoint(path, env, model, optimizer, check)
         except CheckpointError as err:
             errors.append(err)
             if path is not candidates[-1]:
@@ -268,8 +298,10 @@ def _safe_load(path: Path) -> Any:
         raise CheckpointError(f"{path}: cannot load ({one_line(err)})") from err
 
 
-def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Load weights, optimizer, RNG (this rank's, else rank 0's at another world size) and the state.
+def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    check: StateCheck | None = None) -> TrainerState:
+    """Load weights, optimizer, RNG (this rank's, else rank 0's at another world size) and the state;
+    `check(state, path)` runs before the weights load (every rank computes the same verdict).
 
     Every rank raises CheckpointError together when any part fails to load on any rank."""
     rng_file = path / f"rng_rank{env.rank}.pt"
@@ -283,6 +315,8 @@ def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch
         error = err
     if all_reduce(torch.tensor([float(error is not None)]), "max").item() > 0:
         raise error or CheckpointError(f"checkpoint {path}: another rank could not load its part")
+    if check is not None:
+        check(state, path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state_dict = {"model": model_sd, "optim": optim_sd}
     try:
@@ -347,6 +381,31 @@ def _finish_export(files, weight_map, tmp: Path, out_dir: Path, hf_config, token
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    _publish_export(tmp, out_dir)
+
+
+def _publish_export(tmp: Path, out_dir: Path) -> None:
+    """Move a finished export from `tmp` into `out_dir`, replacing the previous export's files and nothing else.
+
+    The previous export's files are those its manifest (EXPORT_MANIFEST) lists; an export without one (an older
+    flashdapo's) counts its weight files, model*.safetensors and their index. A user's own files stay. The
+    manifest is removed first and written last, so an interrupted publish never claims a mixed directory."""
+    written = sorted(p.name for p in tmp.iterdir())
+    (tmp / EXPORT_MANIFEST).write_text(json.dumps({"files": written}, indent=1) + "\n")
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    manifest = out_dir / EXPORT_MANIFEST
+    try:
+        previous = set(json.loads(manifest.read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        previous = {p.name for p in out_dir.glob("model*.safetensors")} | {"model.safetensors.index.json"}
+    manifest.unlink(missing_ok=True)
+    for name in previous - set(written):
+        stale = out_dir / name
+        if stale.is_file() and not stale.is_symlink():
+            stale.unlink()
+    for name in written:
+        os.replace(tmp / name, out_dir / name)
+    os.replace(tmp / EXPORT_MANIFEST, manifest)
+    tmp.rmdir()

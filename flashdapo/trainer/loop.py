@@ -16,6 +16,7 @@ then validation, metrics, plot and checkpoint on their intervals, and an HF expo
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,39 +30,61 @@ from .checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from .correction import rollout_correction_metrics
 from .dumps import dump_train_rollouts, dump_validation, dumping
 from .heartbeat import heartbeat
+from .interrupt import StopOnInterrupt
 from .logprob_check import logprob_agreement
-from .metrics import StageTimer, describe, plot_dynamics
+from .metrics import StageTimer, describe
 from .run import Run, setup_run
 from .sampling import collect_groups
 from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
 
 
 def train(cfg) -> Run:
-    """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks."""
-    run = setup_run(cfg)
-    try:
-        if run.start_step == 0 and cfg.trainer.val_before_train:
-            run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0)})
-        for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
-            metrics = train_step(run, step)
-            last = step == cfg.trainer.total_steps
-            validating = last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0)
-            if validating:
-                metrics.update(validate(run, step, keep_awake=not last))
-            run.logger.log(metrics)
-            if run.env.is_main and cfg.logging.plot and validating:  # a plot costs ~0.2 s: not every step
-                plot_dynamics(run.logger.history, run.run_dir / "training_dynamics.png", f"flashdapo: {run.run_dir.name}")
-            if last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0):
-                save_checkpoint(run.run_dir, run.env, run.policy, run.optimizer, run.trainer_state(step),
-                                cfg.checkpoint.keep_last)
-        if cfg.checkpoint.export_hf:
-            export_hf(run.full_state_dict(), run.export_config(), run.tokenizer, run.run_dir / "export", run.env.is_main)
-            run.log(f"exported the final policy to {run.run_dir / 'export'}")
-    except BaseException as err:
-        run.close(err)
-        raise
-    run.close(None)
+    """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks.
+    Ctrl-C stops after the running step and its checkpoint, raising Interrupted (interrupt.py)."""
+    with StopOnInterrupt(Path(cfg.logging.run_dir)) as stop:
+        run = setup_run(cfg)
+        stop.is_main = run.env.is_main
+        try:
+            stopped_at = train_steps(run, stop)
+            if stopped_at is None and cfg.checkpoint.export_hf:
+                stop.phase = "the export"
+                export_hf(run.full_state_dict(), run.export_config(), run.tokenizer, run.run_dir / "export",
+                          run.env.is_main)
+                run.log(f"exported the final policy to {run.run_dir / 'export'}")
+        except BaseException as err:
+            run.close(err)
+            raise
+        run.close(None)
+    if stopped_at is not None:
+        raise stop.stopped(stopped_at)
     return run
+
+
+def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
+    """The steps from the start (or the resumed step) to trainer.total_steps, with validation, metrics, plot and
+    checkpoints on their intervals; returns the step it stopped after on Ctrl-C (checkpoint saved), else None."""
+    cfg = run.cfg
+    if run.start_step == 0 and cfg.trainer.val_before_train:
+        stop.phase = "the validation before step 1"
+        run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0)})
+    for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
+        stop.phase = f"step {step}"
+        metrics = train_step(run, step)
+        last = step == cfg.trainer.total_steps
+        validating = last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0)
+        if validating:
+            metrics.update(validate(run, step, keep_awake=not last))
+        run.logger.log(metrics)
+        if run.env.is_main and cfg.logging.plot and validating:  # a plot costs ~0.2 s: not every step
+            run.logger.plot(run.run_dir / "training_dynamics.png", f"flashdapo: {run.run_dir.name}")
+        saving = last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)
+        stopping = stop.agreed()  # every rank, every step: all stop after the same step
+        if saving or stopping:
+            save_checkpoint(run.run_dir, run.env, run.policy, run.optimizer, run.trainer_state(step),
+                            cfg.checkpoint.keep_last)
+        if stopping:
+            return step
+    return None
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:

@@ -1,6 +1,9 @@
 """Metrics: stage timers, sinks (metrics.jsonl, console line, TensorBoard, W&B), the dynamics plot.
 
 Metric names follow verl (docs/algorithm.md, section 8) so users can compare curves. Only rank 0 writes.
+A failed write of metrics.jsonl or the plot (a full disk, a file size limit) never stops training: it warns
+once per file and goes on; metrics.jsonl is rewritten whole from memory at the next write that succeeds, so it
+has no gap once the disk has room again.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class MetricsLogger:
         self.progress = progress and enabled
         self.total_steps = total_steps
         self.history: list[dict] = []
+        self._unwritten: set[Path] = set()
+        """Files whose last write failed (warned once; metrics.jsonl is then rewritten whole)."""
         self._tb = self._wandb = None
         if not enabled:
             return
@@ -124,9 +129,7 @@ class MetricsLogger:
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
                  for k, v in metrics.items()}
         self.history.append(clean)
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
-            f.flush()
+        self._write_records(clean)
         step = int(clean["step"])
         if self._tb is not None:
             for k, v in clean.items():
@@ -137,6 +140,37 @@ class MetricsLogger:
             self._wandb.log(clean, step=step)
         if self.progress:
             print(format_line(clean, self.total_steps), flush=True)
+
+    def _write_records(self, record: dict) -> None:
+        """Append `record` to metrics.jsonl; after a failed write, rewrite the whole file (tmp + rename)."""
+        try:
+            if self.path in self._unwritten:
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+                tmp.replace(self.path)
+            else:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                    f.flush()
+        except OSError as err:
+            self._failed(self.path, err)
+            return
+        self._unwritten.discard(self.path)
+
+    def plot(self, path: Path, title: str) -> None:
+        """Write the dynamics plot of the history so far; a failure warns once and training goes on."""
+        try:
+            plot_dynamics(self.history, path, title)
+        except Exception as err:  # any failure of a plot (disk, backend): never worth the run
+            self._failed(path, err)
+            return
+        self._unwritten.discard(path)
+
+    def _failed(self, path: Path, err: BaseException) -> None:
+        if path not in self._unwritten:
+            print(f"flashdapo: warning: cannot write {path} ({type(err).__name__}: {err}); training goes on, and "
+                  "the file is written again at its next update", flush=True)
+        self._unwritten.add(path)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -252,6 +286,9 @@ def plot_dynamics(history: list[dict], path: Path, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp, dpi=90)
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)  # after a failed write (a full disk)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,23 @@ from ..tasks import build_datasets
 from ..tasks.toy import build_toy_model, build_toy_tokenizer, toy_sft_examples
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
-from .checkpoint import TrainerState, load_first_loadable, resume_candidates
+from .checkpoint import TrainerState, resume_candidates
 from .distributed import DistEnv, init_distributed, shutdown
 from .failfast import FailFast
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, WandbRun
 from .policy import PolicyModel, parallelize
-from .rundir import RunDirClaim, RunDirError, claim_run_dir, new_run_id, stop_if_launcher_dies
+from .resume import Resumed, apply_optim_config, describe_resume, load_resume, own_checkpoints
+from .run_settings import run_settings
+from .rundir import (
+    RunDirClaim,
+    RunDirError,
+    claim_run_dir,
+    new_run_id,
+    record_start,
+    recorded_run_id,
+    stop_if_launcher_dies,
+)
 from .warmup import supervised_warmup
 from .weight_sync import iter_full_state_dict
 
@@ -64,6 +74,10 @@ class Run:
     """Optimizer steps skipped in a row for a non-finite loss or gradient norm (loop.stop_after_skips)."""
     policy_version: int = 0
     """Optimizer updates so far in this process: the version the rollout engine's `wake` is given."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The settings that shape this run, recorded in its checkpoints (run_settings.py)."""
+    resumed: Resumed | None = None
+    """The checkpoint this process continued from, None for a fresh start."""
 
     def close(self, error: BaseException | None) -> None:
         """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
@@ -84,7 +98,7 @@ class Run:
 
     def trainer_state(self, step: int) -> TrainerState:
         return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict(),
-                            run_id=self.run_id)
+                            run_id=self.run_id, settings=self.settings)
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors (bf16 when model.dtype is bfloat16), gathered from the FSDP2 shards one at a
@@ -167,8 +181,9 @@ def setup_run(cfg: Config) -> Run:
         shutdown(synchronize=False)
         raise
     run.claim = claim
-    if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's config.yaml alone
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's files alone
+        record_start(run_dir, run.run_id, run.start_step, cfg.to_yaml(), run.resumed and run.resumed.path,
+                     run.resumed.changes if run.resumed else [], fresh=not cfg.checkpoint.resume)
     return run
 
 
@@ -193,7 +208,9 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     for line in compact_summary(cfg):
         log(f"config {line}")
     tokenizer = _checked_tokenizer(cfg, log)
-    candidates = resume_candidates(cfg.checkpoint.resume, run_dir)
+    dir_run_id = recorded_run_id(run_dir) if cfg.checkpoint.resume else None  # a fresh run is a new run
+    candidates = own_checkpoints(resume_candidates(cfg.checkpoint.resume, run_dir), dir_run_id,
+                                 cfg.checkpoint.resume != "auto", log)
     torch.manual_seed(cfg.trainer.seed + env.rank)
     train_set, val_set = build_datasets(cfg.data, tokenizer)
     log(f"train data: {train_set.report.summary()}")
@@ -208,14 +225,15 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     logger = MetricsLogger(run_dir, env.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
                            cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict(),
                            WandbRun.from_config(cfg.logging))
-    start_step, run_id = 0, all_gather_objects(new_run_id())[0]
-    resumed = load_first_loadable(candidates, env, policy, optimizer, log)
+    start_step, run_id = 0, dir_run_id or all_gather_objects(new_run_id())[0]
+    settings = run_settings(cfg, policy.hf, tokenizer)
+    resumed = load_resume(candidates, cfg, settings, env, policy, optimizer, log)
     if resumed is not None:
-        resume_path, state = resumed
-        scheduler.load_state_dict(state.scheduler)
-        sampler.load_state_dict(state.sampler)
-        start_step, run_id = state.step, state.run_id or run_id
-        log(f"resumed from {resume_path} at step {start_step} (run {run_id})")
+        scheduler.load_state_dict(resumed.state.scheduler)
+        sampler.load_state_dict(resumed.state.sampler)
+        lr = apply_optim_config(optimizer, scheduler, cfg.optim)
+        start_step, run_id = resumed.state.step, resumed.state.run_id or run_id
+        log(describe_resume(resumed, lr, cfg.checkpoint.allow_changes))
     dropped = logger.truncate_after(start_step if resumed is not None else -1)
     if dropped:
         log(f"dropped {dropped} metrics records after step {max(start_step, 0)}: they are recomputed from "
@@ -226,7 +244,8 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
                scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
-               pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id)
+               pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
+               settings=settings, resumed=resumed)
 
 
 def _checked_tokenizer(cfg: Config, log):

@@ -9,6 +9,12 @@
 - **Liveness.** A live run holds an exclusive `flock` on `<run_dir>/.flashdapo.lock` (rank 0); a second
   run or a resume in that directory is refused while it is held. The kernel releases the lock when the
   process dies, however it dies, so a crashed run never leaves a stale lock behind.
+- **One run, its history kept.** `<run_dir>/run.json` records the run's id and each start (UTC time, step, the
+  config file written, the checkpoint resumed and the settings changes accepted). `config.yaml` is the first
+  start's config and is never rewritten; the N-th resume writes `config.resume-<N>.yaml`. A resume only
+  continues checkpoints carrying the id in run.json (resume.py), so metrics.jsonl never mixes two runs.
+- **Writable up front.** The run directory and its `checkpoints/` and `export/` (where they exist) are
+  checked writable when the run starts (a file is created and removed in each), not at the first save.
 - **No orphans.** Under torchrun, each worker watches its parent (the torchrun launcher): if the launcher dies
   (SIGKILL leaves its workers running, in process groups of their own), the worker stops within about a second
   instead of training on alone and racing the next run in the same directory.
@@ -17,19 +23,24 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import re
 import secrets
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ..errors import FlashdapoError
 
 LOCK_NAME = ".flashdapo.lock"
+RECORD_NAME = "run.json"
+_RESUME_CONFIG = re.compile(r"^config\.resume-(\d+)\.yaml$")
 
 
 class RunDirError(FlashdapoError, RuntimeError):
@@ -90,7 +101,73 @@ def claim_run_dir(path: Path, resume: str, move_old_run: bool) -> RunDirClaim:
                 f"start over with --logging.move-old-run true (moves its files to {path.name}.old-<time>/, deletes "
                 "nothing), or choose another --logging.run-dir")
         moved_to = _move_aside(path)
+    try:
+        check_writable(path)
+    except RunDirError:
+        lock.close()
+        raise
     return RunDirClaim(path=path, lock=lock, moved_to=moved_to)
+
+
+def check_writable(path: Path) -> None:
+    """Create and remove a file in the run directory and in its checkpoints/ and export/ where they exist (else
+    the run creates them in the run directory); RunDirError naming the first that refuses, so a read-only
+    directory stops the run before any work."""
+    for directory in (path, path / "checkpoints", path / "export"):
+        if directory != path and not directory.exists():
+            continue
+        try:
+            with tempfile.TemporaryFile(dir=directory, prefix=".flashdapo-write-check-"):
+                pass
+        except OSError as err:
+            raise RunDirError(f"{directory} is not writable ({err.strerror}); a run writes its checkpoints, "
+                              "metrics and export there: fix the permissions or choose another --logging.run-dir"
+                              ) from err
+
+
+def recorded_run_id(path: Path) -> str | None:
+    """The run id recorded in `<path>/run.json`, None without one (a new directory, or an older flashdapo's)."""
+    record = _read_record(path)
+    return record["run_id"] if record else None
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    file = path / RECORD_NAME
+    try:
+        record = json.loads(file.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise RunDirError(f"{file}: cannot read it ({err}); it records which run this directory holds: "
+                          "restore it, or start a fresh run in another --logging.run-dir") from err
+    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str) or not isinstance(
+            record.get("starts", []), list):
+        raise RunDirError(f"{file}: not a flashdapo run record (expected run_id and starts); restore it, or start "
+                          "a fresh run in another --logging.run-dir")
+    return record
+
+
+def record_start(path: Path, run_id: str, step: int, config_yaml: str, resumed_from: Path | None,
+                 changes: list[tuple[str, Any, Any]], fresh: bool) -> str:
+    """Rank 0, once a run has started: write its config (config.yaml on the first start, never rewritten;
+    config.resume-<N>.yaml on the N-th resume) and append the start to run.json. Returns the config's name.
+    A fresh run (checkpoint.resume empty; claim_run_dir found no run data here) starts a new record."""
+    name = "config.yaml"
+    if not fresh and (path / name).exists():
+        taken = [int(m.group(1)) for p in path.iterdir() if (m := _RESUME_CONFIG.match(p.name))]
+        name = f"config.resume-{max(taken, default=0) + 1}.yaml"
+    (path / name).write_text(config_yaml)
+    record = (None if fresh else _read_record(path)) or {"run_id": run_id, "starts": []}
+    start: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step,
+                             "config": name}
+    if resumed_from is not None:
+        start["resumed_from"] = str(resumed_from)
+        start["accepted_changes"] = {field: [old, new] for field, old, new in changes}
+    record["starts"].append(start)
+    tmp = path / (RECORD_NAME + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path / RECORD_NAME)
+    return name
 
 
 def _lock(lock: IO[str], path: Path) -> None:

@@ -150,3 +150,51 @@ def test_pruning_only_touches_the_saving_runs_checkpoints(tmp_path):
         _save(tmp_path, model, optimizer, step, run_id="new", keep_last=2)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000002", "step_00000003", "step_00000005", "step_00000006", "step_00000007"]
+
+
+def test_a_file_size_limit_during_save_is_one_line_naming_the_checkpoint_and_the_limit(tmp_path):
+    import resource
+
+    model, optimizer = _model_and_optimizer()
+    first = _save(tmp_path, model, optimizer, 1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))  # `ulimit -f 1`: Python ignores SIGXFSZ, writes get EFBIG
+    try:
+        with pytest.raises(CheckpointError) as info:
+            _save(tmp_path, model, optimizer, 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(info.value)
+    assert "\n" not in message and "step_00000002" in message and "inline_container" not in message
+    assert "file size limit (1024 bytes: ulimit -f 1" in message, message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [first.name]
+
+
+def _export(out_dir, model, tokenizer, shard_bytes):
+    ckpt.export_hf(model.state_dict().items(), model.config, tokenizer, out_dir, True, shard_bytes=shard_bytes)
+
+
+def test_a_re_export_replaces_only_the_exports_own_files(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flashdapo.config import ModelConfig, ToyModelConfig, ToyTaskConfig
+    from flashdapo.tasks.toy import build_toy_model, build_toy_tokenizer
+
+    tokenizer = build_toy_tokenizer(ToyTaskConfig())
+    model = build_toy_model(ModelConfig(toy=ToyModelConfig(hidden_size=32, intermediate_size=64)), len(tokenizer),
+                            64, seed=0)
+    out = tmp_path / "export"
+    _export(out, model, tokenizer, shard_bytes=4096)  # several shards and an index
+    shards = sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    (out / "notes.txt").write_text("mine")
+    (out / "eval").mkdir()
+    (out / "eval" / "samples.jsonl").write_text("{}\n")
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    _export(out, model, tokenizer, shard_bytes=2 << 30)  # one file now: the old shards and index must go
+    assert (out / "notes.txt").read_text() == "mine" and (out / "eval" / "samples.jsonl").is_file()
+    assert not list(out.glob("model-*-of-*.safetensors")) and not (out / "model.safetensors.index.json").exists()
+    assert not (tmp_path / "export.tmp").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(loaded.model.norm.weight, model.model.norm.weight)

@@ -26,3 +26,26 @@ def test_default_run_learns_the_toy_task(tmp_path):
     assert steps[-1]["response_length/clip_ratio"] < steps[0]["response_length/clip_ratio"]
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert (tmp_path / "training_dynamics.png").is_file()
+
+
+def test_make_demo_runs_twice_in_a_row(tmp_path, monkeypatch):
+    """The Makefile's demo command, shrunk to seconds, typed twice in one directory: both runs start; the first
+    run's files are kept beside the second's."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from flashdapo.__main__ import main as cli
+
+    from .test_distributed import TINY
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    recipe = re.search(r"^demo:.*\n\t(.*)$", makefile, re.M).group(1).split("#")[0]
+    words = shlex.split(recipe)
+    assert words[0] == "$(VENV)/bin/flashdapo", recipe
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert cli([*words[1:], *TINY, "--trainer.total-steps", "1"]) == 0
+    assert (tmp_path / "runs" / "toy" / "metrics.jsonl").is_file()
+    old = list((tmp_path / "runs").glob("toy.old-*"))
+    assert len(old) == 1 and (old[0] / "metrics.jsonl").is_file()

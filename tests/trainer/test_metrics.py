@@ -55,3 +55,44 @@ def test_wandb_missing_is_an_error_not_a_warning(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(MetricsError, match="logging.wandb: true needs the wandb package"):
         MetricsLogger(tmp_path, True, False, True, "p", False, 3, {})
+
+
+def test_a_failed_metrics_write_warns_once_and_the_file_is_whole_again_after(tmp_path, monkeypatch, capsys):
+    import errno
+    import pathlib
+
+    logger = _logger(tmp_path)
+    logger.log({"step": 1, "x": 1.0})
+    real_open, full = pathlib.Path.open, {"on": True}
+
+    def open_on_a_full_disk(self, mode="r", *args, **kwargs):
+        if full["on"] and self.name.startswith("metrics.jsonl") and mode != "r":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", open_on_a_full_disk)
+    logger.log({"step": 2, "x": 2.0})
+    logger.log({"step": 3, "x": 3.0})
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning: cannot write" in line]
+    assert len(warnings) == 1 and "metrics.jsonl" in warnings[0] and "No space left" in warnings[0]
+    full["on"] = False
+    logger.log({"step": 4, "x": 4.0})
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_plot_that_cannot_be_written_never_stops_training(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from flashdapo.trainer import metrics
+    from flashdapo.trainer.loop import train
+
+    from .test_loop import tiny_config
+
+    def full_disk(history, path, title):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(metrics, "plot_dynamics", full_disk)
+    train(tiny_config(tmp_path, trainer={"total_steps": 3, "val_every": 1}, checkpoint={"export_hf": False}))
+    out = capsys.readouterr().out
+    assert out.count("warning: cannot write") == 1 and "training_dynamics.png" in out
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]

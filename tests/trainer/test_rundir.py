@@ -116,3 +116,57 @@ def test_run_then_fresh_run_then_resume_keeps_both_runs_and_resumes_the_right_on
     resumed = _metrics(run_dir)
     assert resumed[:2] == second_metrics and [r["step"] for r in resumed] == [1, 2, 3]
     assert _markers(run_dir) == {"step_00000003": second.run_id}
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A directory nothing can be written in: chmod for a normal user; a read-only bind mount for root (which
+    permissions do not stop); skipped where neither works."""
+    import contextlib
+    import os
+
+    made = []
+
+    def make(path):
+        path.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            path.chmod(0o555)
+            made.append(("chmod", path))
+            return path
+        done = subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip("running as root without mount: cannot make a read-only directory")
+        made.append(("mount", path))
+        return path
+
+    yield make
+    for how, path in made:
+        with contextlib.suppress(Exception):
+            path.chmod(0o755) if how == "chmod" else subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_checkpoints_dir_is_refused_at_start_before_any_work(tmp_path, read_only):
+    run_dir = tmp_path / "run"
+    read_only(run_dir / "checkpoints")
+    with pytest.raises(RunDirError, match=r"run/checkpoints is not writable \(Read-only file system|Permission denied"):
+        train(tiny_config(run_dir, checkpoint={"save_every": 1}))
+    assert not (run_dir / "metrics.jsonl").exists()  # refused before the warm-up and the first step
+
+
+def test_each_start_keeps_its_config_and_run_json_lists_the_starts(tmp_path):
+    from flashdapo.trainer.rundir import record_start, recorded_run_id
+
+    assert recorded_run_id(tmp_path) is None
+    assert record_start(tmp_path, "run-a", 0, "first: 1\n", None, [], fresh=True) == "config.yaml"
+    ckpt = tmp_path / "checkpoints" / "step_00000004"
+    assert record_start(tmp_path, "run-a", 4, "second: 2\n", ckpt, [("optim.lr", 1e-6, 2e-6)],
+                        fresh=False) == "config.resume-1.yaml"
+    assert record_start(tmp_path, "run-a", 6, "third: 3\n", ckpt, [], fresh=False) == "config.resume-2.yaml"
+    assert (tmp_path / "config.yaml").read_text() == "first: 1\n"
+    assert (tmp_path / "config.resume-1.yaml").read_text() == "second: 2\n"
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert recorded_run_id(tmp_path) == "run-a" and [s["step"] for s in record["starts"]] == [0, 4, 6]
+    assert record["starts"][1]["accepted_changes"] == {"optim.lr": [1e-6, 2e-6]}
+    (tmp_path / "run.json").write_text("{not json")
+    with pytest.raises(RunDirError, match=r"run.json: cannot read it"):
+        recorded_run_id(tmp_path)
