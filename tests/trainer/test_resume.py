@@ -122,7 +122,7 @@ def test_a_changed_train_file_with_the_same_rows_is_refused(tmp_path):
 
 def _model_dir(path, cls, config_cls, tokenizer, **extra):
     config = config_cls(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                         tie_word_embeddings=True, **extra)
     torch.manual_seed(0)
     cls(config).save_pretrained(path)
@@ -134,13 +134,17 @@ def test_a_resume_with_another_architecture_is_refused(tmp_path):
     tokenizer = build_toy_tokenizer(ToyTaskConfig())
     qwen = _model_dir(tmp_path / "qwen", Qwen2ForCausalLM, Qwen2Config, tokenizer)
     llama = _model_dir(tmp_path / "llama", LlamaForCausalLM, LlamaConfig, tokenizer)
+    data = tmp_path / "train.parquet"
+    _write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
+    files = {"train_files": [str(data)]}
     run_dir = tmp_path / "run"
-    train(_config(run_dir, model={"path": str(qwen)}, trainer={"total_steps": 1}))
+    train(_config(run_dir, model={"path": str(qwen)}, data=files, trainer={"total_steps": 1}))
     with pytest.raises(ResumeRefused, match=r"model.architecture Qwen2ForCausalLM -> LlamaForCausalLM; "
                                             r"model.config.model_type qwen2 -> llama.*model.parameters sha256:"):
-        train(_resume(run_dir, model={"path": str(llama)}))
+        train(_resume(run_dir, model={"path": str(llama)}, data=files))
     with pytest.raises(ResumeRefused, match="'model.architecture' cannot be allowed"):
-        train(_resume(run_dir, model={"path": str(llama)}, checkpoint={"allow_changes": ["model.architecture"]}))
+        train(_resume(run_dir, model={"path": str(llama)}, data=files,
+                      checkpoint={"allow_changes": ["model.architecture"]}))
 
 
 def test_another_runs_checkpoint_is_never_adopted(tmp_path, capsys):
