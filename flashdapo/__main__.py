@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         # Under torchrun an error every rank raises together is printed by rank 0 alone.
         if os.environ.get("RANK", "0") == "0" or not getattr(err, "every_rank", True):
             print(line, file=sys.stderr, flush=True)
-        return 1
+        return getattr(err, "exit_status", 1)
     return 0
 
 

@@ -24,6 +24,9 @@ class FlashdapoError(Exception):
     every_rank = True
     """Raised by every rank together (same data, same collective outcome): under torchrun rank 0 alone
     reports it. False for errors one rank may hit alone; that rank reports it."""
+    label = "error"
+    """The word after `flashdapo:` in the line (empty: none, for a stop the user asked for)."""
+    exit_status = 1
 
 
 def debug_requested() -> bool:
@@ -36,6 +39,8 @@ def user_error_line(err: BaseException) -> str | None:
     traceback). Disk errors name the file and the system's reason."""
     if isinstance(err, FlashdapoError):
         message = str(err)
+        if not err.label:
+            return "flashdapo: " + " ".join(message.split())
     elif isinstance(err, OSError) and err.errno in _DISK_ERRORS and err.filename:
         message = f"{err.filename}: {err.strerror}; free disk space or fix the permissions, then resume with " \
                   "--checkpoint.resume auto"

@@ -29,7 +29,11 @@ from .checkpoint import latest_checkpoint
 
 
 class Interrupted(FlashdapoError, RuntimeError):
-    """Ctrl-C ended the run; the message says where it stopped and how to continue."""
+    """Ctrl-C ended the run; the message says where it stopped and how to continue. Not an error: the line is
+    `flashdapo: stopped at step N ...` and the exit status 130, the shell's for SIGINT."""
+
+    label = ""
+    exit_status = 130
 
 
 class StopOnInterrupt:
