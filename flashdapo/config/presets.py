@@ -25,6 +25,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "checkpoint": {"save_every": 50, "keep_last": 2},
         "logging": {"run_dir": "runs/toy"},
     },
+    # CPU: the task of `flashdapo ablate` (docs/ablation.md): 1..3-digit addition with written work, a
+    # 0.3M-parameter Qwen2-style model. Compact worked answers take 13..33 tokens (free up to 36); long-hand
+    # ones 32..82, so from two digits on they are truncated at 48.
+    "scratchpad": {
+        "model": {"toy": {"hidden_size": 96, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
+                          "intermediate_size": 256, "sft_steps": 300, "sft_batch": 32, "sft_lr": 3e-3}},
+        "data": {"task": "scratchpad", "max_prompt_length": 48, "scratchpad": {"max_digits": 3}},
+        "rollout": {"n": 8, "max_response_length": 48, "val_n": 4},
+        "algorithm": {"overlong_buffer_len": 12, "max_gen_batches": 3, "on_max_gen_batches": "continue"},
+        "optim": {"lr": 3e-4, "weight_decay": 0.0, "warmup_steps": 2},
+        "trainer": {"total_steps": 60, "train_batch": 16, "gen_batch": 32, "mini_batch": 4,
+                    "micro_batch_tokens": 4096, "val_every": 10},
+        "checkpoint": {"save_every": 20, "keep_last": 1},
+        "logging": {"run_dir": "runs/scratchpad"},
+    },
     # Qwen2.5-7B (base) on DAPO-Math-17k, one 8-GPU node (80 GB each), co-located vLLM; memory reasoning
     # in docs/vllm.md. Qwen2.5-Math-7B would need max_response_length <= 2048: its config allows 4096
     # positions, which vLLM enforces.

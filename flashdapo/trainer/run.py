@@ -4,7 +4,6 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,8 @@ from ..model_dir import check_model_dir
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
-from ..tasks import build_datasets
-from ..tasks.toy import build_toy_model, build_toy_tokenizer, toy_sft_examples
+from ..tasks import build_datasets, build_task_tokenizer
+from ..tasks.toy import build_toy_model
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids, load_tokenizer
 from .checkpoint import TrainerState, load_first_loadable, resume_candidates
@@ -31,7 +30,7 @@ from .loading import load_sharded_policy
 from .metrics import MetricsLogger
 from .policy import PolicyModel, parallelize
 from .rundir import RunDirClaim, RunDirError, claim_run_dir, new_run_id, stop_if_launcher_dies
-from .warmup import supervised_warmup
+from .warmup import warm_up_built_in
 from .weight_sync import iter_full_state_dict
 
 
@@ -106,10 +105,7 @@ def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> 
     policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
     if not resuming:
         # Same seed, same data, same arithmetic on every rank: every rank gets the same base model.
-        toy = cfg.model.toy
-        examples = toy_sft_examples(cfg.data.toy, toy.sft_steps * toy.sft_batch, random.Random(cfg.trainer.seed))
-        supervised_warmup(policy, tokenizer, examples, steps=toy.sft_steps, batch=toy.sft_batch, lr=toy.sft_lr,
-                          log=log if env.is_main else (lambda _m: None))
+        warm_up_built_in(policy, cfg, tokenizer, log=log if env.is_main else (lambda _m: None))
     return parallelize(policy, env, cfg.model, cfg.trainer)
 
 
@@ -185,7 +181,7 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
         check_model_dir(cfg.model.path)
     candidates = resume_candidates(cfg.checkpoint.resume, run_dir)
     torch.manual_seed(cfg.trainer.seed + env.rank)
-    tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_toy_tokenizer(cfg.data.toy)
+    tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_task_tokenizer(cfg.data)
     train_set, val_set = build_datasets(cfg.data, tokenizer)
     log(f"train data: {train_set.report.summary()}")
     if val_set is not None:
