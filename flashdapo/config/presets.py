@@ -25,15 +25,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "checkpoint": {"save_every": 50, "keep_last": 2},
         "logging": {"run_dir": "runs/toy"},
     },
-    # CPU: the task of `flashdapo ablate` (docs/ablation.md): 1..3-digit addition with written work, a
-    # 0.3M-parameter Qwen2-style model. Compact worked answers take 13..33 tokens (free up to 36); long-hand
-    # ones 32..82, so from two digits on they are truncated at 48.
+    # CPU: the task of `flashdapo ablate` (docs/ablation.md): 1- and 2-digit addition with written work, the
+    # toy's model shape (118k parameters) warmed up longer. Compact worked answers take 13..23 tokens (free
+    # up to 30); long-hand ones 32..57, so two-digit long-hand answers are truncated at 40.
     "scratchpad": {
-        "model": {"toy": {"hidden_size": 96, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
-                          "intermediate_size": 256, "sft_steps": 300, "sft_batch": 32, "sft_lr": 3e-3}},
-        "data": {"task": "scratchpad", "max_prompt_length": 48, "scratchpad": {"max_digits": 3}},
-        "rollout": {"n": 8, "max_response_length": 48, "val_n": 4},
-        "algorithm": {"overlong_buffer_len": 12, "max_gen_batches": 3, "on_max_gen_batches": "continue"},
+        "model": {"toy": {"sft_steps": 600}},
+        "data": {"task": "scratchpad", "max_prompt_length": 48},
+        "rollout": {"n": 8, "max_response_length": 40, "val_n": 4},
+        "algorithm": {"overlong_buffer_len": 10, "max_gen_batches": 3, "on_max_gen_batches": "continue"},
         "optim": {"lr": 3e-4, "weight_decay": 0.0, "warmup_steps": 2},
         "trainer": {"total_steps": 60, "train_batch": 16, "gen_batch": 32, "mini_batch": 4,
                     "micro_batch_tokens": 4096, "val_every": 10},

@@ -119,13 +119,13 @@ class ScratchpadTaskConfig(Section):
     """The built-in scratchpad task (flashdapo/tasks/scratchpad.py): multi-digit addition worked out column by
     column before the answer; harder than the toy, with varying response lengths and a held-out validation set."""
 
-    num_train: Positive = 4000
+    num_train: Positive = 2000
     """Training problems generated (distinct, none of them a validation problem)."""
     num_val: NonNegative = 64
     """Held-out validation problems (distinct, never in training)."""
     min_digits: Positive = 1
     """Fewest digits of an operand."""
-    max_digits: Annotated[int, within(1, 9)] = 4
+    max_digits: Annotated[int, within(1, 9)] = 2
     """Most digits of an operand; a problem draws its digit count uniformly from min_digits..max_digits, so
     the worked answer (one line per column) grows with it."""
     slip_fraction: Fraction = 0.2

@@ -5,10 +5,10 @@ something to act on:
 - **Written work decides correctness.** "Add 4823+1937. Work column by column, then end with Answer: N";
   a worked answer writes one line per column, right to left, each with its carry ("3+7=10",
   "2+3+1=6", ...), then "Answer: 6760". The answer follows from the written column sums.
-- **Lengths vary and the limit binds.** Operands have 1..max_digits digits, so compact answers run from
-  about 12 to about 45 tokens; the long-hand style of some demonstrations (the problem restated, every
-  column's digit and carry spelled out) runs past the scratchpad preset's 64-token limit from three
-  digits on, so the warmed-up base truncates some responses.
+- **Lengths vary and the limit binds.** Operands have 1..max_digits digits (2 in the scratchpad preset),
+  so compact answers take 13 to 23 tokens there; the long-hand style of some demonstrations (the problem
+  restated, every column's digit and carry spelled out) takes 32 to 57, past the preset's 40-token limit
+  for two digits, so the warmed-up base truncates some responses.
 - **The base is right on some problems some of the time.** The warm-up demonstrations slip (a column sum
   off by one) with probability `slip_fraction` per column, so short problems are usually right and long
   ones rarely: many groups are all right or all wrong, and on long problems right answers are rare.
