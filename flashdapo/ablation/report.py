@@ -18,7 +18,7 @@ PANELS = (
     ("validation mean@k", MEAN),
     ("entropy", "actor/entropy"),
     ("response length (trained)", "response_length/mean"),
-    ("clip fraction (upper + lower)", "actor/pg_clipfrac"),
+    ("tokens clipped (either side)", "actor/pg_clipfrac"),
     ("truncated fraction (generated)", "train/gen_truncated"),
     ("groups kept by dynamic sampling", "train/kept_fraction"),
 )
