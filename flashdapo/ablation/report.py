@@ -50,6 +50,9 @@ def table(runs: list[ArmRun]) -> list[str]:
     rows = [head, "|" + "---|" * 9]
     for _, group in _by_arm(runs):
         arm = group[0].arm
+        if not all(_values(r, MEAN) for r in group):  # no validation set, or validation off
+            rows.append(f"| {arm.label} | {arm.paper_aime} | {len(group)} | no validation |" + " |" * 5)
+            continue
         finals = [_values(r, MEAN)[-1] for r in group]
         bests = [max(_values(r, MEAN)) for r in group]
         pass_final = [_values(r, PASS)[-1] for r in group]
