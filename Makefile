@@ -14,7 +14,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.11,torch==2.13.0)
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: setup demo test test-fast bench bench-step gpu-check lint clean
+.PHONY: setup demo test test-fast bench bench-step gpu-check lint clean ablate
 
 setup: $(STAMP)
 
@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml
 
 demo: setup  ## the main job on the built-in default: DAPO on the toy task, a few minutes on a laptop CPU
 	$(VENV)/bin/flashdapo train --logging.move-old-run True  # rerunnable: a previous demo moves to runs/toy.old-<time>/
+
+ablate: setup  ## the paper's ablation ladder (6 arms x 3 seeds) on the scratchpad task: runs/ablate/ablation.{md,png}
+	$(VENV)/bin/flashdapo ablate $(ABLATE_ARGS)
 
 test: setup  ## the whole suite (GPU/vLLM cases skip with a reason where they cannot run)
 	$(VENV)/bin/pytest

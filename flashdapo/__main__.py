@@ -1,4 +1,4 @@
-"""The flashdapo command line: `flashdapo train | config | eval`.
+"""The flashdapo command line: `flashdapo train | config | eval | ablate`.
 
 `train` and `config` take `--preset NAME` and `--config FILE`, then overrides of any config field
 (`--trainer.total-steps 10`); tyro derives those flags and their help from `flashdapo.config`.
@@ -19,11 +19,12 @@ from . import __version__  # noqa: E402
 from .config import CLI_REGISTRY, DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
 
-USAGE = """usage: flashdapo {train,config,eval} [options]   (flashdapo --version)
+USAGE = """usage: flashdapo {train,config,eval,ablate} [options]   (flashdapo --version)
 
   train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
   config   print the resolved config (YAML; reusable with --config)
   eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32] [--config FILE]
+  ablate   the paper's ablation ladder: flashdapo ablate [--out DIR] [--seeds 3] [--arms NAME ...] [train options]
 
 presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field; " \
     "--debug (or FLASHDAPO_DEBUG=1) shows the traceback of an error."
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             from .eval.command import eval_main
 
             eval_main(rest)
+        elif command == "ablate":
+            from .ablation.command import ablate_main
+
+            ablate_main(rest)
         else:
             print(f"flashdapo: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
             return 2

@@ -12,6 +12,7 @@ from .tree import (
     ModelConfig,
     OptimConfig,
     RolloutConfig,
+    ScratchpadTaskConfig,
     ToyModelConfig,
     ToyTaskConfig,
     TrainerConfig,
@@ -19,7 +20,7 @@ from .tree import (
 
 __all__ = [
     "CLI_REGISTRY", "DEFAULT_PRESET", "PRESETS", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "LoggingConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "ToyModelConfig", "ToyTaskConfig",
+    "LoggingConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
     "TrainerConfig", "compact_summary", "differences", "field_path", "load_file", "merge", "preset",
     "starting_point", "toy",
 ]

@@ -27,6 +27,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "checkpoint": {"save_every": 50, "keep_last": 2},
         "logging": {"run_dir": "runs/toy"},
     },
+    # CPU: the task of `flashdapo ablate` (docs/ablation.md): 1- and 2-digit addition with written work, the
+    # toy's model shape (118k parameters) warmed up longer. Compact worked answers take 13..23 tokens (free
+    # up to 30); long-hand ones 32..57, so two-digit long-hand answers are truncated at 40.
+    "scratchpad": {
+        "model": {"toy": {"sft_steps": 600}},
+        "data": {"task": "scratchpad", "max_prompt_length": 48},
+        "rollout": {"n": 8, "max_response_length": 40, "val_n": 4},
+        "algorithm": {"overlong_buffer_len": 10, "max_gen_batches": 3, "on_max_gen_batches": "continue"},
+        "optim": {"lr": 3e-4, "weight_decay": 0.0, "warmup_steps": 2},
+        "trainer": {"total_steps": 60, "train_batch": 16, "gen_batch": 32, "mini_batch": 4,
+                    "micro_batch_tokens": 4096, "val_every": 10},
+        "checkpoint": {"save_every": 20, "keep_last": 1},
+        "logging": {"run_dir": "runs/scratchpad"},
+    },
     # Qwen2.5-7B (base) on DAPO-Math-17k, one 8-GPU node (80 GB each), co-located vLLM; memory reasoning
     # in docs/vllm.md. Qwen2.5-Math-7B would need max_response_length <= 2048: its config allows 4096
     # positions, which vLLM enforces.

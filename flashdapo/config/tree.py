@@ -32,7 +32,8 @@ def _formats_toy_prompt(text: str) -> bool:
 
 @dataclass
 class ToyModelConfig(Section):
-    """Shape of the tiny Qwen2-style model built from a config when `model.path` is empty."""
+    """Shape of the tiny Qwen2-style model built from a config when `model.path` is empty (for either
+    built-in task, `data.task`), and its supervised warm-up."""
 
     hidden_size: Positive = 64
     """Model width."""
@@ -45,7 +46,7 @@ class ToyModelConfig(Section):
     intermediate_size: Positive = 192
     """MLP width."""
     sft_steps: NonNegative = 300
-    """Supervised warm-up steps on the toy task that make the 'base model' before DAPO (0 disables)."""
+    """Supervised warm-up steps on the built-in task that make the 'base model' before DAPO (0 disables)."""
     sft_lr: PositiveFloat = 3e-3
     """Learning rate of the supervised warm-up."""
     sft_batch: Positive = 32
@@ -106,6 +107,44 @@ class ToyTaskConfig(Section):
     """The user message; {expr} becomes e.g. '7+12' ({a}, {op}, {b} are also available)."""
 
 
+def _formats_scratchpad_prompt(text: str) -> bool:
+    try:
+        text.format(a=1, b=2)
+    except (KeyError, IndexError, ValueError):
+        return False
+    return "{a}" in text and "{b}" in text
+
+
+@dataclass
+class ScratchpadTaskConfig(Section):
+    """The built-in scratchpad task (flashdapo/tasks/scratchpad.py): multi-digit addition worked out column by
+    column before the answer; harder than the toy, with varying response lengths and a held-out validation set."""
+
+    num_train: Positive = 2000
+    """Training problems generated (distinct, none of them a validation problem)."""
+    num_val: NonNegative = 64
+    """Held-out validation problems (distinct, never in training)."""
+    min_digits: Positive = 1
+    """Fewest digits of an operand."""
+    max_digits: Annotated[int, within(1, 9)] = 2
+    """Most digits of an operand; a problem draws its digit count uniformly from min_digits..max_digits, so
+    the worked answer (one line per column) grows with it."""
+    slip_fraction: Fraction = 0.2
+    """Warm-up demonstrations: chance that a column's written sum is off by one (the answer then follows the
+    written work): long problems are right less often than short ones."""
+    verbose_fraction: Fraction = 0.35
+    """Warm-up demonstrations written long-hand (the problem restated, each column's digit and carry spelled
+    out): on long problems these run past the response limit."""
+    seed: NonNegative = 4321
+    """Seed of the problem generator."""
+    prompt_format: Annotated[str, Check(_formats_scratchpad_prompt, "a format string using {a} and {b} and no "
+                                                                    "other fields")] = \
+        "Add {a}+{b}. Work column by column, then end with Answer: N"
+    """The user message; {a} and {b} are the operands."""
+
+    RULES = (Rule("max_digits", lambda c: c.max_digits >= c.min_digits, lambda c: f">= min_digits ({c.min_digits})"),)
+
+
 DataFiles = Annotated[list[str], Check(lambda files: all(f.endswith((".parquet", ".jsonl")) for f in files),
                                        "*.parquet or *.jsonl paths")]
 
@@ -127,7 +166,12 @@ class DataConfig(Section):
     shuffle: bool = True
     """Shuffle the training prompts each epoch (deterministic for `trainer.seed`)."""
     toy: ToyTaskConfig = field(default_factory=ToyTaskConfig)
-    """The built-in toy task (used when train_files is empty)."""
+    """The built-in toy task (used when train_files is empty and task is 'toy')."""
+    task: Literal["toy", "scratchpad"] = "toy"
+    """The built-in task trained on when train_files is empty: toy (single-digit sums) or scratchpad
+    (multi-digit addition with written work, the `flashdapo ablate` task; docs/ablation.md)."""
+    scratchpad: ScratchpadTaskConfig = field(default_factory=ScratchpadTaskConfig)
+    """The built-in scratchpad task (used when train_files is empty and task is 'scratchpad')."""
 
 
 VLLM_TEMPERATURE = (0.01, 2.0)

@@ -129,6 +129,12 @@ def _toy_corpus(cfg: ToyTaskConfig) -> list[str]:
 
 def build_toy_tokenizer(cfg: ToyTaskConfig, vocab_size: int = TOY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
     """Train a small byte-level BPE (Qwen2-style, digits split) on the toy task's text; deterministic."""
+    return train_chat_tokenizer(_toy_corpus(cfg), vocab_size)
+
+
+def train_chat_tokenizer(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (Qwen2-style, digits split, ChatML template) trained on `corpus`; deterministic.
+    Shared by the built-in tasks."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
@@ -142,7 +148,7 @@ def build_toy_tokenizer(cfg: ToyTaskConfig, vocab_size: int = TOY_VOCAB_SIZE) ->
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_toy_corpus(cfg), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,

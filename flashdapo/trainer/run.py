@@ -5,7 +5,6 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,8 @@ from ..preflight import check_launch, check_model, resolve_auto
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
-from ..tasks import build_datasets
-from ..tasks.toy import build_toy_model, build_toy_tokenizer, toy_sft_examples
+from ..tasks import build_datasets, build_task_tokenizer
+from ..tasks.toy import build_toy_model
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
 from .checkpoint import TrainerState, resume_candidates
@@ -43,7 +42,7 @@ from .rundir import (
     recorded_run_id,
     stop_if_launcher_dies,
 )
-from .warmup import supervised_warmup
+from .warmup import warm_up_built_in
 from .weight_sync import iter_full_state_dict
 
 
@@ -128,10 +127,7 @@ def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> 
     policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
     if not resuming:
         # Same seed, same data, same arithmetic on every rank: every rank gets the same base model.
-        toy = cfg.model.toy
-        examples = toy_sft_examples(cfg.data.toy, toy.sft_steps * toy.sft_batch, random.Random(cfg.trainer.seed))
-        supervised_warmup(policy, tokenizer, examples, steps=toy.sft_steps, batch=toy.sft_batch, lr=toy.sft_lr,
-                          log=log if env.is_main else (lambda _m: None))
+        warm_up_built_in(policy, cfg, tokenizer, log=log if env.is_main else (lambda _m: None))
     return parallelize(policy, env, cfg.model, cfg.trainer)
 
 
@@ -251,7 +247,7 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
 def _checked_tokenizer(cfg: Config, log):
     """The toy task's tokenizer, or model.path's once it and the model passed the checks (preflight.py)."""
     if not cfg.model.path:
-        return build_toy_tokenizer(cfg.data.toy)
+        return build_task_tokenizer(cfg.data)
     check_model_dir(cfg.model.path)
     check = check_model(cfg.model.path, "model.path", cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         "data.max_prompt_length + rollout.max_response_length")

@@ -8,7 +8,7 @@ checkpoint records, as a flat `{field path: plain value}` dict (`trainer_state.p
 - the tokenizer: a hash of its vocabulary (`tokenizer.vocab`), its special ids, a hash of its chat template;
 - the training data: each train file's content hash (`data.train_files`, sha256 of the bytes, in order; a
   file with the same rows in another order or with one answer changed differs), the prompt budget and
-  truncation, dedup and shuffle; the toy task's settings when there are no train files;
+  truncation, dedup and shuffle; the built-in task and its settings when there are no train files;
 - the batch geometry (`trainer.train_batch`, `gen_batch`, `mini_batch`, `ppo_epochs`, `seed`), the group
   size and sampling of the rollouts (`rollout.n`, `temperature`, `top_p`, `top_k`, `max_response_length`),
   and every field of the `algorithm` and `optim` sections.
@@ -93,7 +93,9 @@ def run_settings(cfg: Config, hf_model, tokenizer) -> dict[str, Any]:
     if data.train_files:
         found["data.train_files"] = ["sha256:" + file_sha256(f) for f in data.train_files]
     else:
-        found.update({f"data.toy.{k}": v for k, v in asdict(data.toy).items()})
+        task = getattr(data, data.task)  # the built-in task's section (data.toy, data.scratchpad)
+        found["data.task"] = data.task
+        found.update({f"data.{data.task}.{k}": v for k, v in asdict(task).items()})
     found.update({f"data.{k}": getattr(data, k) for k in _DATA_FIELDS})
     found.update({f"trainer.{k}": getattr(cfg.trainer, k) for k in _TRAINER_FIELDS})
     found.update({f"rollout.{k}": getattr(cfg.rollout, k) for k in _ROLLOUT_FIELDS})

@@ -7,11 +7,14 @@ seed, so every rank produces the same base model without communicating.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 
 import torch
 
+from ..config import Config
 from ..data import Record, chat_ids
+from ..tasks import task_sft_examples
 from .policy import PolicyModel
 
 
@@ -44,3 +47,12 @@ def supervised_warmup(policy: PolicyModel, tokenizer, examples: Sequence[tuple[R
         policy.temperature = rl_temperature
     log(f"{name} warm-up: {steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     return losses
+
+
+def warm_up_built_in(policy: PolicyModel, cfg: Config, tokenizer, log: Callable[[str], None] = print) -> list[float]:
+    """The supervised warm-up of the built-in task `cfg.data.task` with `cfg.model.toy`'s settings, seeded by
+    `cfg.trainer.seed`: the same base model on every rank and in every run of the same config."""
+    toy = cfg.model.toy
+    examples = task_sft_examples(cfg.data, toy.sft_steps * toy.sft_batch, random.Random(cfg.trainer.seed))
+    return supervised_warmup(policy, tokenizer, examples, steps=toy.sft_steps, batch=toy.sft_batch, lr=toy.sft_lr,
+                             name=cfg.data.task, log=log)

@@ -1,0 +1,109 @@
+"""The ladder's base model: the built-in task's warm-up, run once and saved as an HF directory that every
+arm starts from (`model.path`), and what that base does on the task before any RL.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..eval.sampling import EvalSampling, sample_prompts
+from ..reward import get_verifier
+from ..rollout.torch_engine import TorchEngine
+from ..tasks import build_datasets, build_task_tokenizer
+from ..tasks.toy import build_toy_model
+from ..threads import configure_threads
+from ..tokenizer import eos_token_ids
+from ..trainer.policy import PolicyModel
+from ..trainer.warmup import warm_up_built_in
+
+BASE_MARKER = "base.json"
+"""Written last into the base directory: the warm-up settings it was built with (a rerun reuses the base
+only when they match)."""
+
+
+def base_settings(cfg: Config) -> dict:
+    """What the base model depends on: the task, the model shape and warm-up, and the warm-up's seed."""
+    return {"data": {"task": cfg.data.task, cfg.data.task: asdict(getattr(cfg.data, cfg.data.task)),
+                     "max_prompt_length": cfg.data.max_prompt_length},
+            "model": asdict(cfg.model.toy), "max_response_length": cfg.rollout.max_response_length,
+            "seed": cfg.trainer.seed}
+
+
+def build_base(cfg: Config, out: Path, log: Callable[[str], None] = print) -> bool:
+    """Warm the built-in model up on cfg's task and save it (model and tokenizer) to `out`; reuse `out` when it
+    already holds a base built with the same settings. Returns True when it trained one."""
+    settings = base_settings(cfg)
+    marker = out / BASE_MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == settings:
+        log(f"base model: reusing {out}")
+        return False
+    tokenizer = build_task_tokenizer(cfg.data)
+    max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
+    hf_model = build_toy_model(cfg.model, len(tokenizer), max_positions, cfg.trainer.seed)
+    configure_threads(sum(p.numel() for p in hf_model.parameters()), torch.device("cpu"))
+    policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
+    warm_up_built_in(policy, cfg, tokenizer, log=log)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / BASE_MARKER).write_text(json.dumps(settings, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    log(f"base model: {sum(p.numel() for p in hf_model.parameters()):,} parameters, saved to {out}")
+    return True
+
+
+@dataclass(frozen=True)
+class BaseStatistics:
+    """How the base model samples the training prompts at the training settings (n responses each)."""
+
+    prompts: int
+    n: int
+    accuracy: float
+    truncated: float
+    """Fraction of responses that hit rollout.max_response_length."""
+    all_right: float
+    """Fraction of groups whose n responses are all right."""
+    all_wrong: float
+    """Fraction of groups whose n responses are all wrong."""
+    rare_right: float
+    """Fraction of groups with exactly one right response (a right answer the policy finds rarely)."""
+    mean_length: float
+
+    def summary(self) -> str:
+        return (f"{self.prompts} prompts x {self.n}: accuracy {self.accuracy:.3f}, truncated {self.truncated:.3f}, "
+                f"groups all right {self.all_right:.3f} / all wrong {self.all_wrong:.3f} / one right "
+                f"{self.rare_right:.3f}, mean length {self.mean_length:.1f} tokens")
+
+
+def base_statistics(cfg: Config, base_dir: Path, prompts: int = 64, seed: int = 0) -> BaseStatistics:
+    """Sample the first `prompts` training prompts of cfg's task with the base in `base_dir`, rollout.n responses
+    each at the training temperature and top_p, and count truncation and all-equal groups."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    train, _ = build_datasets(cfg.data, tokenizer)
+    rc = cfg.rollout
+    engine = TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, torch.device("cpu"),
+                         max_batch=rc.max_num_seqs)
+    sampling = EvalSampling(k=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                            max_new_tokens=rc.max_response_length, seed=seed, prompts_per_call=prompts)
+    results = sample_prompts(engine, list(train.prompts)[:prompts], tokenizer, get_verifier(cfg.algorithm.verifier),
+                             sampling)
+    right = [sum(s.acc for s in r.samples) for r in results]
+    samples = [s for r in results for s in r.samples]
+    return BaseStatistics(prompts=len(results), n=rc.n, accuracy=sum(right) / len(samples),
+                          truncated=sum(s.finish_reason == "length" for s in samples) / len(samples),
+                          all_right=sum(c == rc.n for c in right) / len(results),
+                          all_wrong=sum(c == 0 for c in right) / len(results),
+                          rare_right=sum(c == 1 for c in right) / len(results),
+                          mean_length=sum(s.length for s in samples) / len(samples))

@@ -1,0 +1,28 @@
+"""`flashdapo ablate [--out DIR] [--seeds S] [--arms A ...] [TRAIN OPTIONS]`: the options of AblateOptions, then
+any `flashdapo train` option (--preset, --config, --SECTION.FIELD VALUE) for the base config of the arms."""
+
+from __future__ import annotations
+
+import tyro
+
+from ..config import PRESETS, Config, starting_point
+from .options import DEFAULT_ABLATION_PRESET, AblateOptions
+from .runner import ArmRun, run_ablation
+
+
+def parse_ablate_args(argv: list[str]) -> tuple[AblateOptions, Config]:
+    """Split argv into the ablation's own options and the base training config (preset default 'scratchpad')."""
+    base, rest, start = starting_point(argv, DEFAULT_ABLATION_PRESET)
+    description = (f"{AblateOptions.__doc__}\n\nBase config: {start} (presets: {', '.join(PRESETS)}). Every "
+                   "`flashdapo train --help` field is accepted after these options.")
+    opts, unknown = tyro.cli(AblateOptions, args=rest, prog="flashdapo ablate", description=description,
+                             return_unknown_args=True, config=(tyro.conf.FlagConversionOff,))
+    config = tyro.cli(Config, default=base, args=unknown, prog="flashdapo ablate",
+                      config=(tyro.conf.FlagConversionOff,))
+    return opts, config
+
+
+def ablate_main(argv: list[str]) -> list[ArmRun]:
+    """`flashdapo ablate`: parse, then run the ladder (runner.run_ablation)."""
+    opts, config = parse_ablate_args(argv)
+    return run_ablation(config, opts, log=lambda m: print(f"flashdapo: {m}", flush=True))

@@ -1,0 +1,155 @@
+"""`flashdapo ablate`: the base model once, then every (arm, seed) run in its own directory, then the report.
+
+Each arm's run is a plain `flashdapo train` run (its config.yaml reruns it alone) from the saved base
+(`model.path` = OUT/base), with `checkpoint.resume auto`: a rerun of the ladder skips every run whose
+`arm.json` records the same config, and continues an interrupted one from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..config import Config, merge
+from ..errors import FlashdapoError
+from .arms import ARMS, Arm, arm_config, arm_fields, arm_index
+from .base import BaseStatistics, base_settings, base_statistics, build_base
+from .options import AblateOptions
+
+DONE_MARKER = "arm.json"
+
+
+class AblationError(FlashdapoError, ValueError):
+    """The output directory holds a different ladder's run for an arm; the message says what to do."""
+
+
+@dataclass
+class ArmRun:
+    """One (arm, seed) run of the ladder and what it logged."""
+
+    arm: Arm
+    seed: int
+    config: Config
+    run_dir: Path
+    history: list[dict]
+    wall_s: float
+    """Seconds the run took in the process that finished it (setup included)."""
+    skipped: bool = False
+    """Finished by an earlier `flashdapo ablate`."""
+
+
+def arm_run_dir(out: Path, arm: Arm, seed: int) -> Path:
+    return out / "arms" / arm.name / f"seed{seed}"
+
+
+def planned_runs(base: Config, opts: AblateOptions, base_dir: Path) -> list[tuple[Arm, int, Config]]:
+    """(arm, seed, config) of every run, in ladder order, seeds inner."""
+    common = merge(base, {"model": {"path": str(base_dir.resolve())},
+                          "checkpoint": {"resume": "auto", "export_hf": False},
+                          "logging": {"progress": opts.step_lines}})
+    out = Path(opts.out)
+    runs = []
+    for arm in sorted((ARMS[arm_index(n)] for n in opts.arms), key=lambda a: arm_index(a.name)):
+        arm_cfg = arm_config(arm_index(arm.name), common)
+        for seed in range(opts.seeds):
+            cfg = merge(arm_cfg, {"trainer": {"seed": seed},
+                                  "logging": {"run_dir": str(arm_run_dir(out, arm, seed))}})
+            runs.append((arm, seed, cfg))
+    return runs
+
+
+def run_ablation(base: Config, opts: AblateOptions, log: Callable[[str], None] = print) -> list[ArmRun]:
+    """The whole ladder: base model, base statistics, every arm and seed, ablation.md and ablation.png."""
+    from .report import write_report
+
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base_dir = out / "base"
+    build_base(base, base_dir, log)
+    stats = _base_stats(base, base_dir, opts, out, log)
+    plan = planned_runs(base, opts, base_dir)
+    write_arm_settings(out, base, plan, log)
+    runs = []
+    started = time.perf_counter()
+    for number, (arm, seed, cfg) in enumerate(plan, start=1):
+        run = _run_arm(arm, seed, cfg)
+        runs.append(run)
+        log(progress_line(number, len(plan), run, time.perf_counter() - started))
+    md, png = write_report(out, runs, stats, base)
+    log(f"ablation: wrote {md} and {png}")
+    return runs
+
+
+def _base_stats(base: Config, base_dir: Path, opts: AblateOptions, out: Path, log) -> BaseStatistics:
+    path = out / "base_statistics.json"
+    key = {"settings": base_settings(base), "prompts": opts.base_probe_prompts, "n": base.rollout.n}
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            stats = BaseStatistics(**cached["statistics"])
+            log(f"base model on the training prompts: {stats.summary()}")
+            return stats
+    stats = base_statistics(base, base_dir, prompts=opts.base_probe_prompts)
+    path.write_text(json.dumps({"key": key, "statistics": asdict(stats)}, indent=1))
+    log(f"base model on the training prompts: {stats.summary()}")
+    return stats
+
+
+def _run_arm(arm: Arm, seed: int, cfg: Config) -> ArmRun:
+    from ..trainer.loop import train
+    from ..trainer.metrics import read_history
+
+    run_dir = Path(cfg.logging.run_dir)
+    marker = run_dir / DONE_MARKER
+    if marker.is_file():
+        done = json.loads(marker.read_text())
+        if done["config"] != cfg.to_dict():
+            raise AblationError(f"{marker}: this arm finished with a different config than the ladder now asks for; "
+                                "choose another --out, or delete that arm's directory to rerun it")
+        return ArmRun(arm, seed, cfg, run_dir, read_history(run_dir / "metrics.jsonl"), done["wall_s"], skipped=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    start = time.perf_counter()
+    finished = train(cfg)
+    wall = time.perf_counter() - start
+    marker.write_text(json.dumps({"arm": arm.name, "seed": seed, "wall_s": wall, "config": cfg.to_dict()}))
+    return ArmRun(arm, seed, cfg, run_dir, list(finished.logger.history), wall)
+
+
+def progress_line(number: int, total: int, run: ArmRun, elapsed: float) -> str:
+    """One line per finished (arm, seed): validation accuracy first -> last (best), samples, time."""
+    val = [m["val/acc/mean@k"] for m in run.history if "val/acc/mean@k" in m]
+    acc = f"val mean@k {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})" if val else "no validation"
+    how = "done before, skipped" if run.skipped else f"{run.wall_s:.0f} s"
+    return (f"ablation: [{number}/{total}] {run.arm.name} seed {run.seed}: {acc}, {samples_generated(run):,} samples "
+            f"generated, {how} | ladder {elapsed:.0f} s so far")
+
+
+def samples_generated(run: ArmRun) -> int:
+    """Responses sampled for training (every generation round, kept or dropped; validation not counted)."""
+    rounds = sum(int(m.get("train/num_gen_batches", 0)) for m in run.history)
+    return rounds * run.config.trainer.gen_batch * run.config.rollout.n
+
+
+def write_arm_settings(out: Path, base: Config, plan: list[tuple[Arm, int, Config]], log) -> Path:
+    """arms.md: each arm's fields (what it adds in bold) and the command that reruns one of its runs alone."""
+    lines = ["# The ladder's arms", "",
+             "Each arm is the base config plus these fields (the ones it adds to the arm before in **bold**). "
+             "Rerun any run alone (into a new directory) with the command given.", ""]
+    seen = []
+    for arm, _, cfg in plan:
+        if arm.name in seen:
+            continue
+        seen.append(arm.name)
+        fields = arm_fields(arm_index(arm.name), base)
+        shown = ", ".join(f"**{k}={v}**" if k in arm.adds else f"{k}={v}" for k, v in fields.items())
+        command = (f"flashdapo train --config {Path(cfg.logging.run_dir) / 'config.yaml'} "
+                   f"--logging.run-dir runs/{arm.name}-rerun")
+        lines += [f"- `{arm.name}` ({arm.label}): {shown}", f"  - `{command}`"]
+        log(f"arm {arm.name}: {shown.replace('**', '')}")
+    path = out / "arms.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
