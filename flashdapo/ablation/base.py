@@ -16,7 +16,7 @@ from ..config import Config
 from ..eval.sampling import EvalSampling, sample_prompts
 from ..reward import get_verifier
 from ..rollout.torch_engine import TorchEngine
-from ..tasks import build_datasets, build_task_tokenizer
+from ..tasks import build_datasets, build_task_tokenizer, task_records
 from ..tasks.toy import build_toy_model
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
@@ -34,6 +34,26 @@ def base_settings(cfg: Config) -> dict:
                      "max_prompt_length": cfg.data.max_prompt_length},
             "model": asdict(cfg.model.toy), "max_response_length": cfg.rollout.max_response_length,
             "seed": cfg.trainer.seed}
+
+
+def write_task_files(cfg: Config, out: Path) -> tuple[Path, Path]:
+    """The built-in task's train and validation problems as DAPO-schema jsonl files under `out` (train.jsonl,
+    val.jsonl): every arm trains from a model directory on data files, as any user run does, and its
+    config.yaml reruns it alone. Deterministic in cfg.data, so rewriting them keeps their content hashes."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split in ("train", "val"):
+        rows = [{"data_source": f"{cfg.data.task}_{split}", "prompt": r.messages,
+                 "reward_model": {"ground_truth": r.ground_truth, "style": "rule"}}
+                for r in task_records(cfg.data, split)]
+        path = out / f"{split}.jsonl"
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)
+        paths.append(path)
+    return paths[0], paths[1]
 
 
 def build_base(cfg: Config, out: Path, log: Callable[[str], None] = print) -> bool:

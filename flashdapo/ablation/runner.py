@@ -1,7 +1,8 @@
 """`flashdapo ablate`: the base model once, then every (arm, seed) run in its own directory, then the report.
 
 Each arm's run is a plain `flashdapo train` run (its config.yaml reruns it alone) from the saved base
-(`model.path` = OUT/base), with `checkpoint.resume auto`: a rerun of the ladder skips every run whose
+(`model.path` = OUT/base) on the task's problems written as data files (OUT/data/train.jsonl, val.jsonl),
+with `checkpoint.resume auto`: a rerun of the ladder skips every run whose
 `arm.json` records the same config, and continues an interrupted one from its newest checkpoint.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from ..config import Config, merge
 from ..errors import FlashdapoError
 from .arms import ARMS, Arm, arm_config, arm_fields, arm_index
-from .base import BaseStatistics, base_settings, base_statistics, build_base
+from .base import BaseStatistics, base_settings, base_statistics, build_base, write_task_files
 from .options import AblateOptions
 
 DONE_MARKER = "arm.json"
@@ -47,7 +48,9 @@ def arm_run_dir(out: Path, arm: Arm, seed: int) -> Path:
 
 def planned_runs(base: Config, opts: AblateOptions, base_dir: Path) -> list[tuple[Arm, int, Config]]:
     """(arm, seed, config) of every run, in ladder order, seeds inner."""
+    train_file, val_file = write_task_files(base, Path(opts.out) / "data")
     common = merge(base, {"model": {"path": str(base_dir.resolve())},
+                          "data": {"train_files": [str(train_file.resolve())], "val_files": [str(val_file.resolve())]},
                           "checkpoint": {"resume": "auto", "export_hf": False},
                           "logging": {"progress": opts.step_lines}})
     out = Path(opts.out)
