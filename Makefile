@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml
 demo: setup  ## the main job on the built-in default: DAPO on the toy task, a few minutes on a laptop CPU
 	$(VENV)/bin/flashdapo train
 
+# One rerun, only for a rank that aborted in C++ thread teardown ("terminate called without an active
+# exception", seen once in a 2-rank gloo test and not reproduced in 8 reruns); every other failure fails.
+# Given here, not in pyproject's addopts, so that pytest runs where pytest-rerunfailures is absent (the GPU image).
 test: setup  ## the whole suite (GPU/vLLM cases skip with a reason where they cannot run)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --reruns 1 --only-rerun 'terminate called without an active exception'
 
 test-fast: setup
 	$(VENV)/bin/pytest -m "not slow and not distributed"

@@ -3,18 +3,16 @@ naive log-probs in float64, then the DAPO token loss on them."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+from kernel_accuracy import impl_params
 
 from flashdapo.algorithm import token_loss
 from flashdapo.config import AlgorithmConfig
 from flashdapo.kernels import CHUNKED_IMPLS, token_logprobs
 from flashdapo.kernels.fused import fused_token_loss
 
-_NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-IMPLS = [pytest.param(i, marks=_NO_TRITON) if i == "triton" else i for i in CHUNKED_IMPLS]
+IMPLS = impl_params(CHUNKED_IMPLS)
 ALGO = AlgorithmConfig()
 
 
