@@ -17,7 +17,7 @@ outer: per vocabulary chunk c (fixed order)
 Operands: impl="torch" computes in fp32 (fp64 when both inputs are fp64, for gradcheck); impl="triton"
 in the inputs' dtype as autocast would pick it (bf16/fp16 tensor cores, fp32 results). fp16 dz is scaled
 by a power of two before the cast so that realistic gradients (|g| ~ 1e-6) do not underflow; the scale
-is divided out of the fp32 results exactly.
+is divided out exactly, as the GEMMs' alpha on their fp32 accumulators.
 """
 
 from __future__ import annotations

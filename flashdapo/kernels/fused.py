@@ -4,14 +4,14 @@ A per-token loss (the DAPO token loss with its global normalizer) has dL/dlogp_i
 i's own log-prob, so the gradient can be formed in the sweep that computes the log-probs (Liger's
 approach): per token chunk t, keep its logit tiles z = h_t W^T (fp32) for the whole vocabulary, merge
 their statistics into logp_t, ask the loss for g_t = dL/dlogp_t (autograd on the chunk's [C] vector),
-then form dz from the kept tiles and accumulate dh_t = dz W and dW += dz^T h_t. That is 6 N H V FLOPs
-instead of the generic path's 8 (no recompute), at the cost of holding a [C, V] fp32 tile set and an
-fp32 dW accumulator, and of reading and writing dW once per token chunk.
+then turn the kept tiles into dz and accumulate dh_t += dz W and dW += dz^T h_t inside the GEMMs. That is
+6 N H V FLOPs instead of the generic path's 8 (no recompute), at the cost of holding a [C, V] fp32 tile
+set (C from a memory budget) and, for 16-bit W, an fp32 dW accumulator.
 
-The gradients are computed in the forward; the backward only scales them by the upstream gradient of
-the loss (a scalar). Rows outside `keep` (loss mask 0) are dropped before any matmul, and rows of a chunk
-whose g is exactly zero (clipped tokens) before the backward matmuls. Fixed chunk order, no atomics:
-same inputs, same bits.
+The gradients are computed in the forward, in their final dtypes; the backward hands them on, scaled in
+place by the loss's upstream gradient. Rows outside `keep` (loss mask 0) are dropped before any matmul,
+and rows of a chunk whose g is exactly zero (clipped tokens) before the backward matmuls. Fixed chunk
+order, no atomics: same inputs, same bits. docs/kernels.md has the design and its cost.
 """
 
 from __future__ import annotations
