@@ -104,6 +104,13 @@ def environment(report: Report, device: str) -> None:
     except (OSError, subprocess.TimeoutExpired) as err:
         smi = f"nvidia-smi not available ({type(err).__name__})"
     report.row("environment", item=query, value=smi or "nvidia-smi printed nothing")
+    if device == "cuda":
+        from flashdapo.kernels import gemm
+
+        acc = torch.zeros(64, 64, device="cuda")
+        gemm.mm_acc_(acc, *(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
+        report.row("environment", item="dh accumulated inside the GEMM (addmm out_dtype, fp32 self)",
+                   value="no: mm + add_ (" + gemm._FP32_INPUT_REFUSED[0][:100] + ")" if gemm._FP32_INPUT_REFUSED else "yes")
     for name in OPTIONAL:
         if importlib.util.find_spec(name) is None:
             report.row("environment", item=name, value="missing (its rows skip)")
@@ -287,6 +294,9 @@ def measure_provider(report: Report, name: str, shape, device: str, reps: int = 
     except torch.OutOfMemoryError:
         report.row("providers", shape=label, provider=name, status="OOM")
         return
+    except Exception as err:  # one provider failing must not cost the others their rows
+        report.row("providers", shape=label, provider=name, status=f"failed: {type(err).__name__}: {str(err)[:200]}")
+        return
     finally:
         h.grad = w.grad = None
         _free(device)
@@ -343,7 +353,8 @@ def profile_step(report: Report, device: str, shape) -> None:
             _step_ms(fwd, bwd, h, w, device)
         per_kernel = {}
         for evt in prof.key_averages():
-            us = evt.self_device_time_total if device == "cuda" else evt.self_cpu_time_total
+            us = (getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+                  if device == "cuda" else evt.self_cpu_time_total)
             if us > 0:
                 per_kernel[evt.key] = per_kernel.get(evt.key, 0.0) + us / 1e3
         total = sum(per_kernel.values()) or 1.0
