@@ -76,12 +76,13 @@ def _chunk_grads(ops, tiles, h_t, w, y_t, stats, g, temperature, bv, out):
     direct = dh_t is not None and dense and dh_t.dtype == m.dtype  # accumulate into dh itself
     dh_a = dh_t if direct or dh_t is None else torch.zeros(h_a.shape, dtype=m.dtype, device=h_t.device)
     in_place = h_t.dtype == m.dtype
-    buf = None if in_place else torch.empty((h_a.shape[0], bv), dtype=h_t.dtype, device=h_t.device)
+    buf = None if in_place else torch.empty(h_a.shape[0] * bv, dtype=h_t.dtype, device=h_t.device)
     for i, v0 in enumerate(range(0, w.shape[0], bv)):
         w_c, z = w[v0 : v0 + bv], pick(tiles[i])
         tiles[i] = None  # free the chunk's tiles as they are used
-        dz = ops.tile_grad(z, y_a - v0, (m_a, log_s_a, None), g_a, None, temperature,
-                           z if in_place else buf[:, : w_c.shape[0]])
+        # the 16-bit buffer's first rows x width elements as a contiguous tile (the last tile is narrower)
+        out = z if in_place else buf[: z.numel()].view(z.shape)
+        dz = ops.tile_grad(z, y_a - v0, (m_a, log_s_a, None), g_a, None, temperature, out)
         if dh_a is not None:
             mm_acc_(dh_a, dz, w_c, alpha=1.0 / scale)
         if dw_acc is not None:
