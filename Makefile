@@ -31,8 +31,11 @@ demo: setup  ## the main job on the built-in default: DAPO on the toy task, a fe
 ablate: setup  ## the paper's ablation ladder (6 arms x 3 seeds) on the scratchpad task: runs/ablate/ablation.{md,png}
 	$(VENV)/bin/flashdapo ablate $(ABLATE_ARGS)
 
+# One rerun, only for a rank that aborted in C++ thread teardown ("terminate called without an active
+# exception", seen once in a 2-rank gloo test and not reproduced in 8 reruns); every other failure fails.
+# Given here, not in pyproject's addopts, so that pytest runs where pytest-rerunfailures is absent (the GPU image).
 test: setup  ## the whole suite (GPU/vLLM cases skip with a reason where they cannot run)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --reruns 1 --only-rerun 'terminate called without an active exception'
 
 test-fast: setup
 	$(VENV)/bin/pytest -m "not slow and not distributed"

@@ -85,8 +85,9 @@ def fused_loss_default(impl: str, device: torch.device) -> bool:
     """Whether a training loss should run through `fused_token_loss` rather than token_logprobs + loss.
 
     Chosen by measurement and model (bench/results/NOTES.md): on CPU the fused sweep (6 NHV) is the
-    faster; on CUDA the generic path keeps the extra memory ~18x below naive at the 7B shape, where the
-    fused sweep's [C, V] tile set and fp32 dW accumulator would take ~5x more. naive has no fused form.
+    faster; on CUDA the generic path keeps the extra memory ~22x below naive at the 7B shape (1.6 GB,
+    modelled), where the fused sweep's [C, V] tile set and fp32 dW accumulator take ~3x more (4.5 GB) for
+    a modelled 22% less time. naive has no fused form.
     """
     return device.type != "cuda" and resolve_impl(impl, device) in CHUNKED_IMPLS
 

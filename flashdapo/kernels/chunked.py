@@ -7,16 +7,17 @@ The math and the chunk plan are written out in docs/kernels.md.
 Forward, per vocabulary chunk c (fixed order) and token chunk t:
     z = h_t W_c^T (fp32 result), then one elementwise pass merges the tile's per-row online statistics
     (max, sum exp, sum p z, z_y) into the running ones. Only m, log s and the entropy are saved: O(N).
-Backward, over the rows whose upstream gradient is not zero (one host sync compacts them), per
-vocabulary chunk c and token chunk t:
-    recompute z; one elementwise pass forms dz (the one-hot term added in fp32) in the dot dtype;
-    dW_c += dz^T h_t into an fp32 slab written once into dW per chunk; dh_t += dz W_c into fp32.
-    Every sum runs in a fixed order: same inputs, same bits.
+Backward, over the rows whose upstream gradient is not zero (one host sync compacts them), vocabulary
+outer: per vocabulary chunk c (fixed order)
+    recompute z tile by tile over the live rows; one elementwise pass forms dz (the one-hot term added in
+    fp32) in the dot dtype into ONE buffer [live rows, chunk]; then dW_c = dz^T h as one GEMM over all live
+    rows, written once in W's dtype, and dh += dz W_c accumulated inside the GEMM (fp32). Library GEMMs
+    only, no fp32 dW slab, no separate add kernels, no atomics: same inputs, same bits.
 
 Operands: impl="torch" computes in fp32 (fp64 when both inputs are fp64, for gradcheck); impl="triton"
 in the inputs' dtype as autocast would pick it (bf16/fp16 tensor cores, fp32 results). fp16 dz is scaled
 by a power of two before the cast so that realistic gradients (|g| ~ 1e-6) do not underflow; the scale
-is divided out of the fp32 results exactly.
+is divided out exactly, as the GEMMs' alpha on their fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -27,15 +28,19 @@ from dataclasses import dataclass
 import torch
 
 from . import tile_ops
+from .gemm import HALF, mm_acc_, mm_f32, mm_into_
 
 # Logit tile elements (token rows x vocabulary columns). CPU: 1 Mi fp32 elements (4 MiB) keep the
 # elementwise passes in L2/L3 (measured: 0.5-1 Mi 2.85 s, 4 Mi 3.1 s, 16 Mi 3.7 s at N=8192, H=256,
 # V=32768 on a 2-core EPYC; bench/results/NOTES.md), 512-row chunks are the dW matmul's K.
-# CUDA: 32 Mi elements (128 MiB fp32 z + 64 MiB bf16 dz) of 8192 vocabulary columns: matmuls of
-# M x 8192 x H stay near cuBLAS's peak while the extra memory stays ~20x below naive at the 7B shape.
+# CUDA: 32 Mi elements (128 MiB fp32 z) of 4096 vocabulary columns: GEMMs of M x 4096 x H and the
+# backward's 4096 x H x N run near cuBLAS's peak at a few hundred MB of workspace.
 CPU_TILE_ELEMS, CPU_CHUNK_TOKENS = 1 << 20, 512
-CUDA_TILE_ELEMS, CUDA_CHUNK_VOCAB = 1 << 25, 8192
-_HALF = (torch.bfloat16, torch.float16)
+CUDA_TILE_ELEMS, CUDA_CHUNK_VOCAB = 1 << 25, 4096
+# The backward's dz buffer [live rows, vocabulary chunk]: its byte budget narrows the chunk (of forward
+# and backward) when there are many rows (7B, N=16384: 4096 bf16 columns = 128 MiB; CPU fp32, N=8192:
+# 512 columns = 16 MiB, tiles of 2048 x 512).
+CPU_DZ_BYTES, CUDA_DZ_BYTES, MIN_BACKWARD_VOCAB = 16 << 20, 256 << 20, 256
 
 
 @dataclass(frozen=True)
@@ -46,19 +51,23 @@ class Plan:
     chunk_vocab: int
 
 
-def plan_chunks(num_tokens: int, vocab: int, device_type: str, tile_elems: int | None = None) -> Plan:
-    """The tile of a call: <= tile_elems elements (default per device), the whole vocabulary if it fits."""
+def plan_chunks(num_tokens: int, vocab: int, device_type: str, tile_elems: int | None = None,
+                dz_bytes: int = 4) -> Plan:
+    """The tile of a call, for forward and backward alike: <= tile_elems elements (default per device), the
+    whole vocabulary if it fits, and few enough columns that the backward's dz buffer [N, chunk] of
+    `dz_bytes` elements stays within the device's budget (never below MIN_BACKWARD_VOCAB columns).
+
+    Forward and backward use the same tiles so that the recomputed logits are bitwise the forward's: p is
+    then consistent with the saved m and log s, which near-one-hot rows (T = 0.05) need, as 1 - p_y would
+    otherwise carry the rounding difference of two GEMM shapes (~eps |z| / T)."""
     if device_type == "interpret":  # Triton's interpreter: tiny tiles, so tests cover every merge path
         return Plan(max(1, min(num_tokens, 16)), max(1, min(vocab, 32)))
     tile = tile_elems or (CUDA_TILE_ELEMS if device_type == "cuda" else CPU_TILE_ELEMS)
-    if device_type == "cuda":
-        bv = max(1, min(vocab, CUDA_CHUNK_VOCAB))
-        return Plan(max(1, min(num_tokens, tile // bv)), bv)
-    bn = max(1, min(num_tokens, CPU_CHUNK_TOKENS))
-    bv = max(1, min(vocab, tile // bn))
-    if bv == vocab:  # the whole vocabulary fits: take as many rows as the tile holds
-        bn = max(1, min(num_tokens, tile // vocab))
-    return Plan(bn, bv)
+    budget = CUDA_DZ_BYTES if device_type == "cuda" else CPU_DZ_BYTES
+    fit = max(MIN_BACKWARD_VOCAB, budget // max(1, num_tokens * dz_bytes))
+    widest = CUDA_CHUNK_VOCAB if device_type == "cuda" else tile // max(1, min(num_tokens, CPU_CHUNK_TOKENS))
+    bv = max(1, min(vocab, widest, fit))
+    return Plan(max(1, min(num_tokens, tile // bv)), bv)
 
 
 def operand_dtype(impl: str, h_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
@@ -68,24 +77,9 @@ def operand_dtype(impl: str, h_dtype: torch.dtype, w_dtype: torch.dtype) -> torc
         return torch.float64 if h_dtype == w_dtype == torch.float64 else torch.float32
     if h_dtype == w_dtype:
         return torch.float32 if h_dtype == torch.float64 else h_dtype
-    if (h_dtype in _HALF) != (w_dtype in _HALF):
-        return h_dtype if h_dtype in _HALF else w_dtype
+    if (h_dtype in HALF) != (w_dtype in HALF):
+        return h_dtype if h_dtype in HALF else w_dtype
     return torch.float32
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result for 16-bit operands (cuBLAS out_dtype; upcast on CPU), else a's dtype."""
-    if a.dtype in _HALF:
-        return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
-    return a @ b
-
-
-def _mm_add(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
-    """acc += alpha a @ b (fp32/fp64 acc)."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b, alpha=alpha)
-    else:
-        acc.add_(_mm(a, b), alpha=alpha)
 
 
 def _ops(impl: str):
@@ -105,7 +99,7 @@ def _forward(h, w, y, temperature, with_entropy, plan, impl):
         w_c, y_local = w[v0 : v0 + plan.chunk_vocab], y - v0
         for r0 in range(0, n, plan.chunk_tokens):
             rows = slice(r0, r0 + plan.chunk_tokens)
-            z = _mm(h[rows], w_c.T)
+            z = mm_f32(h[rows], w_c.T)
             ops.tile_stats(z, y_local[rows], (m[rows], s[rows], u[rows], z_y[rows]), v0 == 0, temperature,
                            with_entropy)
     log_s = torch.log(s)
@@ -141,9 +135,17 @@ def _check_targets(y_act: torch.Tensor, vocab: int) -> None:
                          "give ignored rows (e.g. target -100) a zero upstream gradient")
 
 
+def _grad_scale(g, ge, temperature, fp16: bool, vocab: int):
+    """(g, ge) multiplied by scale / T, and 1 / scale: the GEMMs' alpha that divides the scale out."""
+    scale = _fp16_scale(g, ge, vocab) if fp16 and g.numel() else 1.0
+    g = g * (scale / temperature)  # 1/T of dz and the fp16 scale: N multiplies, not N V
+    return g, (ge * (scale / temperature) if ge is not None else None), 1.0 / scale
+
+
 def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl):
     """dh [n_act, H] (fp32/fp64) or None, dW [V, H] in w's dtype (each chunk written once) or None, and
-    the active rows."""
+    the active rows. Vocabulary outer: per chunk, dz of all live rows goes into one buffer, then
+    dW[chunk] = dz^T h (one GEMM, K = live rows) and dh += dz W[chunk] (accumulated in the GEMM)."""
     ops, vocab = _ops(impl), w.shape[0]
     rows = _active_rows(grad_logp, grad_ent, h.shape[0], h.device)
     y_a = y[rows]
@@ -151,38 +153,31 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl
     dense = rows.numel() == h.shape[0]
     h_a = h if dense else h[rows]
     m, log_s, ent = (None if t is None else (t if dense else t[rows]) for t in stats)
-    sdtype = m.dtype
-    zeros = torch.zeros(rows.numel(), dtype=sdtype, device=h.device)
-    g = grad_logp.to(sdtype)[rows] if grad_logp is not None else zeros
-    ge = grad_ent.to(sdtype)[rows] if grad_ent is not None else None
-    scale = _fp16_scale(g, ge, vocab) if h.dtype == torch.float16 and rows.numel() else 1.0
-    g = g * (scale / temperature)  # 1/T of dz and the fp16 scale: N multiplies, not N V
-    ge = ge * (scale / temperature) if ge is not None else None
+    zeros = torch.zeros(rows.numel(), dtype=m.dtype, device=h.device)
+    g = grad_logp.to(m.dtype)[rows] if grad_logp is not None else zeros
+    ge = grad_ent.to(m.dtype)[rows] if grad_ent is not None else None
+    g, ge, alpha = _grad_scale(g, ge, temperature, h.dtype == torch.float16, vocab)
     n_act, hdim = h_a.shape
-    dh = torch.zeros((n_act, hdim), dtype=sdtype, device=h.device) if need[0] else None
+    dh = torch.zeros((n_act, hdim), dtype=m.dtype, device=h.device) if need[0] else None
     dw = (torch.empty_like(w) if n_act else torch.zeros_like(w)) if need[1] else None
     if n_act == 0:
         return dh, dw, rows
-    one_chunk = n_act <= plan.chunk_tokens  # dW_c in one matmul: no fp32 slab to accumulate
-    for v0 in range(0, vocab, plan.chunk_vocab):
-        w_c, y_local = w[v0 : v0 + plan.chunk_vocab], y_a - v0
-        dw_c = None if one_chunk or not need[1] else torch.zeros((w_c.shape[0], hdim), dtype=sdtype, device=h.device)
-        for r0 in range(0, n_act, plan.chunk_tokens):
-            r = slice(r0, r0 + plan.chunk_tokens)
-            z = _mm(h_a[r], w_c.T)
-            dz = ops.tile_grad(z, y_local[r], (m[r], log_s[r], None if ge is None else ent[r]), g[r],
-                               None if ge is None else ge[r], temperature, h.dtype)
+    bv, bn = plan.chunk_vocab, plan.chunk_tokens  # the forward's tiles: the same z, bit for bit
+    dz_buf = torch.empty(n_act * bv, dtype=h.dtype, device=h.device)
+    in_place = h.dtype == m.dtype  # fp32/fp64 dz: the GEMM writes z into the buffer, the pass overwrites it
+    for v0 in range(0, vocab, bv):
+        w_c, y_local = w[v0 : v0 + bv], y_a - v0
+        dz = dz_buf[: n_act * w_c.shape[0]].view(n_act, w_c.shape[0])
+        for r0 in range(0, n_act, bn):
+            r = slice(r0, r0 + bn)
+            z = torch.mm(h_a[r], w_c.T, out=dz[r]) if in_place else mm_f32(h_a[r], w_c.T)
+            ops.tile_grad(z, y_local[r], (m[r], log_s[r], None if ge is None else ent[r]), g[r],
+                          None if ge is None else ge[r], temperature, dz[r])
             del z
-            if need[0]:
-                _mm_add(dh[r], dz, w_c)
-            if need[1] and one_chunk:
-                dw_c = _mm(dz.T, h_a[r])
-            elif need[1]:
-                _mm_add(dw_c, dz.T, h_a[r])
         if need[1]:
-            dw[v0 : v0 + plan.chunk_vocab] = dw_c.mul_(1.0 / scale) if scale != 1.0 else dw_c
-    if dh is not None and scale != 1.0:
-        dh.mul_(1.0 / scale)
+            mm_into_(dw[v0 : v0 + bv], dz.T, h_a, alpha)
+        if need[0]:
+            mm_acc_(dh, dz, w_c, alpha)
     return dh, dw, rows
 
 
@@ -205,15 +200,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):
         hidden, weight, targets, m, log_s, entropy = ctx.saved_tensors
         need = ctx.needs_input_grad[:2]
-        dh_out = torch.zeros_like(hidden) if need[0] else None
+        dh_out = None
         if not any(need) or (grad_logp is None and grad_ent is None):
-            return dh_out, (torch.zeros_like(weight) if need[1] else None), None, None, None, None, None
+            zeros = torch.zeros_like(hidden) if need[0] else None
+            return zeros, (torch.zeros_like(weight) if need[1] else None), None, None, None, None, None
         dtype = operand_dtype(ctx.impl, hidden.dtype, weight.dtype)
         h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
         dh, dw, rows = _backward(h, w, targets, (m, log_s, entropy), grad_logp, grad_ent, ctx.temperature,
                                  need, ctx.plan, ctx.impl)
-        if need[0]:
-            dh_out[rows] = dh.to(hidden.dtype)
+        if need[0] and rows.numel() == hidden.shape[0]:
+            dh_out = dh.to(hidden.dtype)  # every row live: no scatter (no copy at all for fp32)
+        elif need[0]:
+            dh_out = torch.zeros_like(hidden).index_copy_(0, rows, dh.to(hidden.dtype))
         return dh_out, (dw.to(weight.dtype) if need[1] else None), None, None, None, None, None
 
 
@@ -246,7 +244,8 @@ def chunked_token_logprobs(
             raise RuntimeError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing "
                                "triton (CPU, small shapes only); use impl='torch' on CPU")
         device_type = "interpret"
-    plan = plan_chunks(hidden.shape[0], weight.shape[0], device_type, tile_elems)
+    dz_bytes = operand_dtype(impl, hidden.dtype, weight.dtype).itemsize
+    plan = plan_chunks(hidden.shape[0], weight.shape[0], device_type, tile_elems, dz_bytes)
     plan = Plan(max(1, chunk_tokens or plan.chunk_tokens),
                 max(1, min(weight.shape[0], chunk_vocab or plan.chunk_vocab)))
     return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), bool(with_entropy), plan, impl)

@@ -4,14 +4,14 @@ A per-token loss (the DAPO token loss with its global normalizer) has dL/dlogp_i
 i's own log-prob, so the gradient can be formed in the sweep that computes the log-probs (Liger's
 approach): per token chunk t, keep its logit tiles z = h_t W^T (fp32) for the whole vocabulary, merge
 their statistics into logp_t, ask the loss for g_t = dL/dlogp_t (autograd on the chunk's [C] vector),
-then form dz from the kept tiles and accumulate dh_t = dz W and dW += dz^T h_t. That is 6 N H V FLOPs
-instead of the generic path's 8 (no recompute), at the cost of holding a [C, V] fp32 tile set and an
-fp32 dW accumulator, and of reading and writing dW once per token chunk.
+then turn the kept tiles into dz and accumulate dh_t += dz W and dW += dz^T h_t inside the GEMMs. That is
+6 N H V FLOPs instead of the generic path's 8 (no recompute), at the cost of holding a [C, V] fp32 tile
+set (C from a memory budget) and, for 16-bit W, an fp32 dW accumulator.
 
-The gradients are computed in the forward; the backward only scales them by the upstream gradient of
-the loss (a scalar). Rows outside `keep` (loss mask 0) are dropped before any matmul, and rows of a chunk
-whose g is exactly zero (clipped tokens) before the backward matmuls. Fixed chunk order, no atomics:
-same inputs, same bits.
+The gradients are computed in the forward, in their final dtypes; the backward hands them on, scaled in
+place by the loss's upstream gradient. Rows outside `keep` (loss mask 0) are dropped before any matmul,
+and rows of a chunk whose g is exactly zero (clipped tokens) before the backward matmuls. Fixed chunk
+order, no atomics: same inputs, same bits. docs/kernels.md has the design and its cost.
 """
 
 from __future__ import annotations
@@ -20,58 +20,84 @@ from collections.abc import Callable
 
 import torch
 
-from .chunked import _check_targets, _fp16_scale, _mm, _mm_add, _ops, operand_dtype, plan_chunks
+from .chunked import Plan, _check_targets, _fp16_scale, _ops, operand_dtype, plan_chunks
+from .gemm import mm_acc_, mm_f32
 
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+# Byte budget of one token chunk's fp32 tile set [C, V]: C follows from it (a multiple of 64 rows when
+# more than 128 fit). CPU: 64 MiB (512 rows at V=32768: the forward GEMM's M; 256 rows ran it at 0.6x the
+# rate, measured on the 2-core EPYC), which puts the sweep's extra memory at the gradients plus ~80 MB;
+# CUDA: 2 GiB (3456 rows at V=152064), so that the fp32 dW accumulator's traffic per chunk stays inside
+# compute-bound GEMMs (K = C). Vocabulary tiles of 4096 columns on both.
+CPU_TILESET_BYTES, CUDA_TILESET_BYTES, TILE_VOCAB = 64 << 20, 2 << 30, 4096
+
+
+def fused_chunk_tokens(num_tokens: int, vocab: int, device_type: str) -> int:
+    """Token rows per chunk of the fused sweep: as many as the device's tile-set budget holds."""
+    if device_type == "interpret":
+        return max(1, min(num_tokens, 16))
+    budget = CUDA_TILESET_BYTES if device_type == "cuda" else CPU_TILESET_BYTES
+    rows = budget // (4 * max(1, vocab))
+    rows = rows - rows % 64 if rows >= 128 else max(1, rows)
+    return max(1, min(num_tokens, rows))
+
 
 def _chunk_logprobs(ops, h_t, w, y_t, temperature, bv):
-    """The chunk's logit tiles (kept) and its logp, entropy, m, log s."""
+    """The chunk's logit tiles (kept, unchanged) and its logp, entropy, m, log s."""
     n, sdtype = h_t.shape[0], (torch.float64 if h_t.dtype == torch.float64 else torch.float32)
     m, s, u, z_y = (torch.empty(n, dtype=sdtype, device=h_t.device) for _ in range(4))
     tiles = []
     for v0 in range(0, w.shape[0], bv):
-        z = _mm(h_t, w[v0 : v0 + bv].T)
+        z = mm_f32(h_t, w[v0 : v0 + bv].T)
         tiles.append(z)
-        ops.tile_stats(z.clone() if ops.STATS_OVERWRITES_Z else z, y_t - v0, (m, s, u, z_y), v0 == 0, temperature,
-                       True)
+        ops.tile_stats(z, y_t - v0, (m, s, u, z_y), v0 == 0, temperature, True, keep_z=True)
     log_s = torch.log(s)
     return tiles, (z_y - m) - log_s, log_s - u / s, m, log_s
 
 
-def _chunk_grads(ops, tiles, h_t, w, y_t, stats, g, temperature, bv, acc):
-    """dh_t (returned, fp32) and dW += dz^T h_t (into acc) over the chunk's rows with g != 0."""
+def _chunk_grads(ops, tiles, h_t, w, y_t, stats, g, temperature, bv, out):
+    """dh of the chunk's rows into out[0] (a [C, H] view of dh, final dtype) and dW += dz^T h_t into
+    out[1] (the fp32 accumulator), over the rows with g != 0. Each tile is turned into dz in place when
+    the dot dtype is its own (fp32), else into one reused 16-bit buffer; both GEMMs accumulate inside."""
     m, log_s = stats
+    dh_t, dw_acc = out
     act = torch.nonzero(g).squeeze(1)  # one host sync per chunk
     _check_targets(y_t[act], w.shape[0])
-    dh_t = torch.zeros(h_t.shape, dtype=m.dtype, device=h_t.device) if acc[0] else None
+    if dh_t is not None:
+        dh_t.zero_()
     if act.numel() == 0:
-        return dh_t
+        return
     dense = act.numel() == h_t.shape[0]
     pick = (lambda t: t) if dense else (lambda t: t.index_select(0, act))
     h_a, y_a, m_a, log_s_a = pick(h_t), pick(y_t), pick(m), pick(log_s)
     scale = _fp16_scale(g[act], None, w.shape[0]) if h_t.dtype == torch.float16 else 1.0
     g_a = pick(g) * (scale / temperature)
-    dh_a = torch.zeros(h_a.shape, dtype=m.dtype, device=h_t.device) if acc[0] else None
+    direct = dh_t is not None and dense and dh_t.dtype == m.dtype  # accumulate into dh itself
+    dh_a = dh_t if direct or dh_t is None else torch.zeros(h_a.shape, dtype=m.dtype, device=h_t.device)
+    in_place = h_t.dtype == m.dtype
+    buf = None if in_place else torch.empty(h_a.shape[0] * bv, dtype=h_t.dtype, device=h_t.device)
     for i, v0 in enumerate(range(0, w.shape[0], bv)):
-        w_c = w[v0 : v0 + bv]
-        dz = ops.tile_grad(pick(tiles[i]), y_a - v0, (m_a, log_s_a, None), g_a, None, temperature, h_t.dtype)
+        w_c, z = w[v0 : v0 + bv], pick(tiles[i])
         tiles[i] = None  # free the chunk's tiles as they are used
-        if acc[0]:
-            _mm_add(dh_a, dz, w_c)
-        if acc[1] is not None:
-            _mm_add(acc[1][v0 : v0 + bv], dz.T, h_a, alpha=1.0 / scale)
-    if acc[0]:
-        dh_t[act] = dh_a.mul_(1.0 / scale) if scale != 1.0 else dh_a
-    return dh_t
+        # the 16-bit buffer's first rows x width elements as a contiguous tile (the last tile is narrower)
+        out = z if in_place else buf[: z.numel()].view(z.shape)
+        dz = ops.tile_grad(z, y_a - v0, (m_a, log_s_a, None), g_a, None, temperature, out)
+        if dh_a is not None:
+            mm_acc_(dh_a, dz, w_c, alpha=1.0 / scale)
+        if dw_acc is not None:
+            mm_acc_(dw_acc[v0 : v0 + bv], dz.T, h_a, alpha=1.0 / scale)
+    if dh_a is not None and not direct:
+        dh_t.index_copy_(0, act, dh_a.to(dh_t.dtype))
 
 
-def _sweep(h, w, y, loss_fn, temperature, need, impl, plan):
-    """(loss, logp, entropy, dh fp32 or None, dW fp32 or None) over the rows of h (already kept)."""
+def _sweep(h, w, y, loss_fn, temperature, need, impl, plan, grad_dtypes):
+    """(loss, logp, entropy, dh or None, dW or None) over the rows of h (already kept); dh and dW in
+    grad_dtypes (the inputs' dtypes), dW through an fp32 accumulator only when its dtype is 16-bit."""
     ops, n = _ops(impl), h.shape[0]
     sdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
     logp, entropy = (torch.empty(n, dtype=sdtype, device=h.device) for _ in range(2))
-    dh = torch.zeros(h.shape, dtype=sdtype, device=h.device) if need[0] else None
+    dh = torch.empty(h.shape, dtype=grad_dtypes[0], device=h.device) if need[0] else None
     dw = torch.zeros(w.shape, dtype=sdtype, device=h.device) if need[1] else None
     loss = torch.zeros((), dtype=sdtype, device=h.device)
     for r0 in range(0, n, plan.chunk_tokens):
@@ -85,32 +111,42 @@ def _sweep(h, w, y, loss_fn, temperature, need, impl, plan):
         loss += chunk_loss.detach()
         if any(need) and chunk_loss.requires_grad:
             (g,) = torch.autograd.grad(chunk_loss, lp)
-            dh_t = _chunk_grads(ops, tiles, h_t, w, y_t, (m, log_s), g.to(sdtype), temperature,
-                                plan.chunk_vocab, (need[0], dw))
-            if need[0]:
-                dh[rows] = dh_t
+            _chunk_grads(ops, tiles, h_t, w, y_t, (m, log_s), g.to(sdtype), temperature, plan.chunk_vocab,
+                         (dh[rows] if need[0] else None, dw))
+        elif need[0]:
+            dh[rows].zero_()
+        del tiles
+    if dw is not None and dw.dtype != grad_dtypes[1]:
+        dw = dw.to(grad_dtypes[1])  # the fp32 accumulator is freed here, before backward
     return loss, logp, entropy, dh, dw
 
 
 class _FusedTokenLoss(torch.autograd.Function):
-    """loss with dh, dW formed in the forward; backward scales them by the loss's upstream gradient."""
+    """loss with dh, dW formed in the forward; backward hands them on, scaled in place by the loss's
+    upstream gradient (no second full-size buffer; no pass at all when that gradient is 1)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, loss_fn, temperature, impl, plan):
         dtype = operand_dtype(impl, hidden.dtype, weight.dtype)
         h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
         need = tuple(ctx.needs_input_grad[:2])
-        loss, logp, entropy, dh, dw = _sweep(h, w, targets, loss_fn, temperature, need, impl, plan)
-        ctx.save_for_backward(dh, dw)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
+        loss, logp, entropy, dh, dw = _sweep(h, w, targets, loss_fn, temperature, need, impl, plan,
+                                             (hidden.dtype, weight.dtype))
+        ctx.grads = [dh, dw]  # not save_for_backward: handed on (and freed) by the one backward
         ctx.mark_non_differentiable(logp, entropy)
         return loss.to(torch.float64 if dtype == torch.float64 else torch.float32), logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        dh, dw = ctx.saved_tensors
-        dh = (dh * grad_loss).to(ctx.dtypes[0]) if dh is not None else None
-        dw = (dw * grad_loss).to(ctx.dtypes[1]) if dw is not None else None
+        if ctx.grads is None:
+            raise RuntimeError("fused_token_loss: backward through the same loss twice is not supported "
+                               "(its gradients are handed on by the first backward)")
+        dh, dw = ctx.grads
+        ctx.grads = None
+        if not bool(grad_loss == 1):  # one host sync; d(loss)/d(loss) = 1 is the usual case
+            for grad in (dh, dw):
+                if grad is not None:
+                    grad.mul_(grad_loss.to(grad.dtype))
         return dh, dw, None, None, None, None, None
 
 
@@ -144,8 +180,9 @@ def fused_token_loss(
     else:
         kept, h_k, y_k = None, hidden, targets
     device_type = "interpret" if impl == "triton" and hidden.device.type != "cuda" else hidden.device.type
-    plan = plan_chunks(h_k.shape[0], weight.shape[0], device_type)
-    plan = type(plan)(chunk_tokens or plan.chunk_tokens, min(weight.shape[0], chunk_vocab or plan.chunk_vocab))
+    rows = chunk_tokens or fused_chunk_tokens(h_k.shape[0], weight.shape[0], device_type)
+    tile_vocab = plan_chunks(rows, weight.shape[0], "interpret").chunk_vocab if device_type == "interpret" else TILE_VOCAB
+    plan = Plan(rows, min(weight.shape[0], chunk_vocab or tile_vocab))
     loss, logp, entropy = _FusedTokenLoss.apply(h_k, weight, y_k, loss_fn, float(temperature), impl, plan)
     if kept is None:
         return loss, logp, entropy

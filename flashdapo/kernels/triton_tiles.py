@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-STATS_OVERWRITES_Z = False  # the kernels only read their tile
 
 
 @dataclass(frozen=True)
@@ -121,8 +120,10 @@ def _launch_args(n: int) -> tuple[tuple[int], dict]:
     return (triton.cdiv(n, c.block_r),), dict(BLOCK_R=c.block_r, BLOCK_V=c.block_v, num_warps=c.num_warps)
 
 
-def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy: bool) -> None:
-    """As `tile_ops.tile_stats` (z is only read here). y_local: int32 targets minus the chunk start."""
+def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy: bool,
+               keep_z: bool = False) -> None:
+    """As `tile_ops.tile_stats`; z is only read here whatever `keep_z` says. y_local: targets minus the
+    chunk start."""
     n, bv = z.shape
     if n == 0:
         return
@@ -132,14 +133,14 @@ def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy:
                         FIRST=first, WITH_ENT=with_entropy, **meta)
 
 
-def tile_grad(z, y_local, rowstats, g, ge, temperature: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """As `tile_ops.tile_grad`: dz [n, bv] in `out_dtype` from tile z (only read here)."""
+def tile_grad(z, y_local, rowstats, g, ge, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """As `tile_ops.tile_grad`: dz [n, bv] written into `out` (its dtype; z itself is fine) from tile z,
+    which is only read here."""
     n, bv = z.shape
-    dz = torch.empty((n, bv), dtype=out_dtype, device=z.device)
     if n == 0:
-        return dz
+        return out
     m, log_s, ent = rowstats
     grid, meta = _launch_args(n)
-    _grad_kernel[grid](z, dz, y_local, g, ge if ge is not None else g, m, log_s, ent if ent is not None else m,
+    _grad_kernel[grid](z, out, y_local, g, ge if ge is not None else g, m, log_s, ent if ent is not None else m,
                        n, bv, temperature, HAS_GE=ge is not None, **meta)
-    return dz
+    return out

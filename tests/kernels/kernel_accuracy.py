@@ -16,11 +16,27 @@ the envelope; worst 0.44 of this allowance). It is negligible next to 2 eps of a
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 from flashdapo.kernels import token_logprobs
 from flashdapo.kernels.chunked import chunked_token_logprobs
 from flashdapo.kernels.naive import naive_token_logprobs
+
+ON_CUDA = torch.cuda.is_available()
+# The triton case: skipped without triton; with a GPU it runs the compiled kernels, so it carries the
+# `cuda` mark (`pytest -m cuda` selects it); on a CPU it runs under the interpreter, unmarked.
+TRITON_MARKS = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+                *([pytest.mark.cuda] if ON_CUDA else [])]
+TRITON = pytest.param("triton", marks=TRITON_MARKS)
+
+
+def impl_params(impls) -> list:
+    """`impls` as pytest parameters, the triton one carrying TRITON_MARKS."""
+    return [TRITON if impl == "triton" else impl for impl in impls]
+
 
 EPS = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 SLACK = 2.0  # units of roundoff allowed beyond naive's own error (summation order differs)

@@ -1,8 +1,10 @@
 """Compile every Triton kernel of flashdapo.kernels for sm_90 at its shipped launch config, no GPU needed.
 
+Each variant is compiled twice: with the specialization the JIT applies at run time at the real shapes
+(16-byte divisibility of the pointers and of n, bv) and without it on the integers (ragged shapes).
 Run as a script (TRITON_INTERPRET must be unset, so the kernels are real JIT functions): prints one JSON
-line per compiled variant with ptxas's register, spill and shared-memory figures. Used by
-test_sm90_compile.py.
+line per compiled variant with ptxas's registers, spills, shared memory, the widest global load/store
+and the resident CTAs per SM. Used by test_sm90_compile.py.
 """
 
 from __future__ import annotations
@@ -49,6 +51,36 @@ def variants():
                    {"HAS_GE": has_ge, **block})
 
 
+def divisibility_attrs(signature: dict, specialized: bool) -> dict:
+    """What the JIT attaches at run time: 16-byte divisibility on every pointer (torch allocations are
+    aligned) and on integer arguments that are multiples of 16 (n and bv at every Qwen2.5 shape: 8192-row
+    tiles, 4096-column chunks, last chunks of 512 / 384 columns). `specialized=False` is the ragged case
+    (a prime V or an odd row count), which the JIT compiles without the hint on the integers."""
+    attrs = {}
+    for i, (name, ty) in enumerate(signature.items()):
+        if ty.startswith("*") or (specialized and name in ("n", "bv")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def vector_widths(ptx: str) -> dict:
+    """Widest global load and store in the PTX, in elements per instruction (1: scalar)."""
+    def widest(op):
+        found = re.findall(rf"{op}\.global(?:\.\w+)*?\.v(\d)", ptx)
+        return max((int(v) for v in found), default=1 if re.search(rf"{op}\.global", ptx) else 0)
+
+    return {"load_vector": widest("ld"), "store_vector": widest("st")}
+
+
+def ctas_per_sm(registers: int, shared: int, num_warps: int) -> int:
+    """Resident CTAs per Hopper SM: 64 Ki registers (allocated per warp in units of 256), 228 KB of shared
+    memory (1 KB reserved per CTA), 2048 threads, 32 CTAs."""
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * num_warps)
+    by_shared = (228 * 1024) // (shared + 1024)
+    return min(by_regs, by_shared, 2048 // (32 * num_warps), 32)
+
+
 def ptxas_report(ptx: str) -> dict:
     """Registers, spill bytes and static shared memory of one kernel, as ptxas -v prints them."""
     arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
@@ -72,10 +104,15 @@ def main() -> int:
         return 3
     for name, fn, sig, constexprs in variants():
         signature = {**sig, **{k: "constexpr" for k in constexprs}}
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                                options={"num_warps": num_warps})
-        report = {"kernel": name, "shared_bytes": kernel.metadata.shared, **ptxas_report(kernel.asm["ptx"])}
-        print(json.dumps(report), flush=True)
+        for specialized in (True, False):
+            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                            attrs=divisibility_attrs(signature, specialized))
+            kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+            ptx = kernel.asm["ptx"]
+            report = {"kernel": name, "specialized": specialized, "shared_bytes": kernel.metadata.shared,
+                      **ptxas_report(ptx), **vector_widths(ptx)}
+            report["ctas_per_sm"] = ctas_per_sm(report["registers"], report["shared_bytes"], num_warps)
+            print(json.dumps(report), flush=True)
     return 0
 
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from flashdapo.kernels.chunked import (
-    CPU_CHUNK_TOKENS,
     CUDA_CHUNK_VOCAB,
     Plan,
     chunked_token_logprobs,
@@ -41,12 +40,13 @@ def test_gradcheck_skipped_rows(seed):
 
 def test_plan_bounds_the_tile():
     tile = 1 << 20
-    assert plan_chunks(10_000, 1000, "cpu", tile) == Plan(1048, 1000)  # whole vocabulary: as many rows as fit
+    assert plan_chunks(1000, 1000, "cpu", tile) == Plan(1000, 1000)  # whole vocabulary: as many rows as fit
+    assert plan_chunks(10_000, 1000, "cpu", tile) == Plan(2502, 419)  # 10k rows: the 16 MiB dz budget
     plan = plan_chunks(10_000, 151_936, "cpu", tile)
-    assert plan.chunk_tokens == CPU_CHUNK_TOKENS and plan.chunk_tokens * plan.chunk_vocab <= tile
+    assert plan.chunk_vocab == 419 and plan.chunk_tokens * plan.chunk_vocab <= tile
     assert plan_chunks(3, 50, "cpu", tile) == Plan(3, 50)
     assert plan_chunks(100, 151_936, "cpu", tile) == Plan(100, 10485)
-    assert plan_chunks(16384, 152_064, "cuda") == Plan(4096, CUDA_CHUNK_VOCAB)  # 7B: 128 MiB fp32 tiles
+    assert plan_chunks(16384, 152_064, "cuda") == Plan(8192, CUDA_CHUNK_VOCAB)  # 7B: 128 MiB fp32 tiles
     assert plan_chunks(5, 100, "cuda") == Plan(5, 100)
 
 

@@ -3,18 +3,16 @@ naive log-probs in float64, then the DAPO token loss on them."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+from kernel_accuracy import impl_params
 
 from flashdapo.algorithm import token_loss
 from flashdapo.config import AlgorithmConfig
 from flashdapo.kernels import CHUNKED_IMPLS, token_logprobs
 from flashdapo.kernels.fused import fused_token_loss
 
-_NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-IMPLS = [pytest.param(i, marks=_NO_TRITON) if i == "triton" else i for i in CHUNKED_IMPLS]
+IMPLS = impl_params(CHUNKED_IMPLS)
 ALGO = AlgorithmConfig()
 
 
@@ -86,3 +84,30 @@ def test_fused_no_grad_and_fully_masked(seed):
     loss, _, _ = fused_token_loss(hh, w, y, fn, keep=torch.zeros_like(mask))
     loss.backward()
     assert loss.item() == 0.0 and (hh.grad == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("impl", impl_params(CHUNKED_IMPLS))
+def test_fused_16bit_inputs_match_float64(impl, dtype, seed):
+    """bf16/fp16 inputs: 16-bit dz tiles (the last one narrower than the rest: V = 97), the fp32 dW
+    accumulator cast once, dh cast per chunk. fp16 at gradients of ~1e-4 (normal in fp16) whose dz terms
+    p g ~ 1e-6 lie below fp16's normal range: the power-of-two scale keeps them, the GEMMs' alpha undoes it."""
+    h, w, y, old, adv, mask = _case(impl)
+    h, w = h.to(dtype), w.to(dtype)
+    small = dtype == torch.float16
+    scale = 1e-4 if small else 1.0
+    norm = mask.sum().double() / scale
+    fn = lambda lp, rows: token_loss(lp, old[rows], adv[rows], mask[rows], ALGO, normalizer=norm)[0]  # noqa: E731
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss, _, _ = fused_token_loss(hh, ww, y, fn, keep=mask, temperature=0.7, impl=impl)
+    loss.backward()
+    assert hh.grad.dtype == dtype and ww.grad.dtype == dtype
+    h64, w64 = h.double().cpu().requires_grad_(True), w.double().cpu().requires_grad_(True)
+    logp = token_logprobs(h64, w64, y.cpu(), temperature=0.7, impl="naive")
+    token_loss(logp, old.cpu(), adv.cpu(), mask.cpu(), ALGO, normalizer=norm.cpu())[0].backward()
+    eps = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]  # half an ulp: the final rounding
+    for got, want in ((hh.grad, h64.grad), (ww.grad, w64.grad)):
+        got, scale_ = got.double().cpu(), want.abs().max().item()
+        assert scale_ > 0 and torch.isfinite(got).all()
+        assert (got - want).abs().max().item() <= 8 * eps * scale_, (got - want).abs().max().item() / scale_
+    assert (hh.grad.cpu()[~mask.cpu()] == 0).all()

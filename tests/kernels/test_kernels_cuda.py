@@ -1,4 +1,4 @@
-"""Compiled Triton kernels at real LM-head shapes (GPU only; run by bench/gpu_check.sh via `-m cuda`).
+"""Compiled Triton kernels at real LM-head shapes (GPU only; run by bench/gpu_check.py via `-m cuda`).
 
 Sized for one H200 in well under a minute each: the float64 naive reference of the 0.5B shape holds
 ~50 GB of logits and their gradients at its peak.

@@ -9,11 +9,11 @@ float64 copies of the very same (dtype-rounded) inputs; the accuracy criterion i
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 import torch
+from kernel_accuracy import ON_CUDA, impl_params
 from kernel_accuracy import check as _check
 from kernel_accuracy import logprobs as _logprobs
 from kernel_accuracy import run as _run
@@ -23,12 +23,7 @@ from flashdapo.config import AlgorithmConfig
 from flashdapo.kernels import CHUNKED_IMPLS, token_logprobs
 from flashdapo.kernels.naive import naive_token_logprobs
 
-ON_CUDA = torch.cuda.is_available()
-_TRITON_MARKS = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")]
-if ON_CUDA:
-    _TRITON_MARKS.append(pytest.mark.cuda)
-TRITON = pytest.param("triton", marks=_TRITON_MARKS)
-LOSS_IMPLS = [TRITON if impl == "triton" else impl for impl in CHUNKED_IMPLS]
+LOSS_IMPLS = impl_params(CHUNKED_IMPLS)
 IMPLS = [*LOSS_IMPLS, "tiled"]
 INTERP = not ON_CUDA  # triton shapes must stay tiny under the interpreter
 

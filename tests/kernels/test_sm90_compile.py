@@ -1,6 +1,9 @@
-"""Every Triton kernel of the package compiles for sm_90 (H100/H200/H20) at its shipped launch config,
-without spilling registers and within Hopper's 227 KB of shared memory per block; no GPU needed
-(Triton's compiler and the ptxas of its wheel do the work, in a subprocess without TRITON_INTERPRET)."""
+"""Every Triton kernel of the package compiles for sm_90 (H100/H200/H20) at its shipped launch config, at
+the run-time specialization (16-byte divisibility, as the JIT applies it at the real shapes) and without
+it (ragged shapes): no register spills, within Hopper's 227 KB of shared memory per block, at least two
+resident CTAs per SM, and 16-byte vector loads (and dz stores) where specialized. No GPU needed: Triton's
+compiler and the ptxas of its wheel do the work, in a subprocess without TRITON_INTERPRET. `-s` prints
+registers and CTAs per SM of each variant."""
 
 from __future__ import annotations
 
@@ -33,7 +36,15 @@ def test_kernels_compile_for_sm90_without_spills():
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert reports, "no kernel was compiled"
     for r in reports:
+        print(f"{r['kernel']:45s} specialized={r['specialized']!s:5s} registers {r['registers']:3d}  "
+              f"CTAs/SM {r['ctas_per_sm']}  shared {r['shared_bytes']} B  ld.v{r['load_vector']} st.v{r['store_vector']}")
         assert r["arch"].startswith("sm_90"), r
         assert r["spill_bytes"] == 0, f"{r['kernel']} spills {r['spill_bytes']} bytes"
         assert r["shared_bytes"] <= HOPPER_SHARED_LIMIT, f"{r['kernel']} needs {r['shared_bytes']} B of shared memory"
         assert 0 < r["registers"] <= 255, r
+        assert r["ctas_per_sm"] >= 2, f"{r['kernel']}: {r['ctas_per_sm']} CTA per SM cannot hide latency"
+        if r["specialized"]:  # what runs at the real shapes: 16-byte accesses to the fp32 tile and to dz
+            assert r["load_vector"] >= 4, f"{r['kernel']}: global loads of {r['load_vector']} element(s)"
+            if r["kernel"].startswith("_grad_kernel"):
+                assert r["store_vector"] >= 4, f"{r['kernel']}: dz stores of {r['store_vector']} element(s)"
+    assert {r["specialized"] for r in reports} == {True, False}

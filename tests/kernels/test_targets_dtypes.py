@@ -5,16 +5,14 @@ On a CPU the Triton passes run under TRITON_INTERPRET=1 (conftest.py), so the sh
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+from kernel_accuracy import TRITON, impl_params
 
 from flashdapo.kernels import CHUNKED_IMPLS
 from flashdapo.kernels.chunked import chunked_token_logprobs, operand_dtype
 
-_NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-IMPLS = [pytest.param(i, marks=_NO_TRITON) if i == "triton" else i for i in CHUNKED_IMPLS]
+IMPLS = impl_params(CHUNKED_IMPLS)
 N, H, V = 19, 24, 37
 
 
@@ -75,15 +73,15 @@ def test_operand_dtype():
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("which", ["hidden", "weight"])
-def test_mixed_dtypes_compute_in_16bit(which, half, seed):
+@pytest.mark.parametrize("impl", [TRITON])
+def test_mixed_dtypes_compute_in_16bit(impl, which, half, seed):
     """triton, fp32 + 16-bit: the fp32 operand is cast to the 16-bit dtype (as autocast), gradients in the
     input dtypes."""
-    pytest.importorskip("triton")
-    h16, w16, y = _inputs("triton", half)
+    h16, w16, y = _inputs(impl, half)
     g, ge = torch.randn(N), torch.randn(N)
-    ref = _grads("triton", h16, w16, y, g, ge)
+    ref = _grads(impl, h16, w16, y, g, ge)
     h, w = (h16.float(), w16) if which == "hidden" else (h16, w16.float())
-    logp, ent, dh, dw = _grads("triton", h, w, y, g, ge)
+    logp, ent, dh, dw = _grads(impl, h, w, y, g, ge)
     assert dh.dtype == h.dtype and dw.dtype == w.dtype
     assert torch.equal(logp, ref[0]) and torch.equal(ent, ref[1])
     assert torch.equal(dh.to(half), ref[2]) and torch.equal(dw.to(half), ref[3])
