@@ -141,7 +141,7 @@ def _optimizer(cfg: Config, policy: PolicyModel):
 def setup_run(cfg: Config) -> Run:
     """Build every piece of a run; resume from a checkpoint when configured. From the process group on, a
     failure on any rank ends every rank (`failfast.py`)."""
-    env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s, cfg.trainer.sequence_parallel)
     failfast = FailFast.connect(env.rank, env.world_size)
     failfast.watch()
     run_dir = Path(cfg.logging.run_dir)
