@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from .distributed import SequenceParallelError
 
@@ -29,7 +29,7 @@ def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     sp = dist.get_world_size(group)
     _, heads, length, dim = x.shape
     chunks = x.reshape(sp, heads // sp, length, dim).contiguous()  # chunk j of the heads goes to rank j
-    received = all_to_all_single(torch.empty_like(chunks), chunks, group=group)  # [sp (source rank), H/sp, S, D]
+    received = _all_to_all(chunks, group)  # [sp (source rank: sequence shard), H/sp, S, D]
     return received.transpose(0, 1).reshape(1, heads // sp, sp * length, dim)
 
 
@@ -38,8 +38,13 @@ def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     sp = dist.get_world_size(group)
     _, length, heads, dim = x.shape
     chunks = x.reshape(sp, length // sp, heads, dim).contiguous()  # chunk j of the sequence goes to rank j
-    received = all_to_all_single(torch.empty_like(chunks), chunks, group=group)  # [sp (source: head chunk), S, H/sp, D]
+    received = _all_to_all(chunks, group)  # [sp (source rank: head chunk), S, H/sp, D]
     return received.transpose(0, 1).reshape(1, length // sp, sp * heads, dim)
+
+
+def _all_to_all(chunks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Chunk j of dim 0 to rank j, chunk i of the result from rank i; its backward is the reverse exchange."""
+    return wait_tensor(all_to_all_single_autograd(chunks, None, None, group))
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
