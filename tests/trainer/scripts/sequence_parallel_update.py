@@ -42,7 +42,7 @@ def recording_plan(token_counts, budget, padded=False):
 update.plan_micro_batches = recording_plan
 
 g = torch.Generator().manual_seed(7)
-LENGTHS = [(5, [150, 3]), (2, [4, 2]), (2, [77, 12]), (14, [6, 60])]  # (prompt, responses) per group
+LENGTHS = [(5, [150, 3]), (60, [4, 2]), (2, [77, 12]), (14, [6, 60])]  # (prompt, responses) per group
 groups = []
 for prompt_len, response_lens in LENGTHS:
     prompt = torch.randint(3, VOCAB, (prompt_len,), generator=g)
@@ -63,6 +63,10 @@ for mode in ("token-mean", "seq-mean-token-mean"):
     })
     model = build_toy_model(cfg.model, VOCAB, 512, seed=0).to(torch.float64)  # float64: see update_equivalence.py
     policy = parallelize(PolicyModel(model, "sdpa", "torch", 1.0), env, cfg.model, cfg.trainer)
+    shards_without_targets = []  # sp > 1: micro-batches whose shard on this rank predicts no token (all prompt)
+    make_batch = policy.token_batch
+    policy.token_batch = lambda *a: (lambda b: shards_without_targets.append(int(not len(b.targets))) or b)(
+        make_batch(*a))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     initial = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
     layout = mini_batch_layout(GROUPS, cfg.trainer.mini_batch, env.dp_size, env.dp_rank)
@@ -74,7 +78,8 @@ for mode in ("token-mean", "seq-mean-token-mean"):
     result = update_actor(policy, optimizer, batch, cfg, env, pad_id=0)
     params = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
     (out / f"rank{env.rank}_{mode}.json").write_text(json.dumps({"micro_batches": micro_counts,
-                                                                 "needed": needed}))
+                                                                 "needed": needed,
+                                                                 "shards_without_targets": sum(shards_without_targets)}))
     if env.is_main:
         (out / f"sp_{mode}.json").write_text(json.dumps({
             "pg_loss": result.pg_losses, "grad_norm": result.grad_norms, "micro_batches": list(micro_counts),
