@@ -41,6 +41,14 @@ def recording_plan(token_counts, budget, padded=False):
 
 update.plan_micro_batches = recording_plan
 
+
+def counting_token_batch(make_batch, without_targets: list[int]):
+    def token_batch(*args):
+        batch = make_batch(*args)
+        without_targets.append(int(not len(batch.targets)))
+        return batch
+    return token_batch
+
 g = torch.Generator().manual_seed(7)
 LENGTHS = [(5, [150, 3]), (60, [4, 2]), (2, [77, 12]), (14, [6, 60])]  # (prompt, responses) per group
 groups = []
@@ -63,10 +71,8 @@ for mode in ("token-mean", "seq-mean-token-mean"):
     })
     model = build_toy_model(cfg.model, VOCAB, 512, seed=0).to(torch.float64)  # float64: see update_equivalence.py
     policy = parallelize(PolicyModel(model, "sdpa", "torch", 1.0), env, cfg.model, cfg.trainer)
-    shards_without_targets = []  # sp > 1: micro-batches whose shard on this rank predicts no token (all prompt)
-    make_batch = policy.token_batch
-    policy.token_batch = lambda *a: (lambda b: shards_without_targets.append(int(not len(b.targets))) or b)(
-        make_batch(*a))
+    shards_without_targets: list[int] = []  # sp > 1: micro-batches whose shard here predicts no token
+    policy.token_batch = counting_token_batch(policy.token_batch, shards_without_targets)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     initial = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
     layout = mini_batch_layout(GROUPS, cfg.trainer.mini_batch, env.dp_size, env.dp_rank)
