@@ -6,6 +6,7 @@ flash_attention_2) the varlen kernel reads the boundaries; with SDPA or eager at
 `scaled_dot_product_attention` runs causally on each document's slice, so the attention work is
 sum_d L_d^2 (no padding, no [T, T] block mask) on every device torch runs on. flex_attention with a
 document mask would need torch.compile to be fast on CPU and materializes [T, T] scores without it.
+flash-attn's varlen kernel is called directly (flash_attn_varlen_func), on the same boundaries.
 
 The policy's HF model is switched to an attention implementation of its own, `flashdapo_packed_<inner>`:
 called with the packed keyword arguments (`cu_seq_lens_q`, from `packed_attention_kwargs`) it attends per
@@ -53,21 +54,39 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       cu_seq_lens_q: torch.Tensor | None = None, flashdapo_sp_group=None, **kwargs):
     """The registered attention function (HF's signature); `inner` is the implementation it stands in for."""
     if cu_seq_lens_q is None:  # not a packed training forward: the inner implementation as HF runs it
-        return ALL_ATTENTION_FUNCTIONS[inner](module, query, key, value, attention_mask, scaling=scaling,
-                                              dropout=dropout, **kwargs)
+        return _as_inner(module, inner, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if flashdapo_sp_group is not None:  # sequence shards -> head shards of the whole row
         query, key, value = (sequence_to_heads(t, flashdapo_sp_group) for t in (query, key, value))
     if inner == "flash_attention_2":
-        seqlens = cu_seq_lens_q.to(query.device, torch.int32)
-        longest = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
-        out, _ = ALL_ATTENTION_FUNCTIONS[inner](module, query, key, value, None, scaling=scaling, dropout=dropout,
-                                                cu_seq_lens_q=seqlens, cu_seq_lens_k=seqlens, max_length_q=longest,
-                                                max_length_k=longest, **kwargs)
+        out = flash_document_attention(query, key, value, cu_seq_lens_q, scaling)
     else:
         out = document_attention(query, key, value, cu_seq_lens_q, scaling)
     if flashdapo_sp_group is not None:  # head shards -> this rank's sequence shard, all heads
         out = heads_to_sequence(out, flashdapo_sp_group)
     return out, None
+
+
+def flash_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                             scaling: float | None) -> torch.Tensor:
+    """`document_attention` by flash-attn's varlen kernel (GPU; grouped-query heads natively). [1, T, H, D]."""
+    from flash_attn import flash_attn_varlen_func
+
+    bounds = cu_seqlens.to(query.device, torch.int32)
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+    out = flash_attn_varlen_func(q, k, v, bounds, bounds, longest, longest, causal=True, softmax_scale=scaling)
+    return out.unsqueeze(0)
+
+
+def _as_inner(module: nn.Module, inner: str, *args, **kwargs):
+    """Call the inner implementation with the config naming it for the call (HF's flash-attn path reads the
+    name from there to pick its kernels)."""
+    config = module.config
+    name, config._attn_implementation = config._attn_implementation, inner
+    try:
+        return ALL_ATTENTION_FUNCTIONS[inner](module, *args, **kwargs)
+    finally:
+        config._attn_implementation = name
 
 
 @functools.cache
