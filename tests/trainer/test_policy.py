@@ -113,7 +113,10 @@ def test_sequence_parallel_needs_heads_divisible():
     from flashdapo.errors import user_error_line
     from flashdapo.trainer.ulysses import check_heads
 
-    check_heads(40, 8, 8)  # Qwen2.5-32B at the release's sp=8
+    from flashdapo.config import preset
+
+    check_heads(40, 8, 8)  # Qwen2.5-32B at the release's sp=8, which its preset sets
+    assert preset("qwen2.5-32b-dapo").trainer.sequence_parallel == 8
     with pytest.raises(Exception) as err:
         check_heads(4, 2, 4)  # the toy preset's heads at sp=4
     line = user_error_line(err.value)
