@@ -110,10 +110,9 @@ def test_sequence_parallel_shards_hold_every_response_token_once():
 
 
 def test_sequence_parallel_needs_heads_divisible():
+    from flashdapo.config import preset
     from flashdapo.errors import user_error_line
     from flashdapo.trainer.ulysses import check_heads
-
-    from flashdapo.config import preset
 
     check_heads(40, 8, 8)  # Qwen2.5-32B at the release's sp=8, which its preset sets
     assert preset("qwen2.5-32b-dapo").trainer.sequence_parallel == 8
