@@ -108,18 +108,21 @@ def response_loss_mask(truncated: torch.Tensor, algo: AlgorithmConfig) -> torch.
     return ~truncated.bool() if algo.overlong_filter else torch.ones(truncated.shape, dtype=torch.bool)
 
 
-def mini_batch_normalizers(valid_tokens: torch.Tensor, algo: AlgorithmConfig) -> tuple[torch.Tensor, int]:
+def mini_batch_normalizers(valid_tokens: torch.Tensor, algo: AlgorithmConfig,
+                           sequence_parallel: int = 1) -> tuple[torch.Tensor, int]:
     """This rank's part of a mini-batch -> (the loss normalizer of each of its responses, global valid tokens).
 
     `valid_tokens` [b] counts the valid tokens of this rank's responses of the mini-batch. Ranks hold
     consecutive parts of every mini-batch, in rank order, so the gathered counts are the whole mini-batch in
     the order one rank would hold it; `loss_normalizers` of that under `algo.loss_agg_mode` does not
     depend on the number of ranks or on the micro-batches. One all-gather of b integers per mini-batch;
-    without an initialized process group, the local counts.
+    without an initialized process group, the local counts. With sequence parallelism the `sequence_parallel`
+    consecutive ranks of a group hold the same responses: the first of each group speaks for it.
     """
     local = [int(n) for n in valid_tokens.tolist()]
-    everyone = all_gather_objects(local)
-    offset = sum(len(part) for part in everyone[:dist.get_rank() if len(everyone) > 1 else 0])
+    everyone = all_gather_objects(local)[::sequence_parallel]
+    slot = dist.get_rank() // sequence_parallel if dist.is_initialized() else 0
+    offset = sum(len(part) for part in everyone[:slot])
     counts = torch.tensor([n for part in everyone for n in part], dtype=torch.long)
     normalizers = loss_normalizers(counts, algo.loss_agg_mode, algo.loss_agg_micro_batch)
     return normalizers[offset:offset + len(local)], int(counts.sum())

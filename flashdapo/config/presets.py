@@ -62,7 +62,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"train_files": ["data/dapo-math-17k.parquet"], "val_files": ["data/aime-2024.parquet"]},
         "rollout": {"engine": "vllm", "tensor_parallel_size": 4, "gpu_memory_utilization": 0.7,
                     "max_num_batched_tokens": 22528},
-        "trainer": {"total_steps": 400, "fsdp_cpu_offload": True},
+        # Ulysses sp=8 as released: 40 query and 8 key/value heads split 8 ways (docs/architecture.md).
+        "trainer": {"total_steps": 400, "fsdp_cpu_offload": True, "sequence_parallel": 8},
         "logging": {"run_dir": "runs/qwen2.5-32b-dapo"},
     },
 }

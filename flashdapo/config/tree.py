@@ -333,7 +333,11 @@ class TrainerConfig(Section):
     """Passes over each step's batch."""
     micro_batch_tokens: Positive = 22528
     """Token budget of one forward/backward micro-batch on one rank: real tokens when packed
-    (flash_attention_2), rows x longest row when padded (SDPA / eager)."""
+    (pack_sequences), rows x longest row when padded. With sequence_parallel = sp a micro-batch holds up to
+    sp x this many tokens, 1/sp of them on each rank of its group."""
+    pack_sequences: bool = True
+    """Micro-batches as one packed row (no padding), attention per response (flash-attn varlen with
+    model.attn_implementation=flash_attention_2, else torch SDPA per response); False: right-padded rows."""
     kernel_impl: KernelImpl = "auto"
     """Log-prob/loss implementation (auto: triton on CUDA, chunked torch elsewhere)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -348,6 +352,10 @@ class TrainerConfig(Section):
     """FSDP2 CPU offload of parameters, gradients and optimizer state (released 32B recipe)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3) rather than keep them until backward."""
+    sequence_parallel: Positive = 1
+    """Ulysses sequence parallelism: ranks per group that split each packed micro-batch's tokens (all-to-all
+    around attention). Must divide the world size and the model's query and key/value head counts; the
+    rollout engines do not use it."""
     collective_timeout_s: Positive = 1800
     """Seconds a collective may wait for the other ranks before it fails: a backstop for a rank that
     hangs without raising (a rank that raises ends the job at once)."""
@@ -356,7 +364,9 @@ class TrainerConfig(Section):
     (naming the step and the newest good checkpoint)."""
 
     RULES = (Rule("mini_batch", lambda c: c.train_batch % c.mini_batch == 0,
-                  lambda c: f"a divisor of train_batch ({c.train_batch})"),)
+                  lambda c: f"a divisor of train_batch ({c.train_batch})"),
+             Rule("pack_sequences", lambda c: c.pack_sequences or c.sequence_parallel == 1,
+                  lambda c: f"True with sequence_parallel={c.sequence_parallel} (its shards are of a packed row)"))
 
 
 @dataclass

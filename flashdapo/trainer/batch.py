@@ -178,7 +178,7 @@ def plan_micro_batches(token_counts: list[int], budget: int, padded: bool = Fals
     """Indices of sequences per micro-batch, the same number of micro-batches on every rank (the most any
     rank needs; each FSDP2 forward is a collective).
 
-    packed (flash-attn varlen) rows cost their real tokens: first-fit decreasing bins of at most `budget`
+    packed rows cost their real tokens: first-fit decreasing bins of at most `budget`
     tokens, then spread over the agreed count, longest first into the least-loaded bin. Padded rows cost
     rows x longest: sequences sorted by length fill bins while rows x longest <= budget. A sequence longer
     than the budget gets a micro-batch of its own; a rank with less work than others gets empty

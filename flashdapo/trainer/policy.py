@@ -28,19 +28,23 @@ from ..config import ModelConfig, TrainerConfig
 from ..kernels import fused_loss_default, fused_token_loss, token_logprobs
 from ..rollout.torch_engine import cache_argument
 from .distributed import DistEnv
+from .packing import packed_attention_kwargs, use_packed_attention
+from .ulysses import check_heads, gather_token_values, local_predictions, shard_bounds
 
 
 @dataclass
 class TokenBatch:
     """One micro-batch of (prompt + response) sequences, laid out for the attention backend.
 
-    packed (flash-attn varlen): one row [1, T], positions restarting per sequence, no padding.
-    padded (SDPA / eager): rows [B, L] right-padded, with a 2-D attention mask. Padding wastes some
-    compute but keeps attention memory O(B L^2) instead of the O(T^2) of a block mask over a packed row.
+    packed: one row [1, T], positions restarting per sequence, no padding; attention stays inside each
+    sequence (`packing.py`). padded: rows [B, L] right-padded, with a 2-D attention mask.
+    Under sequence parallelism (sp ranks) the packed row is padded to a multiple of sp and this rank holds
+    its contiguous 1/sp of it: `input_ids`, `position_ids`, `predict_index` and `targets` are the local
+    shard's, `held` says which of the micro-batch's response tokens those are, `cu_seqlens` is the row's.
     """
 
     input_ids: torch.Tensor
-    """[1, T] packed or [B, L] padded token ids."""
+    """[1, T] packed (T / sp under sequence parallelism) or [B, L] padded token ids."""
     position_ids: torch.Tensor
     """Same shape: positions restarting at 0 for every sequence."""
     attention_mask: torch.Tensor | None
@@ -51,24 +55,49 @@ class TokenBatch:
     """[N] the response tokens predicted at `predict_index`."""
     token_counts: list[int]
     """Response tokens of each sequence, in order (to split per-token outputs back)."""
+    cu_seqlens: torch.Tensor | None = None
+    """[D + 1] (host) sequence boundaries of the whole packed row; None when padded."""
+    held: torch.Tensor | None = None
+    """Sequence parallelism: indices, into the micro-batch's response tokens, of the N this rank predicts
+    (None: all of them)."""
+
+    @property
+    def total_tokens(self) -> int:
+        """Response tokens of the whole micro-batch (all shards)."""
+        return sum(self.token_counts)
+
+    def local(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's entries of a per-response-token vector of the whole micro-batch."""
+        return values if self.held is None else values[self.held.to(values.device)]
 
 
 def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], device: torch.device,
-                     packed: bool) -> TokenBatch:
+                     packed: bool, sp: int = 1, sp_rank: int = 0) -> TokenBatch:
     """Lay out (prompt, response) pairs for one forward; the last response token is never an input.
 
     The hidden state at position p predicts token p + 1, so response token j of a sequence is predicted at
-    position len(prompt) - 1 + j of that sequence.
+    position len(prompt) - 1 + j of that sequence. With sp > 1 (packed only) the row gets a filler
+    sequence up to a multiple of sp, and this is rank `sp_rank`'s shard of it.
     """
     rows = [torch.cat([p, r[:-1]]) if len(r) else p for p, r in zip(prompts, responses)]
+    if packed and sum(len(t) for t in rows) % sp:  # the filler's outputs predict nothing
+        rows.append(torch.zeros(sp - sum(len(t) for t in rows) % sp, dtype=torch.long))
     width = sum(len(t) for t in rows) if packed else max(len(t) for t in rows)
     starts = list(itertools.accumulate([len(t) for t in rows[:-1]], initial=0)) if packed else \
         [i * width for i in range(len(rows))]
-    predict = [start + len(p) - 1 + torch.arange(len(r)) for start, p, r in zip(starts, prompts, responses)]
+    predict = torch.cat([start + len(p) - 1 + torch.arange(len(r))
+                         for start, p, r in zip(starts, prompts, responses)]).long()
+    targets = torch.cat(list(responses)).long()
+    cu_seqlens = held = None
     if packed:
         input_ids = torch.cat(rows).unsqueeze(0)
         positions = torch.cat([torch.arange(len(t)) for t in rows]).unsqueeze(0)
         mask = None
+        cu_seqlens = torch.tensor(list(itertools.accumulate((len(t) for t in rows), initial=0)))
+        if sp > 1:
+            start, end = shard_bounds(width, sp, sp_rank)
+            held, predict = local_predictions(predict, start, end)
+            input_ids, positions, targets = input_ids[:, start:end], positions[:, start:end], targets[held]
     else:
         input_ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -80,9 +109,11 @@ def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor],
         input_ids=input_ids.long().to(device),
         position_ids=positions.to(device),
         attention_mask=None if mask is None else mask.to(device),
-        predict_index=torch.cat(predict).long().to(device),
-        targets=torch.cat(list(responses)).long().to(device),
+        predict_index=predict.to(device),
+        targets=targets.to(device),
         token_counts=[len(r) for r in responses],
+        cu_seqlens=cu_seqlens,
+        held=held,
     )
 
 
@@ -96,6 +127,10 @@ class PolicyModel(nn.Module):
         self.kernel_impl = kernel_impl
         self.temperature = temperature
         self._cache_arg = cache_argument(hf_model)
+        self.pack = attn_implementation == "flash_attention_2"
+        """Packed micro-batches (`set_layout`); until then only flash-attn packs (the toy warm-up pads)."""
+        self.sp_group = None
+        self.sp, self.sp_rank = 1, 0
 
     @property
     def config(self):
@@ -120,6 +155,8 @@ class PolicyModel(nn.Module):
                 hf_kwargs[self._cache_arg] = cache
             return self.hf(**hf_kwargs)
         hidden = self._hidden_states(batch)
+        if batch.held is not None and not len(batch.targets):
+            return self._nothing_held(hidden, with_entropy or keep is not None, loss_fn is not None)
         if loss_fn is not None:
             return fused_token_loss(hidden, self.lm_head_weight(), batch.targets, loss_fn, keep=keep,
                                     temperature=self.temperature, impl=self.kernel_impl)
@@ -139,27 +176,61 @@ class PolicyModel(nn.Module):
 
     @property
     def packed_layout(self) -> bool:
-        """flash-attn reads sequence boundaries from restarting position ids (varlen): pack. Else pad."""
-        return self.attn_implementation == "flash_attention_2"
+        """Micro-batches as packed rows (attention per sequence), else right-padded rows."""
+        return self.pack
+
+    def set_layout(self, pack: bool, env: DistEnv) -> None:
+        """Pack micro-batches (or pad them), split over env's sequence-parallel group when it has one."""
+        if env.sequence_parallel > 1:
+            check_heads(self.config.num_attention_heads, self.config.num_key_value_heads, env.sequence_parallel)
+        self.pack = pack or env.sequence_parallel > 1
+        self.sp_group, self.sp, self.sp_rank = env.sp_group, env.sequence_parallel, env.sp_rank
+        if self.pack:
+            use_packed_attention(self.hf)
 
     def token_batch(self, prompts: list[torch.Tensor], responses: list[torch.Tensor], device) -> TokenBatch:
-        """A micro-batch laid out for this policy's attention backend."""
-        return make_token_batch(prompts, responses, device, self.packed_layout)
+        """A micro-batch laid out for this policy's attention backend (this rank's shard of it under SP)."""
+        return make_token_batch(prompts, responses, device, self.packed_layout, self.sp, self.sp_rank)
+
+    def whole_micro_batch(self, values: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        """A per-token output of `batch` for all its response tokens: under sequence parallelism the group's
+        shards put together ([N] values, never hidden states); else `values` itself."""
+        if batch.held is None:
+            return values
+        return gather_token_values(values, batch.held.to(values.device), batch.total_tokens, self.sp_group)
 
     def _hidden_states(self, batch: TokenBatch) -> torch.Tensor:
-        out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                            attention_mask=batch.attention_mask, use_cache=False)
-        hidden = out.last_hidden_state
-        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_index)
+        if batch.cu_seqlens is not None:
+            packed = packed_attention_kwargs(self.hf, batch.cu_seqlens, self.sp_group)
+            out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **packed)
+        else:
+            out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                attention_mask=batch.attention_mask, use_cache=False)
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+        if batch.held is not None and not len(batch.predict_index):
+            return hidden  # the whole shard: see _nothing_held
+        return hidden.index_select(0, batch.predict_index)
+
+    def _nothing_held(self, hidden: torch.Tensor, with_entropy: bool, with_loss: bool):
+        """Outputs of a sequence-parallel rank whose shard predicts no response token (all prompt, or
+        filler): empty, but tied with a zero weight to the shard's hidden states and the LM head, so that
+        backward still runs the group's all-to-alls and FSDP2's reductions on this rank."""
+        anchor = (hidden.sum() + self.lm_head_weight().sum()) * 0.0
+        empty = anchor.new_zeros(0)
+        if with_loss:
+            return anchor, empty, empty
+        return empty + anchor, (empty if with_entropy else None)
 
 
 def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, trainer_cfg: TrainerConfig) -> PolicyModel:
-    """Activation checkpointing (by config), then FSDP2 `fully_shard` on every decoder block, then the root.
+    """The micro-batch layout (packed or padded, sequence-parallel shards), activation checkpointing (by
+    config), then FSDP2 `fully_shard` on every decoder block, then the root, over every rank.
 
     bf16 compute with fp32 master weights and fp32 gradient reduction when model.dtype is bfloat16 (GPU);
     plain fp32 otherwise (CPU). Gradients are SUMMED over ranks, not averaged: the loss is already
     divided by the global token count of the mini-batch.
     """
+    policy.set_layout(trainer_cfg.pack_sequences or model_cfg.attn_implementation == "flash_attention_2", env)
     layers = policy.decoder_layers()
     if model_cfg.gradient_checkpointing:
         for i, layer in enumerate(layers):

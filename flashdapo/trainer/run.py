@@ -160,7 +160,7 @@ def setup_run(cfg: Config) -> Run:
     """Build every piece of a run; resume from a checkpoint when configured. From the process group on, a
     failure on any rank ends every rank (`failfast.py`)."""
     check_launch(cfg)  # before the process group: a config this launch cannot run is one line
-    env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s, cfg.trainer.sequence_parallel)
     cfg = resolve_auto(cfg, env.device.type == "cuda")
     failfast = FailFast.connect(env.rank, env.world_size)
     failfast.watch()

@@ -122,7 +122,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                 raise DynamicSamplingError(message + ". The data may be too easy or too hard for the model: raise "
                                            "algorithm.max_gen_batches, or set algorithm.on_max_gen_batches=continue")
             if env.is_main:
-                usable = min(total_kept, tc.train_batch) // env.world_size * env.world_size
+                usable = min(total_kept, tc.train_batch) // env.dp_size * env.dp_size
                 warnings.warn(message + f"; training on what was found (on_max_gen_batches=continue): {usable} groups "
                               f"in {-(-usable // tc.mini_batch)} mini-batches of up to {tc.mini_batch} (instead of "
                               f"{tc.train_batch // tc.mini_batch})", stacklevel=2)
@@ -166,9 +166,10 @@ def _report_round(step: int, rounds: int, kept: int, cfg: Config) -> None:
 def _deal_out(kept_per_round: list[list[Group]], train_batch: int, mini_batch: int,
               env: DistEnv) -> list[list[Group]]:
     """Order kept groups by (round, rank, position), keep the first train_batch (or, when short, the
-    largest multiple of the world size), and give each rank its part of every global mini-batch."""
+    largest multiple of the data-parallel size), and give each data-parallel slot its part of every global
+    mini-batch (the ranks of a sequence-parallel group share a slot: the same groups)."""
     everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
     ordered = [g for r in range(len(kept_per_round)) for rank_rounds in everyone for g in rank_rounds[r]]
-    usable = min(len(ordered), train_batch) // env.world_size * env.world_size
-    return [[ordered[i] for i in part] for part in mini_batch_layout(usable, mini_batch, env.world_size,
-                                                                     env.rank)]
+    usable = min(len(ordered), train_batch) // env.dp_size * env.dp_size
+    return [[ordered[i] for i in part] for part in mini_batch_layout(usable, mini_batch, env.dp_size,
+                                                                     env.dp_rank)]

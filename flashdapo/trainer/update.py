@@ -36,6 +36,12 @@ def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], b
             yield [], [dummy], [dummy]
 
 
+def _budget(policy: PolicyModel, cfg: Config) -> int:
+    """Tokens of one micro-batch: trainer.micro_batch_tokens per rank, so sp x that for a sequence-parallel
+    group (each of its ranks holds 1/sp)."""
+    return cfg.trainer.micro_batch_tokens * policy.sp
+
+
 def on_policy(cfg: Config) -> bool:
     """One optimizer step per batch (one mini-batch, one epoch): the weights the update starts from are
     the ones that sampled the batch, so pi_old is pi_theta itself and needs no pass of its own. Not with a
@@ -65,10 +71,11 @@ def compute_old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, 
     update (fp32, CPU)."""
     all_responses = flat_responses(groups)
     out: list[torch.Tensor | None] = [None] * len(all_responses)
-    for indices, prompts, responses in _micro_batches(flat_prompts(groups), all_responses,
-                                                      cfg.trainer.micro_batch_tokens, pad_id, not policy.packed_layout):
+    for indices, prompts, responses in _micro_batches(flat_prompts(groups), all_responses, _budget(policy, cfg),
+                                                      pad_id, not policy.packed_layout):
         packed = policy.token_batch(prompts, responses, device)
         logp, _ = policy(packed)
+        logp = policy.whole_micro_batch(logp, packed)  # sequence parallelism: the group's shards together
         if indices:
             for i, values in zip(indices, per_token_split(logp.float().cpu(), packed)):
                 out[i] = values
@@ -127,7 +134,8 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     weights = batch.rollout_weights[rows]
     # A token masked by the rollout correction (weight 0) leaves the loss and its normalizer.
     token_mask = [(w > 0) & bool(m) for w, m in zip(weights, loss_mask.tolist())]
-    normalizers, num_tokens = mini_batch_normalizers(torch.tensor([int(m.sum()) for m in token_mask]), cfg.algorithm)
+    normalizers, num_tokens = mini_batch_normalizers(torch.tensor([int(m.sum()) for m in token_mask]), cfg.algorithm,
+                                                     env.sequence_parallel)
     if num_tokens == 0:
         # No valid token on any rank (all ranks agree: the count is global). An optimizer step on zero
         # gradients would still move the weights (Adam momentum, weight decay): skip it.
@@ -135,18 +143,19 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     optimizer.zero_grad(set_to_none=True)
     # [loss, *stats] summed on the device: no host sync per micro-batch, one all-reduce per mini-batch.
     totals = torch.zeros(1 + len(fields(LossStats)), dtype=torch.float64, device=env.device)
-    for indices, mb_prompts, mb_responses in _micro_batches(prompts, responses, cfg.trainer.micro_batch_tokens,
-                                                            pad_id, not policy.packed_layout):
+    for indices, mb_prompts, mb_responses in _micro_batches(prompts, responses, _budget(policy, cfg), pad_id,
+                                                            not policy.packed_layout):
         packed = policy.token_batch(mb_prompts, mb_responses, env.device)
-        if indices:
+        if indices:  # per response token of the micro-batch; under sequence parallelism this rank's shard
             per_token = [(advantages[i].expand(len(responses[i])), token_mask[i], weights[i],
                           normalizers[i].expand(len(responses[i]))) for i in indices]
-            adv_t, mask_t, weight_t, norm_t = (torch.cat(parts).to(env.device) for parts in zip(*per_token))
-            old_t = None if old is None else torch.cat([old[i] for i in indices]).to(env.device)
+            adv_t, mask_t, weight_t, norm_t = (packed.local(torch.cat(parts)).to(env.device)
+                                               for parts in zip(*per_token))
+            old_t = None if old is None else packed.local(torch.cat([old[i] for i in indices])).to(env.device)
         else:
             old_t = None
-            adv_t, weight_t, norm_t = (torch.zeros(1, device=env.device) for _ in range(3))
-            mask_t = torch.zeros(1, dtype=torch.bool, device=env.device)
+            adv_t, weight_t, norm_t = (packed.local(torch.zeros(1, device=env.device)) for _ in range(3))
+            mask_t = packed.local(torch.zeros(1, dtype=torch.bool, device=env.device))
         if indices and policy.fused_loss(env.device):  # log-probs and the loss gradient in one sweep
             def loss_fn(lp, r, old_t=old_t, adv_t=adv_t, mask_t=mask_t, weight_t=weight_t, norm_t=norm_t):
                 return token_loss(lp, None if old_t is None else old_t[r], adv_t[r].float(), mask_t[r],

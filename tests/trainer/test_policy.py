@@ -1,5 +1,6 @@
 """The policy's token batches: per-token log-probs equal those of separate, unpadded forwards."""
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -55,3 +56,67 @@ def test_padded_micro_batches_respect_rows_times_longest():
     packed = plan_micro_batches(counts, budget=60, padded=False)
     assert sorted(i for b in packed for i in b) == list(range(len(counts)))
     assert all(sum(counts[i] for i in b) <= 60 for b in packed)
+
+
+def _packed_policy(model, kernel="naive"):
+    """A PolicyModel laid out packed (as parallelize sets it), with no process group."""
+    from types import SimpleNamespace
+
+    policy = PolicyModel(model, "sdpa", kernel, temperature=0.7)
+    policy.set_layout(True, SimpleNamespace(sequence_parallel=1, sp_group=None, sp_rank=0))
+    return policy
+
+
+def test_packed_equals_padded_logprobs_and_gradients():
+    """Very different lengths (1 to 200 tokens) in one micro-batch: the packed row with attention per sequence
+    gives the padded layout's log-probs and gradients (and the model still samples as plain SDPA)."""
+    g = torch.Generator().manual_seed(2)
+    lengths = [(7, 200), (1, 1), (30, 3), (2, 90), (12, 41)]
+    prompts = [torch.randint(0, 61, (p,), generator=g) for p, _ in lengths]
+    responses = [torch.randint(0, 61, (r,), generator=g) for _, r in lengths]
+    results = {}
+    for name in ("padded", "packed"):
+        model = _model().train()
+        policy = PolicyModel(model, "sdpa", "naive", temperature=0.7) if name == "padded" else _packed_policy(model)
+        batch = policy.token_batch(prompts, responses, torch.device("cpu"))
+        assert (batch.cu_seqlens is not None) == (name == "packed") and batch.input_ids.shape[0] == (
+            1 if name == "packed" else len(lengths))
+        logp, _ = policy(batch)
+        weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(3))
+        (logp * weights).sum().backward()
+        results[name] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    (lp_pad, grad_pad), (lp_pack, grad_pack) = results["padded"], results["packed"]
+    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-5, rtol=1e-5)
+    for n in grad_pad:
+        torch.testing.assert_close(grad_pack[n], grad_pad[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert model.config._attn_implementation == "flashdapo_packed_sdpa"
+    ids = torch.randint(0, 61, (2, 9), generator=g)
+    with torch.no_grad():  # unpacked calls (the rollout engine's) are plain SDPA
+        torch.testing.assert_close(model(input_ids=ids).logits, _model()(input_ids=ids).logits)
+
+
+def test_sequence_parallel_shards_hold_every_response_token_once():
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4])]
+    responses = [torch.tensor([5, 6]), torch.tensor([7, 8, 9, 10, 11, 12])]
+    shards = [make_token_batch(prompts, responses, torch.device("cpu"), packed=True, sp=3, sp_rank=r) for r in range(3)]
+    # Row: 3 + 1 prompt, 1 + 5 response inputs = 10 tokens, a filler of 2 -> 12, 4 per rank.
+    assert [s.input_ids.tolist() for s in shards] == [[[1, 2, 3, 5]], [[4, 7, 8, 9]], [[10, 11, 0, 0]]]
+    assert [s.position_ids.tolist() for s in shards] == [[[0, 1, 2, 3]], [[0, 1, 2, 3]], [[4, 5, 0, 1]]]
+    assert all(s.cu_seqlens.tolist() == [0, 4, 10, 12] for s in shards)
+    held = torch.cat([s.held for s in shards])
+    assert held.tolist() == list(range(8))  # each of the 8 response tokens on exactly one rank
+    assert torch.cat([s.targets for s in shards]).tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert [s.predict_index.tolist() for s in shards] == [[2, 3], [0, 1, 2, 3], [0, 1]]
+
+
+def test_sequence_parallel_needs_heads_divisible():
+    from flashdapo.config import preset
+    from flashdapo.errors import user_error_line
+    from flashdapo.trainer.ulysses import check_heads
+
+    check_heads(40, 8, 8)  # Qwen2.5-32B at the release's sp=8, which its preset sets
+    assert preset("qwen2.5-32b-dapo").trainer.sequence_parallel == 8
+    with pytest.raises(Exception) as err:
+        check_heads(4, 2, 4)  # the toy preset's heads at sp=4
+    line = user_error_line(err.value)
+    assert line is not None and "\n" not in line and "4 query heads" in line and "2 key/value heads" in line

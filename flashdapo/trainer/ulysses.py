@@ -1,0 +1,80 @@
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses; verl ships it for HF models): the sp ranks of a group
+share one packed micro-batch, each holding 1/sp of its tokens.
+
+Everything outside attention is per token, so each rank runs the embeddings, MLPs, norms, the LM head,
+the log-probs and the DAPO loss on its own shard only: no rank ever holds the logits or hidden states of
+the whole row. Attention needs the whole row, so around it one all-to-all turns the sequence shards of
+q, k and v ([1, H, T/sp, D] on each rank) into head shards of the whole row ([1, H/sp, T, D]), attention
+runs per document on them (`packing.py`), and a second all-to-all turns the output back. Query and
+key/value heads must both divide by sp (head chunk i of the queries then uses KV chunk i). Rotary
+position ids are sliced with the tokens, so each token keeps the position it has in its own response;
+the packing boundaries (`cu_seqlens`) describe the whole row and are the same on every rank of a group.
+
+Gradients: the all-to-all's backward is the reverse all-to-all. Each rank's loss covers its own tokens,
+divided by the mini-batch's global normalizer, and FSDP2 sums gradients over every rank, so the sum over
+the group is the gradient one rank would compute on the whole row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+from .distributed import SequenceParallelError
+
+
+def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[1, H, S, D] (all heads, this rank's sequence shard) -> [1, H/sp, sp*S, D] (this rank's heads, whole row)."""
+    sp = dist.get_world_size(group)
+    _, heads, length, dim = x.shape
+    chunks = x.reshape(sp, heads // sp, length, dim).contiguous()  # chunk j of the heads goes to rank j
+    received = _all_to_all(chunks, group)  # [sp (source rank: sequence shard), H/sp, S, D]
+    return received.transpose(0, 1).reshape(1, heads // sp, sp * length, dim)
+
+
+def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[1, sp*S, H/sp, D] (whole row, this rank's heads) -> [1, S, H, D] (this rank's sequence shard, all heads)."""
+    sp = dist.get_world_size(group)
+    _, length, heads, dim = x.shape
+    chunks = x.reshape(sp, length // sp, heads, dim).contiguous()  # chunk j of the sequence goes to rank j
+    received = _all_to_all(chunks, group)  # [sp (source rank: head chunk), S, H/sp, D]
+    return received.transpose(0, 1).reshape(1, length // sp, sp * heads, dim)
+
+
+def _all_to_all(chunks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Chunk j of dim 0 to rank j, chunk i of the result from rank i; its backward is the reverse exchange."""
+    return wait_tensor(all_to_all_single_autograd(chunks, None, None, group))
+
+
+def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
+    """One-line error unless sp divides both head counts (the all-to-all splits heads into sp chunks)."""
+    if num_heads % sp or num_kv_heads % sp:
+        raise SequenceParallelError(
+            f"trainer.sequence_parallel={sp} must divide the model's {num_heads} query heads and {num_kv_heads} "
+            f"key/value heads: choose a common divisor of {num_heads} and {num_kv_heads}")
+
+
+def shard_bounds(length: int, sp: int, sp_rank: int) -> tuple[int, int]:
+    """[start, end) of rank `sp_rank`'s shard of a row of `length` tokens (a multiple of sp)."""
+    size = length // sp
+    return sp_rank * size, (sp_rank + 1) * size
+
+
+def local_predictions(predict_index: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of a row's prediction positions, those in [start, end): (their indices into `predict_index`, i.e.
+    which of the micro-batch's response tokens this rank holds, and their positions in the shard)."""
+    held = torch.nonzero((predict_index >= start) & (predict_index < end)).squeeze(1)
+    return held, predict_index[held] - start
+
+
+def gather_token_values(values: torch.Tensor, held: torch.Tensor, total: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """A per-token vector of the whole micro-batch [total] from each rank's values at its `held` tokens (for
+    the old log-probs: [total] floats, never hidden states or logits). Shards are disjoint: a sum."""
+    full = values.new_zeros(total).index_put((held,), values)
+    dist.all_reduce(full, group=group)
+    return full
+
+
+__all__ = ["check_heads", "gather_token_values", "heads_to_sequence", "local_predictions", "sequence_to_heads",
+           "shard_bounds"]

@@ -1,0 +1,109 @@
+"""Ulysses sequence parallelism and micro-batches that keep ranks in step, over real gloo ranks: sp=2 trains
+as one rank does, ranks with skewed shares run as many micro-batches as each other, the training command
+runs and resumes bitwise under sp=2, and settings that cannot work are one line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .test_distributed import ROOT, SCRIPTS, TINY, _env, _metrics, torchrun
+
+MODES = ("token-mean", "seq-mean-token-mean")
+
+
+def _run(tmp_path, name: str, ranks: int, budget: int, sp: int):
+    (tmp_path / name).mkdir()
+    torchrun(ranks, str(SCRIPTS / "sequence_parallel_update.py"), str(tmp_path / name), str(budget), str(sp))
+    return tmp_path / name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sequence_parallel_and_skewed_ranks_train_as_one_rank(tmp_path):
+    """One rank (sp=1, budget 128) vs 2 ranks at sp=2 (budget 64 per rank: the same micro-batches, each rank
+    holding half of each; the 150-token response is longer than a shard) vs 2 data-parallel ranks (budget 32:
+    one rank's share needs more micro-batches than the other's). A 60-token prompt leaves one sp shard with
+    no response token to predict. Same old
+    log-probs, losses, gradient norms and parameters, in float64 (the LM-head log-probs are fp32: tolerances
+    1e-6 relative on losses and norms, 1e-5 of each tensor's norm on the parameters after 4 AdamW steps)."""
+    one, sp2, dp2 = _run(tmp_path, "one", 1, 128, 1), _run(tmp_path, "sp2", 2, 64, 2), _run(tmp_path, "dp2", 2, 32, 1)
+    initial = torch.load(one / "initial.pt")
+    for mode in MODES:
+        ref = json.loads((one / f"sp_{mode}.json").read_text())
+        assert len(ref["pg_loss"]) == 4 and ref["micro_batches"][0] > 1, mode
+        for run in (sp2, dp2):
+            got = json.loads((run / f"sp_{mode}.json").read_text())
+            for key in ("pg_loss", "grad_norm"):
+                torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=1e-6, atol=1e-9)
+            for a, b in zip(got["old_logprobs"], ref["old_logprobs"]) if run == sp2 else ():  # dp2: rank 0's share
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-6)
+            expected, params = torch.load(one / f"params_{mode}.pt"), torch.load(run / f"params_{mode}.pt")
+            for name in expected:
+                assert (params[name] - expected[name]).norm() <= 1e-5 * expected[name].norm(), (mode, name)
+        assert all((initial[n] - expected[n]).abs().max() > 1e-3 for n in expected if "norm" not in n), mode
+        ranks = [json.loads((run / f"rank{r}_{mode}.json").read_text()) for run in (sp2, dp2) for r in (0, 1)]
+        sp_ranks, dp_ranks = ranks[:2], ranks[2:]
+        assert sp_ranks[0]["micro_batches"] == sp_ranks[1]["micro_batches"] == ref["micro_batches"]
+        # Some shard held only prompt tokens: that rank still ran the group's all-to-alls in backward.
+        assert sp_ranks[0]["shards_without_targets"] > 0
+        # The data-parallel ranks' shares needed different numbers of micro-batches, and they ran the same
+        # number (the agreed maximum): with their own counts the rank with fewer would leave the other waiting
+        # forever in an FSDP2 collective of its extra micro-batch.
+        assert dp_ranks[0]["micro_batches"] == dp_ranks[1]["micro_batches"]
+        assert dp_ranks[0]["needed"] != dp_ranks[1]["needed"]
+        assert [max(a, b) for a, b in zip(dp_ranks[0]["needed"], dp_ranks[1]["needed"])] == dp_ranks[0]["micro_batches"]
+
+
+SKEWED = ["--model.toy.sft-steps", "60", "--rollout.max-response-length", "48", "--trainer.micro-batch-tokens", "40",
+          "--algorithm.dynamic-sampling", "True", "--algorithm.max-gen-batches", "4",
+          "--algorithm.on-max-gen-batches", "continue", "--trainer.gen-batch", "8"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_command_under_sequence_parallel_resumes_bitwise(tmp_path):
+    """`flashdapo train --trainer.sequence-parallel 2` on 2 ranks: a briefly warmed-up toy model (responses of
+    a few to tens of tokens), dynamic sampling (training on what 4 rounds find), a 40-token budget per rank;
+    4 steps straight vs 2 steps then a resume."""
+    common = [*TINY, *SKEWED, "--trainer.sequence-parallel", "2", "--checkpoint.save-every", "2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    torchrun(2, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(straight))
+    torchrun(2, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--logging.run-dir", str(resumed))
+    torchrun(2, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(resumed),
+             "--checkpoint.resume", "auto")
+    rows = _metrics(straight)
+    # The 2-step run validated at its last step (step 2); the straight run did not: compare the rest.
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and _without_val(_metrics(resumed)) == _without_val(rows)
+    trained = [r for r in rows if "actor/grad_norm" in r]
+    assert len(trained) >= 2 and all(r["actor/grad_norm"] > 0 for r in trained)
+    assert max(r["response_length/max"] for r in trained) > 3 * min(r["response_length/min"] for r in trained)
+    final_a, final_b = (load_file(d / "export" / "model.safetensors") for d in (straight, resumed))
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def _without_val(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("val/")} for r in rows]
+
+
+def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if "flashdapo: error:" in line]
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_that_cannot_work_is_one_line(tmp_path):
+    run = ["-m", "flashdapo", "train", *TINY, "--logging.run-dir", str(tmp_path / "run")]
+    env = {**_env(), "FLASHDAPO_DEBUG": "0"}
+    alone = subprocess.run([sys.executable, *run, "--trainer.sequence-parallel", "2"], capture_output=True,
+                           text=True, env=env, cwd=ROOT, timeout=300)
+    lines = _error_lines(alone)
+    assert alone.returncode != 0 and len(lines) == 1 and "divide the world size 1" in lines[0], alone.stderr[-2000:]
+    heads = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            *run, "--trainer.sequence-parallel", "2", "--model.toy.num-kv-heads", "1"],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    lines = _error_lines(heads)
+    assert heads.returncode != 0 and len(lines) == 1, heads.stderr[-3000:]
+    assert "4 query heads and 1 key/value heads" in lines[0]
