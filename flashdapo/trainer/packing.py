@@ -111,9 +111,12 @@ def packed_attention_kwargs(hf_model: nn.Module, cu_seqlens: torch.Tensor, sp_gr
     """Keyword arguments of the HF model's forward for a packed row: the document boundaries (which the
     layers pass to the attention function), the sequence-parallel group, and a prepared (empty) mask per
     layer type so that the model builds no [T, T] mask."""
-    layer_types = set(getattr(hf_model.config, "layer_types", None) or ["full_attention"])
-    return {"attention_mask": {t: None for t in layer_types}, "cu_seq_lens_q": cu_seqlens,
-            "flashdapo_sp_group": sp_group}
+    layer_types = getattr(hf_model.config, "layer_types", None)
+    # Models with per-layer-type masks (Qwen2, Qwen3) take a prepared mapping and build nothing; the others
+    # (Llama, Mistral) take None, for which the mask builder of a causal batch without padding returns
+    # None too (SDPA's is_causal path); the packed attention reads only cu_seq_lens either way.
+    mask = {t: None for t in set(layer_types)} if layer_types else None
+    return {"attention_mask": mask, "cu_seq_lens_q": cu_seqlens, "flashdapo_sp_group": sp_group}
 
 
 __all__ = ["document_attention", "packed_attention_kwargs", "packed_implementation", "use_packed_attention"]

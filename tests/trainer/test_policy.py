@@ -2,17 +2,18 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from flashdapo.kernels import token_logprobs
 from flashdapo.trainer.policy import PolicyModel, make_token_batch, per_token_split
 
 
-def _model():
+def _model(family: str = "qwen2"):
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg).eval()
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config_cls(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=256)
+    return model_cls(cfg).eval()
 
 
 def test_padded_batch_logprobs_equal_separate_forwards():
@@ -67,7 +68,8 @@ def _packed_policy(model, kernel="naive"):
     return policy
 
 
-def test_packed_equals_padded_logprobs_and_gradients():
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # per-layer-type masks (Qwen2) and a single one (Llama)
+def test_packed_equals_padded_logprobs_and_gradients(family):
     """Very different lengths (1 to 200 tokens) in one micro-batch: the packed row with attention per sequence
     gives the padded layout's log-probs and gradients (and the model still samples as plain SDPA)."""
     g = torch.Generator().manual_seed(2)
@@ -76,7 +78,7 @@ def test_packed_equals_padded_logprobs_and_gradients():
     responses = [torch.randint(0, 61, (r,), generator=g) for _, r in lengths]
     results = {}
     for name in ("padded", "packed"):
-        model = _model().train()
+        model = _model(family).train()
         policy = PolicyModel(model, "sdpa", "naive", temperature=0.7) if name == "padded" else _packed_policy(model)
         batch = policy.token_batch(prompts, responses, torch.device("cpu"))
         assert (batch.cu_seqlens is not None) == (name == "packed") and batch.input_ids.shape[0] == (
@@ -92,7 +94,7 @@ def test_packed_equals_padded_logprobs_and_gradients():
     assert model.config._attn_implementation == "flashdapo_packed_sdpa"
     ids = torch.randint(0, 61, (2, 9), generator=g)
     with torch.no_grad():  # unpacked calls (the rollout engine's) are plain SDPA
-        torch.testing.assert_close(model(input_ids=ids).logits, _model()(input_ids=ids).logits)
+        torch.testing.assert_close(model(input_ids=ids).logits, _model(family)(input_ids=ids).logits)
 
 
 def test_sequence_parallel_shards_hold_every_response_token_once():
