@@ -51,6 +51,7 @@ OPTIONS = {
     "seed": "trainer.seed",
     "engine": "rollout.engine",
     "tensor_parallel_size": "rollout.tensor_parallel_size",
+    "kv_cache_gib": "rollout.kv_cache_gib",
 }
 """Each option of `flashdapo eval` and the config field it stands for."""
 
@@ -131,7 +132,8 @@ def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
     if args.engine == "vllm":
         from ..rollout.vllm_engine import VLLMEngine
 
-        rollout = RolloutConfig(engine="vllm", tensor_parallel_size=args.tensor_parallel_size)
+        rollout = RolloutConfig(engine="vllm", tensor_parallel_size=args.tensor_parallel_size,
+                                kv_cache_gib=getattr(args, "kv_cache_gib", 0.0))
         engine = VLLMEngine(rollout, args.model, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                             dtype="bfloat16" if env.device.type == "cuda" else "float32",
                             max_model_len=args.max_prompt_length + args.max_new_tokens,

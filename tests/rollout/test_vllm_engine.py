@@ -578,7 +578,9 @@ def test_double_matches_the_installed_vllm():
     vllm.SamplingParams(**{**fields, "logprobs": 0, "seed": derive_seed(1, 2, 3), "top_k": 0})
     from vllm.v1.executor.abstract import SLEEP_TAGS
     assert SLEEP_TAGS == {"weights", "kv_cache"}
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # what collective_rpc("reload_weights") reaches
+    from vllm.v1.worker.gpu_model_runner import (
+        GPUModelRunner,  # what collective_rpc("reload_weights") reaches
+    )
     assert {"weights_iterator", "is_checkpoint_format"} <= set(inspect.signature(GPUModelRunner.reload_weights).parameters)
     from vllm.platforms import current_platform
     assert current_platform.is_sleep_mode_available() == FakePlatform(current_platform.device_name).is_sleep_mode_available()
