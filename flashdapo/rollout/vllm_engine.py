@@ -1,6 +1,7 @@
 """Co-located vLLM rollouts: one `vllm.LLM` per torchrun rank, on the trainer's GPU, asleep while it trains.
 
-Written against vLLM 0.33.0 (read from its wheel; paths below are inside it). Not yet run on a GPU.
+Written against vLLM 0.33.0 and the 0.32.0 CPU build (read from their wheels; paths below are inside them).
+Run end to end on the CPU build (tests/vllm); not yet on a GPU.
 
 The choices, before the code:
 
@@ -54,7 +55,8 @@ The choices, before the code:
 Per step, on every rank together (vLLM calls in the comments):
 
     engine.wake(weights)                # weights(engine.weight_dtype): iter_full_state_dict(policy.hf, ...)
-        # wake_up(tags=["weights"]) if asleep; load_weights per tensor and the completeness check;
+        # wake_up(tags=["weights"]) if asleep; reload_weights (layerwise) and the completeness check;
+        # verify_push (the push check);
         # reset_prefix_cache() only if the engine generated since its last sleep (sleep clears it);
         # wake_up(tags=["kv_cache"])
     rollouts = engine.generate(prompts, SamplingParams(..., seed=...))   # once per sampling round
