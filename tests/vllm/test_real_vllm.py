@@ -172,3 +172,17 @@ def test_eval_with_vllm_reports_the_torch_engines_metric_names(exports, tmp_path
     assert sorted(out["vllm"]) == sorted(out["torch"])
     assert "eval/acc/pass@k" in out["vllm"] and "eval/arith_a/acc/maj@k" in out["vllm"], sorted(out["vllm"])
 
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_is_refused_with_one_line(tmp_path):
+    """Head size 16 (the old toy's): refused before vLLM starts, not at the first generate."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU attention only")
+    model = toy_export(tmp_path / "head16", head_dim=16)
+    proc = _run([sys.executable, "-m", "flashdapo", "train", "--model.path", str(model), *ARGS,
+                 "--logging.run-dir", str(tmp_path / "run")], expect_rc=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("flashdapo: config error:")]
+    assert len(errors) == 1 and "model.path:" in errors[0] and "attention head size 16" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "Starting to load model" not in proc.stderr + proc.stdout
