@@ -88,7 +88,7 @@ def test_push_check_passes_a_faithful_engine_and_names_what_differs(tied, stale,
     check = PushCheck(policy, torch.device("cpu"), 48, lines.append)
     if stale is None:
         check(engine)
-        assert check.last_max < 1e-5 and len(lines) == 1 and "the check costs" in lines[0]
+        assert check.last_max < 1e-5 and len(lines) == 1 and "weight push 1 checked" in lines[0]
         assert policy.temperature == 0.7  # put back after the temperature-1 probe
         return
     if stale == "lm_head.weight" and tied:  # a tied head whose own (packed) copy was not refreshed
@@ -100,6 +100,6 @@ def test_push_check_passes_a_faithful_engine_and_names_what_differs(tied, stale,
     with pytest.raises(PushMismatchError) as err:
         check(engine)
     message = str(err.value)
-    groups = message.split("differ most (relative error their output adds): ")[1].split(";")[0]
+    groups = message.split("max |delta logp|): ")[1].split(";")[0]
     assert groups.split(" (")[0] == culprit, message
     assert "\n" not in message and "float32" in message

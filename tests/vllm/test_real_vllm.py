@@ -81,7 +81,8 @@ def metrics(run_dir: Path) -> list[dict]:
 def check_run(proc: subprocess.CompletedProcess, run_dir: Path, steps: int, dtype: str) -> None:
     """The start-up line, the first push's check, every step's agreement, a clean exit."""
     assert re.search(r"flashdapo: vLLM \S+ on (cpu|cuda): .*KV cache 0.0312 GiB per rank, started in", proc.stdout)
-    assert "flashdapo: weight push checked: max |logp_vllm - logp_trainer|" in proc.stdout
+    assert "flashdapo: weight push 1 checked: max |logp_vllm - logp_trainer|" in proc.stdout
+    assert "flashdapo: weight push 2 checked" in proc.stdout
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for row in rows:
@@ -155,7 +156,7 @@ def test_a_stale_tied_head_stops_the_run_naming_it(exports, tmp_path):
         return
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-4000:]
     assert "after weight push 1 vLLM's log-probs of 22 fixed tokens differ" in errors[0]
-    assert "differ most (relative error their output adds): lm_head" in errors[0], errors[0]
+    assert "differ most (the relative error their output adds; the head: max |delta logp|): lm_head" in errors[0]
 
 
 def test_eval_with_vllm_reports_the_torch_engines_metric_names(exports, tmp_path):

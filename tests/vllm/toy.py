@@ -1,5 +1,4 @@
-"""A toy Qwen2 export that vLLM's CPU attention runs (head size 32: model.toy.hidden_size / num_heads), and
-the tiny DAPO config the real-vLLM tests train with."""
+"""A toy Qwen2 export that vLLM's CPU attention runs (head size 32: model.toy.hidden_size / num_heads)."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from flashdapo.config import ModelConfig, ToyTaskConfig, merge, toy
+from flashdapo.config import ModelConfig, ToyTaskConfig
 from flashdapo.tasks.toy import build_toy_model, build_toy_tokenizer
 from flashdapo.trainer.checkpoint import export_hf
 
@@ -32,19 +31,3 @@ def toy_export(path: Path, tied: bool = True, head_dim: int = HIDDEN // HEADS) -
     export_hf(model.named_parameters(), model.config, tokenizer, path, True)
     return path
 
-
-def vllm_config(run_dir: Path, model_path: Path, **overrides):
-    """The toy preset on `model_path` with the vLLM engine, shrunk to seconds per step."""
-    small = {
-        "model": {"path": str(model_path)},
-        "data": {"toy": {"num_val": 4}, "max_prompt_length": 48},
-        "rollout": {"engine": "vllm", "n": 4, "val_n": 2, "max_response_length": 16, "kv_cache_gib": KV_GIB,
-                    "logprob_check_every": 1},
-        "algorithm": {"dynamic_sampling": False},
-        "trainer": {"total_steps": 2, "train_batch": 4, "gen_batch": 4, "mini_batch": 2, "val_every": 0,
-                    "micro_batch_tokens": 256},
-        "checkpoint": {"save_every": 0},
-        "logging": {"run_dir": str(run_dir), "plot": False, "progress": False},
-    }
-    cfg = merge(toy(), small)
-    return merge(cfg, overrides) if overrides else cfg
