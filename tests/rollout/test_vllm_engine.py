@@ -20,6 +20,7 @@ import os
 import random
 import socket
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +30,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashdapo.config import ConfigError, RolloutConfig
+from flashdapo.rollout import vllm_process
 from flashdapo.rollout.base import SamplingParams, derive_seed
 from flashdapo.rollout.vllm_engine import (
     VLLM_VERSION_READ,
@@ -188,17 +190,41 @@ class FakeLLM:
         return True
 
     def apply_model(self, func):
-        self.calls.append(("apply_model",))
-        assert "weights" not in self.sleeping, "loading weights into a sleeping (offloaded/discarded) model"
-        self.weights_version += 1
+        assert "weights" not in self.sleeping, "touching a sleeping (offloaded/discarded) model"
         return [func(self.model)]
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append(("collective_rpc", method))
-        raise AssertionError("the engine must not call collective_rpc (reload_weights reloads from disk)")
+        """Only the worker's `reload_weights` (gpu_worker.py), with an iterator: without one it reloads the
+        checkpoint from disk (reload/inplace.py)."""
+        self.calls.append((method,))
+        assert method == "reload_weights" and kwargs["weights_iterator"] is not None, (method, kwargs)
+        assert kwargs["is_checkpoint_format"] is True
+        assert "weights" not in self.sleeping, "loading weights into a sleeping (offloaded/discarded) model"
+        self.weights_version += 1
+        for name, tensor in kwargs["weights_iterator"]:  # the Qwen2 loader, one tensor at a time
+            self.model.load_weights([(name, tensor)])
+        return [None]
 
 
-FAKE_VLLM = SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams, __version__=VLLM_VERSION_READ)
+@dataclasses.dataclass
+class FakePlatform:
+    """vllm.platforms.current_platform: sleep mode on CUDA/ROCm/XPU only (platforms/interface.py)."""
+
+    device_name: str = "cuda"
+
+    def is_cpu(self):
+        return self.device_name == "cpu"
+
+    def is_sleep_mode_available(self):
+        return self.device_name == "cuda"
+
+
+def fake_vllm(llm=None, version=VLLM_VERSION_READ, device="cuda"):
+    return SimpleNamespace(LLM=llm or FakeLLM, SamplingParams=FakeSamplingParams, __version__=version,
+                           __name__="fake_vllm", platforms=SimpleNamespace(current_platform=FakePlatform(device)))
+
+
+FAKE_VLLM = fake_vllm()
 
 
 @pytest.fixture(autouse=True)
@@ -253,8 +279,8 @@ def test_per_step_call_order(level, helper):
         engine.sleep()
     # No reset_prefix_cache: the first push precedes any generate, and sleep clears the cache.
     assert names(engine.llm.calls) == [
-        "apply_model", "generate", ("sleep", level),
-        ("wake_up", ["weights"]), "apply_model", ("wake_up", ["kv_cache"]), "generate", ("sleep", level)]
+        "reload_weights", "generate", ("sleep", level),
+        ("wake_up", ["weights"]), "reload_weights", ("wake_up", ["kv_cache"]), "generate", ("sleep", level)]
     assert engine.last_weight_sync_s >= 0
 
 
@@ -276,8 +302,8 @@ def test_a_version_left_awake_is_not_pushed_again():
     engine.sleep(keep_awake=True)
     engine.wake(weights, version=4)  # awake, but a new version: pushed
     assert names(engine.llm.calls) == [
-        "apply_model", "generate", "generate", ("sleep", 2), ("wake_up", ["weights"]), "apply_model",
-        ("wake_up", ["kv_cache"]), "apply_model"]
+        "reload_weights", "generate", "generate", ("sleep", 2), ("wake_up", ["weights"]), "reload_weights",
+        ("wake_up", ["kv_cache"]), "reload_weights"]
 
 
 def test_push_after_generate_without_sleep_resets_the_prefix_cache():
@@ -287,7 +313,7 @@ def test_push_after_generate_without_sleep_resets_the_prefix_cache():
     engine.generate(prompts, sampling)
     push(engine)  # no sleep in between: the cache holds KV of the first weights
     engine.generate(prompts, sampling)  # the double raises if that KV were reused
-    assert names(engine.llm.calls) == ["apply_model", "generate", "apply_model", "reset_prefix_cache", "generate"]
+    assert names(engine.llm.calls) == ["reload_weights", "generate", "reload_weights", "reset_prefix_cache", "generate"]
 
 
 def test_sleep_offloads_weights_woken_for_a_push_without_generate():
@@ -298,7 +324,7 @@ def test_sleep_offloads_weights_woken_for_a_push_without_generate():
     engine.wake_weights()
     engine.update_weights(iter_full_state_dict(tiny_qwen2(False)))  # weights awake, KV cache asleep
     engine.sleep()
-    assert names(engine.llm.calls)[-2:] == ["apply_model", ("sleep", 2)]
+    assert names(engine.llm.calls)[-2:] == ["reload_weights", ("sleep", 2)]
     assert engine.llm.sleeping == {"weights", "kv_cache"}
     engine.sleep()  # nothing awake: no call
     assert names(engine.llm.calls)[-1] == ("sleep", 2)
@@ -355,9 +381,9 @@ def test_tested_vllm_version_pinned_and_logged():
     assert f'"vllm=={VLLM_VERSION_READ}"' in pyproject
     line = library_versions()
     assert line.startswith(f"torch {torch.__version__}, triton ") and ", vllm " in line
-    other = SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams, __version__="0.34.0")
-    with pytest.warns(UserWarning, match="vLLM 0.34.0 is installed; the engine was checked against vLLM 0.33.0"):
-        make_engine(vllm_module=other)
+    with pytest.warns(UserWarning, match="vLLM 0.34.0 is installed; the engine was checked against vLLM 0.33.0 "
+                                         "and 0.32.0"):
+        make_engine(vllm_module=fake_vllm(version="0.34.0"))
 
 
 def test_generate_refuses_dummy_or_discarded_weights():
@@ -383,7 +409,7 @@ def test_generate_refuses_dummy_or_discarded_weights():
 def test_every_qwen2_parameter_maps_and_loads(tied):
     hf = tiny_qwen2(tied)
     llm_class = type("Qwen2LLM", (FakeLLM,), {"config": hf.config})
-    engine = make_engine(vllm_module=SimpleNamespace(LLM=llm_class, SamplingParams=FakeSamplingParams))
+    engine = make_engine(vllm_module=fake_vllm(llm_class))
     push(engine, tied)
     loads = engine.llm.model.loads
     hf_names = [n for n in hf.state_dict() if not (tied and n == "lm_head.weight")]
@@ -499,8 +525,7 @@ def test_wake_checks_the_memory_budget_first(monkeypatch):
             gpu["free"] -= {"weights": 14, "kv_cache": 16}[tags[0]] * gib
             return super().wake_up(tags)
 
-    engine = make_engine(vllm_module=SimpleNamespace(LLM=MeteredLLM, SamplingParams=FakeSamplingParams,
-                                                     __version__=VLLM_VERSION_READ))
+    engine = make_engine(vllm_module=fake_vllm(MeteredLLM))
     push(engine)
     engine.generate([[1]], SamplingParams(max_new_tokens=2))
     engine.sleep()
@@ -553,6 +578,12 @@ def test_double_matches_the_installed_vllm():
     vllm.SamplingParams(**{**fields, "logprobs": 0, "seed": derive_seed(1, 2, 3), "top_k": 0})
     from vllm.v1.executor.abstract import SLEEP_TAGS
     assert SLEEP_TAGS == {"weights", "kv_cache"}
+    from vllm.v1.worker.gpu_model_runner import (
+        GPUModelRunner,  # what collective_rpc("reload_weights") reaches
+    )
+    assert {"weights_iterator", "is_checkpoint_format"} <= set(inspect.signature(GPUModelRunner.reload_weights).parameters)
+    from vllm.platforms import current_platform
+    assert current_platform.is_sleep_mode_available() == FakePlatform(current_platform.device_name).is_sleep_mode_available()
     from vllm.exceptions import VLLMValidationError
     with pytest.raises(VLLMValidationError, match="temperature"):  # what the config refuses for engine='vllm'
         vllm.SamplingParams(temperature=2.5)
@@ -606,3 +637,63 @@ def test_real_vllm_end_to_end(tmp_path, monkeypatch):
     engine.wake(lambda dtype: iter_full_state_dict(hf, dtype=dtype))
     flat = torch.cat(engine.generate(prompts, sampling).logprobs)
     torch.testing.assert_close(flat, torch.full_like(flat, -math.log(512)), atol=1e-3, rtol=0)
+
+
+def test_cpu_platform_has_no_sleep_mode_and_an_explicit_kv_budget(monkeypatch):
+    """vLLM's CPU platform refuses enable_sleep_mode and ignores sleep; the KV cache gets a size of its own."""
+    cpu = fake_vllm(device="cpu")
+    engine = make_engine(vllm_module=cpu, kv_cache_gib=0.5)
+    kw = engine.llm.init_kwargs
+    assert kw["enable_sleep_mode"] is False and kw["kv_cache_memory_bytes"] == 2**29 and kw["enforce_eager"] is True
+    assert "no sleep mode" in engine.started_line and "KV cache 0.5 GiB per rank" in engine.started_line
+    prompts, sampling = [[5, 6, 7]], SamplingParams(n=2, max_new_tokens=4, seed=1)
+    for _ in range(2):
+        push(engine)
+        engine.generate(prompts, sampling)  # the double raises if KV of the first weights were reused
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.sleep()
+        assert len(caught) == (1 if _ == 0 else 0)  # said once
+    assert names(engine.llm.calls) == ["reload_weights", "generate", "reload_weights", "reset_prefix_cache",
+                                       "generate"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's count: the ranks share the node's memory
+    monkeypatch.setattr(vllm_process, "available_host_memory", lambda: 16 * 2**30)
+    shared = make_engine(vllm_module=cpu, gpu_memory_utilization=0.5)
+    assert shared.llm.init_kwargs["kv_cache_memory_bytes"] == 2 * 2**30
+    assert "kv_cache_memory_bytes" not in make_engine().llm.init_kwargs  # CUDA: gpu_memory_utilization decides
+
+
+def test_thread_count_restored_under_vllms_cpu_stub(monkeypatch):
+    """vLLM's CPU worker replaces torch.set_num_threads with a stub that only warns (cpu_worker.py)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    real = torch.set_num_threads
+
+    class StubbingLLM(FakeLLM):
+        def __init__(self, model, **kwargs):
+            super().__init__(model, **kwargs)  # sets 1 thread, as vLLM's worker does
+            torch.set_num_threads = lambda _n: None
+
+    monkeypatch.setattr(torch, "set_num_threads", real)  # put back after the test
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LD_PRELOAD", "/keep/me.so")
+    real(2)
+    engine = make_engine(vllm_module=fake_vllm(StubbingLLM, device="cpu"), kv_cache_gib=0.01)
+    assert torch.get_num_threads() == 2 and torch.set_num_threads is not real
+    assert "stubbed torch.set_num_threads; the trainer's 2 thread(s) set with torch's own setter (now 2)" in \
+        engine.started_line
+    push(engine)
+    engine.generate([[1]], SamplingParams(max_new_tokens=2))
+    assert engine.llm.generate_threads == 1 and torch.get_num_threads() == 2
+    assert os.environ["LD_PRELOAD"] == "/keep/me.so" and os.environ["LOCAL_WORLD_SIZE"] == "1"
+
+
+def test_engine_shuts_down_before_the_process_group_is_destroyed():
+    import torch.distributed as dist
+
+    from flashdapo.trainer.distributed import before_destroy, shutdown
+
+    seen = []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    before_destroy(lambda: seen.append(dist.is_initialized()))
+    shutdown()
+    assert seen == [True] and not dist.is_initialized()

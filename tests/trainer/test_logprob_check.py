@@ -39,3 +39,67 @@ def test_agreement_reports_mean_and_max_and_warns_above_threshold():
         assert logprob_agreement(3, _batch(old, old), rollout, warn=True)["rollout/logprob_abs_diff_max"] == 0
         # An engine that reports no log-probs (for some response) gives nothing to compare.
         assert logprob_agreement(1, _batch([None, sampled[1]], old), rollout, warn=True) == {}
+
+
+class CopyEngine:
+    """A rollout engine whose 'vLLM' model is a copy of the policy's HF model (as a push would leave it):
+    `score` and `llm.apply_model` run on the copy, so the check and its localization see what it holds."""
+
+    weight_dtype = torch.float32
+
+    def __init__(self, hf):
+        import copy
+
+        self.model = copy.deepcopy(hf)
+        self.llm = self
+
+    def apply_model(self, fn):
+        return [fn(self.model)]
+
+    @torch.no_grad()
+    def score(self, sequences):
+        out = []
+        for s in sequences:
+            logits = self.model(torch.tensor([s])).logits[0, :-1].float()
+            out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(s[1:])[:, None])[:, 0])
+        return out
+
+
+def _policy(tied):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from flashdapo.trainer.policy import PolicyModel
+
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied))
+    return PolicyModel(hf, "sdpa", "torch", temperature=0.7)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("stale, culprit", [(None, None), ("model.layers.1.mlp.down_proj.weight", "layers.1"),
+                                            ("lm_head.weight", "lm_head"), ("model.norm.weight", "norm")])
+def test_push_check_passes_a_faithful_engine_and_names_what_differs(tied, stale, culprit):
+    from flashdapo.trainer.logprob_check import PushCheck, PushMismatchError
+
+    policy = _policy(tied)
+    engine = CopyEngine(policy.hf)
+    lines = []
+    check = PushCheck(policy, torch.device("cpu"), 48, lines.append)
+    if stale is None:
+        check(engine)
+        assert check.last_max < 1e-5 and len(lines) == 1 and "weight push 1 checked" in lines[0]
+        assert policy.temperature == 0.7  # put back after the temperature-1 probe
+        return
+    if stale == "lm_head.weight" and tied:  # a tied head whose own (packed) copy was not refreshed
+        engine.model.lm_head.weight = torch.nn.Parameter(engine.model.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        param = dict(engine.model.named_parameters())[stale] if stale != "lm_head.weight" else \
+            engine.model.lm_head.weight
+        param.add_(0.3 * torch.randn_like(param))
+    with pytest.raises(PushMismatchError) as err:
+        check(engine)
+    message = str(err.value)
+    groups = message.split("max |delta logp|): ")[1].split(";")[0]
+    assert groups.split(" (")[0] == culprit, message
+    assert "\n" not in message and "float32" in message

