@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from .toy import KV_GIB, toy_export
+from .toy import KV_GIB, toy_export, toy_train_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_SCRIPTS = ROOT / "tests" / "trainer" / "scripts"
@@ -47,6 +47,7 @@ FINALIZER_ERROR = "Invalid process group"  # vLLM's finalizer on a destroyed gro
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_toy")
+    toy_train_file(root / "train.jsonl")  # beside the exports: train() passes it (a model directory needs data)
     return {"tied": toy_export(root / "tied"), "untied": toy_export(root / "untied", tied=False)}
 
 
@@ -69,8 +70,9 @@ def train(nproc: int, model: Path, run_dir: Path, *extra: str, script: list[str]
           expect_rc: int | None = 0) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     entry = script or ["-m", "flashdapo", "train"]
-    return _run([*launcher, *entry, "--model.path", str(model), *ARGS, "--logging.run-dir", str(run_dir), *extra],
-                expect_rc)
+    data = ["--data.train-files", str(model.parent / "train.jsonl")]
+    return _run([*launcher, *entry, "--model.path", str(model), *data, *ARGS, "--logging.run-dir", str(run_dir),
+                 *extra], expect_rc)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -182,7 +184,8 @@ def test_a_head_size_vllms_cpu_attention_lacks_is_refused_with_one_line(tmp_path
     if torch.cuda.is_available():
         pytest.skip("vLLM's CPU attention only")
     model = toy_export(tmp_path / "head16", head_dim=16)
-    proc = _run([sys.executable, "-m", "flashdapo", "train", "--model.path", str(model), *ARGS,
+    data = ["--data.train-files", str(toy_train_file(tmp_path / "train.jsonl"))]
+    proc = _run([sys.executable, "-m", "flashdapo", "train", "--model.path", str(model), *data, *ARGS,
                  "--logging.run-dir", str(tmp_path / "run")], expect_rc=2)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("flashdapo: config error:")]
     assert len(errors) == 1 and "model.path:" in errors[0] and "attention head size 16" in errors[0], proc.stderr

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from flashdapo.config import ModelConfig, ToyTaskConfig
-from flashdapo.tasks.toy import build_toy_model, build_toy_tokenizer
+from flashdapo.tasks.toy import build_toy_model, build_toy_tokenizer, toy_records
 from flashdapo.trainer.checkpoint import export_hf
 
 HIDDEN, HEADS = 64, 2  # head size 32, the smallest vLLM's CPU attention supports
@@ -31,3 +32,11 @@ def toy_export(path: Path, tied: bool = True, head_dim: int = HIDDEN // HEADS) -
     export_hf(model.named_parameters(), model.config, tokenizer, path, True)
     return path
 
+
+
+def toy_train_file(path: Path, rows: int = 64) -> Path:
+    """The toy task's training problems as a DAPO-schema jsonl: a run from a model directory trains on files."""
+    records = toy_records(ToyTaskConfig(num_train=rows), "train")
+    path.write_text("".join(json.dumps({"prompt": r.messages, "reward_model": {"ground_truth": r.ground_truth}}) + "\n"
+                            for r in records))
+    return path
