@@ -218,8 +218,10 @@ def test_triton_on_a_cpu_needs_the_interpreter(tmp_path, capsys, monkeypatch):
     check_launch(merge(preset("toy"), {"trainer": {"kernel_impl": "triton"}}))  # the tests' interpreter: allowed
 
 
-@pytest.mark.skipif(installed("vllm"), reason="vLLM is installed")
 def test_vllm_without_vllm_is_one_line_in_train_and_eval(tmp_path, capsys, monkeypatch):
+    import flashdapo.preflight as preflight
+
+    monkeypatch.setattr(preflight, "installed", lambda module, real=preflight.installed: module != "vllm" and real(module))
     model, data = model_dir(tmp_path / "m"), train_file(tmp_path / "d.jsonl")
     err = _run(capsys, monkeypatch, tmp_path, "--rollout.engine", "vllm", "--model.path", str(model),
                "--data.train-files", str(data))
