@@ -10,6 +10,8 @@ Providers (each one step = forward, then backward into h and W), named from flas
                  LinearCrossEntropyOptions(), reduction="sum": log-prob only, no temperature/entropy
   liger-dapo     Liger's LigerFusedLinearGRPOLoss(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28,
                  beta=0, compiled=False), 1024-token sequences; skipped when liger-kernel is absent
+  liger-dapo-compiled  the same with compiled=True (Liger's default: torch.compile of its chunk step;
+                 the warm-up step compiles)
 Upstream gradients are random of both signs (all rows live unless stated). Time: median of `reps` steps
 after one warm-up (CUDA events on GPU). TFLOP/s counts 8 N H V per step for every provider.
 Peak extra memory: GPU, torch.cuda.max_memory_allocated during one step minus what was allocated before
@@ -49,7 +51,7 @@ from bench.kernel_model import predict  # noqa: E402
 from flashdapo.kernels import CHUNKED_IMPLS  # noqa: E402
 
 PROVIDERS = ["naive", *(f"{impl}{suffix}" for impl in CHUNKED_IMPLS for suffix in ("", "-50%", "-fused")),
-             "torch-lce", "liger-dapo"]
+             "torch-lce", "liger-dapo", "liger-dapo-compiled"]
 # (label, N, H, V, dtype, reps)
 CPU_SHAPES = [("CPU target, fp32", 8192, 256, 32768, "float32", 3)]
 SMOKE_SHAPE = ("smoke", 512, 64, 2048, "float32", 2)  # plumbing check (`--shapes smoke`, any device)
@@ -96,19 +98,19 @@ def make_step(provider: str, h, w, y, g):
             raise Unavailable(f"torch {torch.__version__} has no F.linear_cross_entropy")
         options = torch.nn.LinearCrossEntropyOptions()
         return lambda: F.linear_cross_entropy(h, w, y, reduction="sum", options=options).backward()
-    if provider == "liger-dapo":
-        return _liger_step(h, w, y, g)
+    if provider in ("liger-dapo", "liger-dapo-compiled"):
+        return _liger_step(h, w, y, g, compiled=provider.endswith("-compiled"))
     raise ValueError(provider)
 
 
-def _liger_step(h, w, y, g):
+def _liger_step(h, w, y, g, compiled=False):
     if importlib.util.find_spec("liger_kernel") is None:
         raise Unavailable("liger-kernel not installed")
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     seq = 1024 if len(y) % 1024 == 0 else len(y)
     try:
-        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False, loss_type="dapo",
+        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=compiled, loss_type="dapo",
                                            epsilon_low=0.2, epsilon_high=0.28)
     except TypeError as err:  # an older Liger without loss_type / epsilon_high
         raise Unavailable(f"this liger-kernel lacks the dapo loss ({err})") from err

@@ -2,11 +2,12 @@
 
 A per-token loss (the DAPO token loss with its global normalizer) has dL/dlogp_i depending only on row
 i's own log-prob, so the gradient can be formed in the sweep that computes the log-probs (Liger's
-approach): per token chunk t, keep its logit tiles z = h_t W^T (fp32) for the whole vocabulary, merge
-their statistics into logp_t, ask the loss for g_t = dL/dlogp_t (autograd on the chunk's [C] vector),
-then turn the kept tiles into dz and accumulate dh_t += dz W and dW += dz^T h_t inside the GEMMs. That is
-6 N H V FLOPs instead of the generic path's 8 (no recompute), at the cost of holding a [C, V] fp32 tile
-set (C from a memory budget) and, for 16-bit W, an fp32 dW accumulator.
+approach): per token chunk t, keep its tiles for the whole vocabulary (the logits z = h_t W^T in fp32 on
+the Triton path; e = exp(z/T - m_tile) on the torch path, so that its gradient pass is one multiply),
+merge their statistics into logp_t, ask the loss for g_t = dL/dlogp_t (autograd on the chunk's [C]
+vector), then turn the kept tiles into dz and accumulate dh_t += dz W and dW += dz^T h_t inside the
+GEMMs. That is 6 N H V FLOPs instead of the generic path's 8 (no recompute), at the cost of holding a
+[C, V] fp32 tile set (C from a memory budget) and, for 16-bit W, an fp32 dW accumulator.
 
 The gradients are computed in the forward, in their final dtypes; the backward hands them on, scaled in
 place by the loss's upstream gradient. Rows outside `keep` (loss mask 0) are dropped before any matmul,
@@ -26,8 +27,9 @@ from .gemm import mm_acc_, mm_f32
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Byte budget of one token chunk's fp32 tile set [C, V]: C follows from it (a multiple of 64 rows when
-# more than 128 fit). CPU: 64 MiB (512 rows at V=32768: the forward GEMM's M; 256 rows ran it at 0.6x the
-# rate, measured on the 2-core EPYC), which puts the sweep's extra memory at the gradients plus ~80 MB;
+# more than 128 fit). CPU: 64 MiB (512 rows at V=32768; on the 2-core EPYC, one thread, 256 rows took
+# 1.07x its time, 1024 rows the same time for twice the memory), so the sweep's extra memory is the
+# gradients plus ~80 MB (the tile set and one spare tile);
 # CUDA: 2 GiB (3456 rows at V=152064), so that the fp32 dW accumulator's traffic per chunk stays inside
 # compute-bound GEMMs (K = C). Vocabulary tiles of 4096 columns on both.
 CPU_TILESET_BYTES, CUDA_TILESET_BYTES, TILE_VOCAB = 64 << 20, 2 << 30, 4096
@@ -43,24 +45,46 @@ def fused_chunk_tokens(num_tokens: int, vocab: int, device_type: str) -> int:
     return max(1, min(num_tokens, rows))
 
 
-def _chunk_logprobs(ops, h_t, w, y_t, temperature, bv):
-    """The chunk's logit tiles (kept, unchanged) and its logp, entropy, m, log s."""
+class _TileSet:
+    """The kept tiles of one token chunk and a spare tile for the GEMM's output, in one buffer that every
+    chunk of the sweep reuses (the torch path: no allocation, hence no page faults, per tile)."""
+
+    def __init__(self, rows: int, vocab: int, bv: int, dtype: torch.dtype, device: torch.device):
+        self.tiles = -(-vocab // bv)
+        self.stride = rows * bv
+        self.buf = torch.empty((self.tiles + 1) * self.stride, dtype=dtype, device=device)
+
+    def tile(self, i: int, rows: int, width: int) -> torch.Tensor:
+        """Slot i (i = tiles: the spare) as a contiguous [rows, width] tile."""
+        return self.buf[i * self.stride : i * self.stride + rows * width].view(rows, width)
+
+
+def _chunk_logprobs(ops, h_t, w, y_t, temperature, bv, tileset):
+    """The chunk's kept tiles [(tile, m_tile or None)] and its logp, entropy, m, s, log s.
+
+    Triton tiles (no tileset): z itself is kept, and the gradient kernel reads it once more. Torch tiles:
+    e = exp(z/T - m_tile) is kept (tile_ops.tile_stats_exp), z computed into the spare slot."""
     n, sdtype = h_t.shape[0], (torch.float64 if h_t.dtype == torch.float64 else torch.float32)
     m, s, u, z_y = (torch.empty(n, dtype=sdtype, device=h_t.device) for _ in range(4))
-    tiles = []
-    for v0 in range(0, w.shape[0], bv):
-        z = mm_f32(h_t, w[v0 : v0 + bv].T)
-        tiles.append(z)
-        ops.tile_stats(z, y_t - v0, (m, s, u, z_y), v0 == 0, temperature, True, keep_z=True)
+    kept = []
+    for i, v0 in enumerate(range(0, w.shape[0], bv)):
+        w_c = w[v0 : v0 + bv]
+        if tileset is None:
+            z = mm_f32(h_t, w_c.T)
+            ops.tile_stats(z, y_t - v0, (m, s, u, z_y), i == 0, temperature, True, keep_z=True)
+            kept.append((z, None))
+        else:
+            z = torch.mm(h_t, w_c.T, out=tileset.tile(tileset.tiles, n, w_c.shape[0]))
+            e = tileset.tile(i, n, w_c.shape[0])
+            kept.append((e, ops.tile_stats_exp(z, y_t - v0, (m, s, u, z_y), i == 0, temperature, e)))
     log_s = torch.log(s)
-    return tiles, (z_y - m) - log_s, log_s - u / s, m, log_s
+    return kept, (z_y - m) - log_s, log_s - u / s, (m, s, log_s)
 
 
-def _chunk_grads(ops, tiles, h_t, w, y_t, stats, g, temperature, bv, out):
+def _chunk_grads(ops, kept, h_t, w, y_t, stats, g, temperature, bv, out):
     """dh of the chunk's rows into out[0] (a [C, H] view of dh, final dtype) and dW += dz^T h_t into
-    out[1] (the fp32 accumulator), over the rows with g != 0. Each tile is turned into dz in place when
-    the dot dtype is its own (fp32), else into one reused 16-bit buffer; both GEMMs accumulate inside."""
-    m, log_s = stats
+    out[1] (the fp32 accumulator), over the rows with g != 0. Each kept tile is turned into dz in place
+    when the dot dtype is its own (fp32), else into one reused 16-bit buffer; both GEMMs accumulate inside."""
     dh_t, dw_acc = out
     act = torch.nonzero(g).squeeze(1)  # one host sync per chunk
     _check_targets(y_t[act], w.shape[0])
@@ -70,19 +94,22 @@ def _chunk_grads(ops, tiles, h_t, w, y_t, stats, g, temperature, bv, out):
         return
     dense = act.numel() == h_t.shape[0]
     pick = (lambda t: t) if dense else (lambda t: t.index_select(0, act))
-    h_a, y_a, m_a, log_s_a = pick(h_t), pick(y_t), pick(m), pick(log_s)
+    h_a, y_a, (m_a, s_a, log_s_a) = pick(h_t), pick(y_t), (pick(t) for t in stats)
     scale = _fp16_scale(g[act], None, w.shape[0]) if h_t.dtype == torch.float16 else 1.0
     g_a = pick(g) * (scale / temperature)
-    direct = dh_t is not None and dense and dh_t.dtype == m.dtype  # accumulate into dh itself
-    dh_a = dh_t if direct or dh_t is None else torch.zeros(h_a.shape, dtype=m.dtype, device=h_t.device)
-    in_place = h_t.dtype == m.dtype
+    direct = dh_t is not None and dense and dh_t.dtype == m_a.dtype  # accumulate into dh itself
+    dh_a = dh_t if direct or dh_t is None else torch.zeros(h_a.shape, dtype=m_a.dtype, device=h_t.device)
+    in_place = h_t.dtype == m_a.dtype
     buf = None if in_place else torch.empty(h_a.shape[0] * bv, dtype=h_t.dtype, device=h_t.device)
     for i, v0 in enumerate(range(0, w.shape[0], bv)):
-        w_c, z = w[v0 : v0 + bv], pick(tiles[i])
-        tiles[i] = None  # free the chunk's tiles as they are used
-        # the 16-bit buffer's first rows x width elements as a contiguous tile (the last tile is narrower)
-        out = z if in_place else buf[: z.numel()].view(z.shape)
-        dz = ops.tile_grad(z, y_a - v0, (m_a, log_s_a, None), g_a, None, temperature, out)
+        w_c, (tile, m_tile) = w[v0 : v0 + bv], kept[i]
+        kept[i] = None  # drop the chunk's tiles as they are used
+        tile = pick(tile)
+        if m_tile is not None:  # torch tiles hold e: one multiply, in place (always fp32/fp64 here)
+            dz = ops.exp_tile_grad(tile, pick(m_tile), y_a - v0, m_a, s_a, g_a)
+        else:  # the 16-bit buffer's first rows x width elements as a contiguous tile (the last is narrower)
+            dst = tile if in_place else buf[: tile.numel()].view(tile.shape)
+            dz = ops.tile_grad(tile, y_a - v0, (m_a, log_s_a, None), g_a, None, temperature, dst)
         if dh_a is not None:
             mm_acc_(dh_a, dz, w_c, alpha=1.0 / scale)
         if dw_acc is not None:
@@ -100,10 +127,13 @@ def _sweep(h, w, y, loss_fn, temperature, need, impl, plan, grad_dtypes):
     dh = torch.empty(h.shape, dtype=grad_dtypes[0], device=h.device) if need[0] else None
     dw = torch.zeros(w.shape, dtype=sdtype, device=h.device) if need[1] else None
     loss = torch.zeros((), dtype=sdtype, device=h.device)
+    tileset = None if impl == "triton" else _TileSet(min(n, plan.chunk_tokens), w.shape[0], plan.chunk_vocab,
+                                                     h.dtype, h.device)
     for r0 in range(0, n, plan.chunk_tokens):
         rows = slice(r0, r0 + plan.chunk_tokens)
         h_t, y_t = h[rows], y[rows]
-        tiles, logp[rows], entropy[rows], m, log_s = _chunk_logprobs(ops, h_t, w, y_t, temperature, plan.chunk_vocab)
+        kept, logp[rows], entropy[rows], stats = _chunk_logprobs(ops, h_t, w, y_t, temperature,
+                                                                 plan.chunk_vocab, tileset)
         idx = torch.arange(r0, r0 + h_t.shape[0], device=h.device)
         lp = logp[rows].detach().requires_grad_(any(need))
         with torch.enable_grad():
@@ -111,11 +141,11 @@ def _sweep(h, w, y, loss_fn, temperature, need, impl, plan, grad_dtypes):
         loss += chunk_loss.detach()
         if any(need) and chunk_loss.requires_grad:
             (g,) = torch.autograd.grad(chunk_loss, lp)
-            _chunk_grads(ops, tiles, h_t, w, y_t, (m, log_s), g.to(sdtype), temperature, plan.chunk_vocab,
+            _chunk_grads(ops, kept, h_t, w, y_t, stats, g.to(sdtype), temperature, plan.chunk_vocab,
                          (dh[rows] if need[0] else None, dw))
         elif need[0]:
             dh[rows].zero_()
-        del tiles
+        del kept
     if dw is not None and dw.dtype != grad_dtypes[1]:
         dw = dw.to(grad_dtypes[1])  # the fp32 accumulator is freed here, before backward
     return loss, logp, entropy, dh, dw

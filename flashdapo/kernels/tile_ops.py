@@ -13,6 +13,10 @@ before the division by the temperature. Two passes read it:
 
 `flashdapo.kernels.triton_tiles` implements the same two functions as Triton kernels (one read of z,
 one write of dz); the driver picks one module per call.
+
+The fused sweep (`fused.py`) keeps a token chunk's tiles between its two passes. On this path it keeps
+e = exp(z/T - m_tile) instead of z (`tile_stats_exp`), so that its gradient pass is one multiply by a
+per-row factor (`exp_tile_grad`): one exp per logit instead of two, three fewer passes over the tile.
 """
 
 from __future__ import annotations
@@ -28,13 +32,10 @@ def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy:
     another chunk). z is overwritten unless `keep_z` (then one temporary tile is used instead: the fused
     sweep keeps its tiles for the gradient pass). u is None when `with_entropy` is off.
     """
-    m, s, u, z_y = state
     scaled = temperature != 1.0
     if scaled:
         z = z.div(temperature) if keep_z else z.div_(temperature)
-    inside = (y_local >= 0) & (y_local < z.shape[1])
-    zy2 = z.gather(1, y_local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
-    zy2 = torch.where(inside, zy2, torch.full_like(zy2, float("-inf")))
+    zy2 = _target_logit(z, y_local)
     m2 = z.amax(dim=1)
     z = z.sub(m2.unsqueeze(1)) if keep_z and not scaled else z.sub_(m2.unsqueeze(1))  # z - m2 <= 0 from here on
     if with_entropy:
@@ -44,6 +45,13 @@ def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy:
         u2, s2 = torch.linalg.vecdot(e, z, dim=1), e.sum(dim=1)
     else:
         s2, u2 = z.exp_().sum(dim=1), None
+    _merge(state, m2, s2, u2, zy2, first)
+
+
+def _merge(state, m2, s2, u2, zy2, first: bool) -> None:
+    """Fold one tile's row statistics into the running ones (u, u2 None: no entropy)."""
+    m, s, u, z_y = state
+    with_entropy = u2 is not None
     if first:
         m.copy_(m2), s.copy_(s2), z_y.copy_(zy2)
         if with_entropy:
@@ -56,6 +64,39 @@ def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy:
     s.copy_(a * s + b * s2)
     m.copy_(m_new)
     torch.maximum(z_y, zy2, out=z_y)
+
+
+def _target_logit(z, y_local):
+    """z[row, y] of rows whose target lies in this tile, -inf for the others."""
+    inside = (y_local >= 0) & (y_local < z.shape[1])
+    zy = z.gather(1, y_local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(inside, zy, torch.full_like(zy, float("-inf")))
+
+
+def tile_stats_exp(z, y_local, state, first: bool, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """`tile_stats` with entropy for the fused sweep: merges the tile's statistics into state and writes
+    e = exp(z/T - m_tile) into `out` (z's shape, another buffer); z is overwritten with z/T - m_tile.
+    Returns m_tile [n], which `exp_tile_grad` needs to turn e into p. Moves: z read 5x and written 3x,
+    out written once and read twice (the sum and the entropy's product), one exp per logit, no temporary."""
+    if temperature != 1.0:
+        z.div_(temperature)
+    zy2 = _target_logit(z, y_local)
+    m2 = z.amax(dim=1)
+    z.sub_(m2.unsqueeze(1))
+    e = torch.exp(z, out=out)
+    s2, u2 = e.sum(dim=1), z.mul_(e).sum(dim=1)  # u in z's storage: no temporary; sum is blocked too
+    _merge(state, m2, s2, u2, zy2, first)
+    return m2
+
+
+def exp_tile_grad(e, m_tile, y_local, m, s, g) -> torch.Tensor:
+    """dz = g (onehot(y) - p) of a tile kept by `tile_stats_exp`, in e's storage, returned: p = e
+    exp(m_tile - m) / s, one multiply by a per-row factor (exactly 1 / s where the tile holds the row's max,
+    so a near-one-hot row at T = 0.05 gets p_y from the same e that went into s). g [n] is divided by T."""
+    dz = e.mul_((-g * torch.exp(m_tile - m) / s).unsqueeze(1))
+    inside = (y_local >= 0) & (y_local < e.shape[1])  # no host sync: rows elsewhere add 0 at a clamped column
+    one_hot = torch.where(inside, g, torch.zeros_like(g)).unsqueeze(1)
+    return dz.scatter_add_(1, y_local.clamp(0, e.shape[1] - 1).unsqueeze(1), one_hot)
 
 
 def tile_grad(z, y_local, rowstats, g, ge, temperature: float, out: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 
 from flashdapo.kernels import token_logprobs
 from flashdapo.kernels.chunked import chunked_token_logprobs
+from flashdapo.kernels.fused import fused_token_loss
 from flashdapo.kernels.naive import naive_token_logprobs
 
 ON_CUDA = torch.cuda.is_available()
@@ -55,16 +56,29 @@ def logprobs(impl, h, w, y, temperature=1.0):
 
 def run(impl, h, w, y, temperature, g, ge, on_cpu=True):
     """(logp, entropy, dh, dW) as float64 tensors (moved to the CPU unless on_cpu=False); g / ge are
-    upstream gradients of logp / entropy (or None)."""
+    upstream gradients of logp / entropy (or None).
+
+    impl "fused-<impl>" runs fused_token_loss(impl=<impl>) on the loss sum(g logp) (its gradient formed
+    in the forward; no entropy gradient, so ge must be None); "fused-<impl>-tiled" forces 8-row token
+    chunks and 128-column vocabulary tiles, so that the merge across tiles runs at small shapes."""
     h = h.detach().clone().requires_grad_(True)
     w = w.detach().clone().requires_grad_(True)
-    logp, ent = logprobs(impl, h, w, y, temperature)
-    outs, grads = [], []
-    for out, grad in ((logp, g), (ent, ge)):
-        if grad is not None:
-            outs.append(out)
-            grads.append(grad.to(out.device, out.dtype))
-    torch.autograd.backward(outs, grads)
+    if impl.startswith("fused-"):
+        assert ge is None, "the fused sweep has no entropy gradient"
+        kernel, tiled = impl.split("-")[1], impl.endswith("-tiled")
+        g_out = g.to(h.device, torch.float64 if h.dtype == torch.float64 else torch.float32)
+        loss_fn = lambda lp, rows: (lp * g_out[rows]).sum()  # noqa: E731 - dL/dlogp = g
+        loss, logp, ent = fused_token_loss(h, w, y, loss_fn, temperature=temperature, impl=kernel,
+                                           chunk_tokens=8 if tiled else None, chunk_vocab=128 if tiled else None)
+        loss.backward()
+    else:
+        logp, ent = logprobs(impl, h, w, y, temperature)
+        outs, grads = [], []
+        for out, grad in ((logp, g), (ent, ge)):
+            if grad is not None:
+                outs.append(out)
+                grads.append(grad.to(out.device, out.dtype))
+        torch.autograd.backward(outs, grads)
     results = [t.detach().double() for t in (logp, ent, h.grad, w.grad)]
     return [t.cpu() for t in results] if on_cpu else results
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_accuracy import impl_params
+from kernel_accuracy import ON_CUDA, TRITON_MARKS, impl_params
+from kernel_accuracy import check as accuracy_check
+from kernel_accuracy import reference as float64_reference
+from kernel_accuracy import run as run_impl
 
 from flashdapo.algorithm import token_loss
 from flashdapo.config import AlgorithmConfig
@@ -111,3 +114,48 @@ def test_fused_16bit_inputs_match_float64(impl, dtype, seed):
         assert scale_ > 0 and torch.isfinite(got).all()
         assert (got - want).abs().max().item() <= 8 * eps * scale_, (got - want).abs().max().item() / scale_
     assert (hh.grad.cpu()[~mask.cpu()] == 0).all()
+
+
+# The hard cases of docs/kernels.md through the fused sweep, by the kernels' accuracy criterion
+# (kernel_accuracy.py): prime V over several tiles, near one-hot rows at T = 0.05, Zipfian targets,
+# all-negative logits. "-tiled" forces 128-column tiles, so rows whose max lies in another tile than the
+# target's (the torch path's p = e exp(m_tile - m) / s with m_tile < m) are common.
+FUSED_IMPLS = ["fused-torch", "fused-torch-tiled", pytest.param("fused-triton", marks=TRITON_MARKS)]
+
+
+def _hard_inputs(impl, w_scale=0.3):
+    n, hdim, vocab = (33, 24, 97) if "triton" in impl and not ON_CUDA else (37, 40, 1009)
+    dev = torch.device("cuda" if "triton" in impl and ON_CUDA else "cpu")
+    h, w = torch.randn(n, hdim), torch.randn(vocab, hdim) * w_scale
+    return h.to(dev), w.to(dev), torch.randint(0, vocab, (n,)).to(dev), torch.randn(n, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.7, 1.5])
+@pytest.mark.parametrize("impl", FUSED_IMPLS)
+def test_fused_hard_cases_match_float64(impl, temperature, seed):
+    h, w, y, g = _hard_inputs(impl, w_scale=1.0 if temperature == 0.05 else 0.3)
+    logp, ent, _, _ = accuracy_check(impl, h, w, y, temperature, g, None)
+    assert (logp <= 0).all() and (ent >= 0).all()
+    if temperature == 0.05:
+        assert ent.min().item() < 1e-3, "the case should contain near one-hot rows"
+
+
+@pytest.mark.parametrize("impl", FUSED_IMPLS)
+def test_fused_zipfian_and_negative_logits(impl, seed):
+    h, w, _, g = _hard_inputs(impl)
+    zipf = 1.0 / torch.arange(1, w.shape[0] + 1, dtype=torch.float64) ** 1.5  # top token ~38% of rows
+    y = torch.multinomial(zipf, len(g), replacement=True).to(h.device)
+    assert torch.bincount(y).max().item() >= len(g) // 5, "the case should repeat its top token"
+    accuracy_check(impl, h, w, y, 0.7, g, None)
+    h, w = h.abs() + 0.1, -(w.abs() + 0.05)
+    logp, ent, _, _ = accuracy_check(impl, h, w, y, 1.0, g, None)
+    assert (logp <= 0).all() and (ent >= 0).all()
+
+
+def test_fused_float64_inputs(seed):
+    """fp64 inputs keep fp64 tiles, statistics and gradients (tiles kept as e there too)."""
+    h, w, y, g = _hard_inputs("fused-torch")
+    got = run_impl("fused-torch-tiled", h.double(), w.double(), y, 0.7, g, None)
+    ref = float64_reference(h, w, y, 0.7, g, None)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
