@@ -6,6 +6,9 @@ Providers (each one step = forward, then backward into h and W), named from flas
   <impl>-50%     the same with half the rows at zero upstream gradient (masked/clipped): skipped rows
   <impl>-fused   fused_token_loss(impl=<impl>): the gradient formed in the forward sweep (6NHV), with the
                  loss sum(g * logp) so that its upstream gradient is the same g as the others'
+  gemm-floor     the fused sweep's three GEMMs alone (z = h W^T, dh += dz W, dW += dz^T h on its tiles, z
+                 standing in for dz), no elementwise work: the floor of any exact 6 N H V design on this
+                 BLAS, the baseline the fused sweep's overhead is read against
   torch-lce      torch.nn.functional.linear_cross_entropy (torch >= 2.13), chunked via
                  LinearCrossEntropyOptions(), reduction="sum": log-prob only, no temperature/entropy
   liger-dapo     Liger's LigerFusedLinearGRPOLoss(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28,
@@ -51,7 +54,7 @@ from bench.kernel_model import predict  # noqa: E402
 from flashdapo.kernels import CHUNKED_IMPLS  # noqa: E402
 
 PROVIDERS = ["naive", *(f"{impl}{suffix}" for impl in CHUNKED_IMPLS for suffix in ("", "-50%", "-fused")),
-             "torch-lce", "liger-dapo", "liger-dapo-compiled"]
+             "gemm-floor", "torch-lce", "liger-dapo", "liger-dapo-compiled"]
 # (label, N, H, V, dtype, reps)
 CPU_SHAPES = [("CPU target, fp32", 8192, 256, 32768, "float32", 3)]
 SMOKE_SHAPE = ("smoke", 512, 64, 2048, "float32", 2)  # plumbing check (`--shapes smoke`, any device)
@@ -91,6 +94,8 @@ def make_step(provider: str, h, w, y, g):
             logp.backward(upstream)
 
         return step
+    if provider == "gemm-floor":
+        return lambda: _gemm_floor(h, w)
     if provider == "torch-lce":
         import torch.nn.functional as F
 
@@ -101,6 +106,21 @@ def make_step(provider: str, h, w, y, g):
     if provider in ("liger-dapo", "liger-dapo-compiled"):
         return _liger_step(h, w, y, g, compiled=provider.endswith("-compiled"))
     raise ValueError(provider)
+
+
+def _gemm_floor(h, w):
+    """The GEMMs of fused_token_loss at its own token chunks and vocabulary tiles, nothing else."""
+    from flashdapo.kernels.fused import TILE_VOCAB, fused_chunk_tokens
+
+    h, w = h.detach(), w.detach()
+    rows, (n, vocab) = fused_chunk_tokens(len(h), len(w), h.device.type), (len(h), len(w))
+    dh, dw = torch.zeros_like(h), torch.zeros_like(w)
+    for r0 in range(0, n, rows):
+        h_t = h[r0 : r0 + rows]
+        tiles = [h_t @ w[v0 : v0 + TILE_VOCAB].T for v0 in range(0, vocab, TILE_VOCAB)]
+        for z, v0 in zip(tiles, range(0, vocab, TILE_VOCAB)):
+            dh[r0 : r0 + rows].addmm_(z, w[v0 : v0 + TILE_VOCAB])
+            dw[v0 : v0 + TILE_VOCAB].addmm_(z.T, h_t)
 
 
 def _liger_step(h, w, y, g, compiled=False):
