@@ -22,7 +22,16 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_kernels import CPU_SHAPES, REPO, SMOKE_SHAPE, Unavailable, git_commit, machine_tag, make_inputs, make_step
+from bench.bench_kernels import (
+    CPU_SHAPES,
+    REPO,
+    SMOKE_SHAPE,
+    Unavailable,
+    git_commit,
+    machine_tag,
+    make_inputs,
+    make_step,
+)
 
 
 def run_rounds(providers, shape, device: str, rounds: int) -> dict[str, tuple[list[float], list[float]]]:
