@@ -9,11 +9,14 @@ included) rank 0 writes
   train_batch);
 - `RUN_DIR/rollouts/val_step_XXXXXX.jsonl`: one line per validation prompt, as `flashdapo eval` writes
   them to samples.jsonl.
-A file is replaced whole, so a resumed run rewrites the steps it repeats.
+A file is replaced whole, so a resumed run rewrites the steps it repeats. A dump is a record for people,
+never worth the run: a write that fails (full disk, permissions) warns once and training goes on; later
+dumps are tried again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -30,11 +33,22 @@ def dumping(every: int, step: int) -> bool:
     return every > 0 and step % every == 0
 
 
+_FAILED: list[str] = []  # set after the first failed dump write of this process (the warning is said once)
+
+
 def _write_lines(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as err:
+        with contextlib.suppress(OSError):  # no partial file left behind (nor a second error)
+            tmp.unlink(missing_ok=True)
+        if not _FAILED:
+            print(f"flashdapo: warning: cannot write the rollout dump {path} ({type(err).__name__}: {err}); "
+                  "training goes on, later dumps are tried again", flush=True)
+        _FAILED.append(str(path))
 
 
 def dump_train_rollouts(run_dir: Path, step: int, generated: list[tuple[Group, bool]], batch: TrainBatch,

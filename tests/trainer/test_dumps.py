@@ -1,7 +1,9 @@
 """logging.dump_rollouts_every: training rollouts (trained / filtered / unused, with advantages) and
 validation generations written as jsonl in the run dir."""
 
+import errno
 import json
+from pathlib import Path
 
 import torch
 
@@ -50,3 +52,21 @@ def test_training_run_dumps_rollouts_and_validation_per_source(tmp_path):
     last = run.logger.history[-1]
     assert last["val/toy_arithmetic/acc/mean@k"] == last["val/acc/mean@k"]
     assert "val/toy_arithmetic/acc/pass@1" in last
+
+
+def test_a_failed_dump_warns_once_and_training_goes_on(tmp_path, capsys, monkeypatch):
+    real_write = Path.write_text
+
+    def full_disk(path, *args, **kwargs):  # every dump write fails as on a full disk; other files are written
+        if path.parent.name == "rollouts":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    run_dir = tmp_path / "run"
+    run = train(tiny_config(run_dir, trainer={"total_steps": 2}, checkpoint={"export_hf": False},
+                            logging={"dump_rollouts_every": 1}))
+    assert [int(m["step"]) for m in run.logger.history if "train/num_gen_batches" in m] == [1, 2]
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "cannot write the rollout dump" in line]
+    assert len(warnings) == 1 and "No space left" in warnings[0], warnings
+    assert list((run_dir / "rollouts").iterdir()) == [], "no partial file is left behind"
