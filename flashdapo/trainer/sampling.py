@@ -12,6 +12,7 @@ requires gen_batch = train_batch).
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -91,6 +92,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     kept_per_round: list[list[Group]] = []
     generated: list[tuple[Group, bool]] = []
     total_kept = rounds = 0
+    started = time.perf_counter()
     # Sums over all generated responses (this rank): correct, score, truncated, count.
     gen_sums = torch.zeros(4, dtype=torch.float64)
     while True:
@@ -128,7 +130,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                               f"{tc.train_batch // tc.mini_batch})", stacklevel=2)
             break
         if env.is_main:
-            _report_round(step, rounds, total_kept, cfg)
+            _report_round(step, rounds, total_kept, cfg, time.perf_counter() - started)
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
     return Collected(
@@ -145,13 +147,18 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
 
 UNBOUNDED_WARN_EVERY = 20
 """With max_gen_batches <= 0 (unbounded), warn every this many generation rounds of one step."""
+ROUND_LINE_AFTER_S = 10.0
+"""A step's extra generation rounds print their progress line once its generation has run this long: a
+real run's rounds take minutes and the line says why the step is long; the toy's take 0.2 s and the step
+line's `rounds N` says enough."""
 
 
-def _report_round(step: int, rounds: int, kept: int, cfg: Config) -> None:
-    """Before each extra generation round: a progress line (logging.progress); when unbounded, a warning every
-    UNBOUNDED_WARN_EVERY rounds with the kept rate, so a search that cannot end is visible."""
+def _report_round(step: int, rounds: int, kept: int, cfg: Config, elapsed_s: float) -> None:
+    """Before each extra generation round: a progress line (logging.progress) once the step's generation has
+    run ROUND_LINE_AFTER_S; when unbounded, a warning every UNBOUNDED_WARN_EVERY rounds with the kept rate,
+    so a search that cannot end is visible."""
     tc = cfg.trainer
-    if cfg.logging.progress:
+    if cfg.logging.progress and elapsed_s >= ROUND_LINE_AFTER_S:
         print(f"flashdapo: step {step}: generation round {rounds + 1}: {kept} of {tc.train_batch} informative "
               "groups kept so far", flush=True)
     if cfg.algorithm.max_gen_batches <= 0 and rounds % UNBOUNDED_WARN_EVERY == 0:

@@ -15,6 +15,7 @@ from flashdapo.config import ToyTaskConfig, merge, toy
 from flashdapo.data import PromptSampler
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.tasks.toy import toy_records
+from flashdapo.trainer import sampling
 from flashdapo.trainer.checkpoint import export_hf
 from flashdapo.trainer.distributed import DistEnv, shutdown
 from flashdapo.trainer.loop import train, train_step
@@ -183,7 +184,10 @@ def test_filter_metric_score_keeps_groups_whose_scores_differ(metric, kept):
     assert [int(g.prompt[0]) for g in collected.groups] == kept
 
 
-def test_each_extra_generation_round_prints_its_progress(capsys):
+def test_extra_generation_rounds_of_a_long_step_print_their_progress(capsys, monkeypatch):
+    _collect({1, 2, 5, 8, 9, 10})  # rounds of milliseconds: the step line's `rounds N` says enough
+    assert "generation round" not in capsys.readouterr().out
+    monkeypatch.setattr(sampling, "ROUND_LINE_AFTER_S", 0.0)  # as if each round took longer than the bound
     _collect({1, 2, 5, 8, 9, 10})
     lines = [line for line in capsys.readouterr().out.splitlines() if "generation round" in line]
     assert lines == ["flashdapo: step 1: generation round 2: 2 of 4 informative groups kept so far",
