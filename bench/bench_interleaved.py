@@ -18,7 +18,6 @@ import datetime
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -31,6 +30,7 @@ from bench.bench_kernels import (
     machine_tag,
     make_inputs,
     make_step,
+    write_report,
 )
 
 
@@ -97,12 +97,8 @@ def main(argv=None) -> int:
         times = run_rounds(args.providers.split(","), shape, device, args.rounds)
     finally:
         torch.set_num_threads(threads_before)  # a caller's (e.g. pytest's) thread count is left as it was
-    report = table(times, shape, args.threads, commit, device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{datetime.date.today()}-{machine_tag(device)}-{commit}-interleaved-{args.threads}t.md"
-    path.write_text(report)
-    print(report + f"\nwritten to {path}")
+    write_report(table(times, shape, args.threads, commit, device), args.out, device, commit,
+                 f"-interleaved-{args.threads}t")
     return 0
 
 

@@ -321,13 +321,19 @@ def main(argv=None) -> int:
     keep = args.shapes.split(",")
     shapes = [s for s in shapes if (args.shapes == "all" and s is not SMOKE_SHAPE) or s[0].split(",")[0] in keep]
     commit = git_commit()  # once: the tree may be committed to while the benchmark runs
-    report = build_table(args.device, args.providers.split(","), shapes, args.timeout, commit)
-    out = Path(args.out)
+    write_report(build_table(args.device, args.providers.split(","), shapes, args.timeout, commit), args.out,
+                 args.device, commit)
+    return 0
+
+
+def write_report(report: str, out_dir: str, device: str, commit: str, suffix: str = "") -> Path:
+    """Print `report` and write it to OUT_DIR/<date>-<machine>-<commit><suffix>.md (returned)."""
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{datetime.date.today()}-{machine_tag(args.device)}-{commit}.md"
+    path = out / f"{datetime.date.today()}-{machine_tag(device)}-{commit}{suffix}.md"
     path.write_text(report)
     print(report + f"\nwritten to {path}")
-    return 0
+    return path
 
 
 # ------------------------------------------------------------------------------ pytest-benchmark
