@@ -276,7 +276,7 @@ def test_the_exports_config_says_the_dtype_of_its_tensors(dtype, saved, tmp_path
 
     from flashdapo.config import ModelConfig
     from flashdapo.tasks.toy import build_toy_model
-    from flashdapo.trainer.checkpoint import export_hf
+    from flashdapo.trainer.export import export_hf
     from flashdapo.trainer.run import Run
 
     tok = build_toy_tokenizer(ToyTaskConfig())

@@ -26,9 +26,10 @@ from ..eval.results import summarize
 from ..eval.sampling import EvalSampling, Shard, sample_prompts
 from ..rollout import derive_seed
 from .batch import TrainBatch, build_train_batch
-from .checkpoint import export_hf, latest_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, save_checkpoint
 from .correction import rollout_correction_metrics
 from .dumps import dump_train_rollouts, dump_validation, dumping
+from .export import export_hf
 from .heartbeat import heartbeat
 from .interrupt import StopOnInterrupt
 from .logprob_check import logprob_agreement

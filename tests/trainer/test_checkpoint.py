@@ -21,6 +21,7 @@ from flashdapo.trainer.checkpoint import (
     save_checkpoint,
 )
 from flashdapo.trainer.distributed import DistEnv
+from flashdapo.trainer.export import export_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
@@ -171,7 +172,7 @@ def test_a_file_size_limit_during_save_is_one_line_naming_the_checkpoint_and_the
 
 
 def _export(out_dir, model, tokenizer, shard_bytes):
-    ckpt.export_hf(model.state_dict().items(), model.config, tokenizer, out_dir, True, shard_bytes=shard_bytes)
+    export_hf(model.state_dict().items(), model.config, tokenizer, out_dir, True, shard_bytes=shard_bytes)
 
 
 def test_a_re_export_replaces_only_the_exports_own_files(tmp_path):

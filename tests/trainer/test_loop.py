@@ -16,8 +16,8 @@ from flashdapo.data import PromptSampler
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.tasks.toy import toy_records
 from flashdapo.trainer import sampling
-from flashdapo.trainer.checkpoint import export_hf
 from flashdapo.trainer.distributed import DistEnv, shutdown
+from flashdapo.trainer.export import export_hf
 from flashdapo.trainer.loop import train, train_step
 from flashdapo.trainer.metrics import REQUIRED_KEYS, StageTimer, format_line
 from flashdapo.trainer.run import setup_run
