@@ -55,8 +55,9 @@ test: setup $(VLLM_STAMP)  ## the whole suite; real vLLM on CPU here (GPU cases 
 test-fast: setup
 	$(VENV)/bin/pytest -m "not slow and not distributed"
 
-bench: setup  ## CPU benchmark suites; writes a table under bench/results/
+bench: setup  ## kernel benchmarks: every provider in a fresh process (memory), then in turn in one (time ratios); tables -> bench/results/
 	$(PY) -m bench.bench_kernels
+	$(PY) -m bench.bench_interleaved --threads 1
 
 bench-step:  ## end-to-end DAPO step vs TRL's GRPOTrainer (W1, W2; ~15 min on 2 cores); table -> bench/results/
 	$(MAKE) setup EXTRAS=dev,bench
