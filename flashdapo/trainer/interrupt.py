@@ -1,16 +1,22 @@
-"""Ctrl-C while training: stop at the end of the step with a checkpoint, in one line, on every rank.
+"""Ctrl-C or SIGTERM while training: stop at the end of the step with a checkpoint, in one line, on every rank.
 
-The first Ctrl-C (SIGINT) lets the running step finish, then the loop saves that step's checkpoint (unless
-it just did) and stops with one line, `stopped at step N ...; resume with --checkpoint.resume auto`.
-Why at the step's end: a checkpoint there is exactly the one an uninterrupted run writes (weights,
-optimizer, LR schedule, data position and RNG all after step N), so the resumed run reproduces the
-uninterrupted one bit for bit. Inside a step the state is never consistent (the data position and RNG have
-moved before the weights; between two of a step's optimizer steps the schedule has not): no checkpoint is
-taken there. A second Ctrl-C stops at once, without a checkpoint, naming the newest one.
+The first Ctrl-C (SIGINT) or SIGTERM lets the running step finish, then the loop saves that step's
+checkpoint (unless it just did) and stops with one line, `stopped at step N ...; resume with
+--checkpoint.resume auto`. Why at the step's end: a checkpoint there is exactly the one an uninterrupted run
+writes (weights, optimizer, LR schedule, data position and RNG all after step N), so the resumed run
+reproduces the uninterrupted one bit for bit. Inside a step the state is never consistent (the data
+position and RNG have moved before the weights; between two of a step's optimizer steps the schedule has
+not): no checkpoint is taken there. A second signal stops at once, without a checkpoint, naming the newest
+one.
+
+SIGTERM is what a scheduler sends before it ends a job (SLURM's scancel and preemption, Kubernetes) and what
+torchrun sends the other ranks when one rank died. In the first case every rank finishes its step and the
+checkpoint is saved; in the second the step's next collective fails at once on the dead peer, and that
+failure is the one line reported (failfast.py), not a launcher's bare kill.
 
 Under torchrun the launcher forwards SIGINT to every worker; at each step's end the ranks agree on stopping
 (a max all-reduce of one flag), so every rank stops after the same step and the save is collective as usual.
-Ctrl-C during setup or the final export stops at once (no step to finish).
+A signal during setup or the final export stops at once (no step to finish).
 """
 
 from __future__ import annotations
@@ -29,54 +35,72 @@ from .checkpoint import latest_checkpoint
 
 
 class Interrupted(FlashdapoError, RuntimeError):
-    """Ctrl-C ended the run; the message says where it stopped and how to continue. Not an error: the line is
-    `flashdapo: stopped at step N ...` and the exit status 130, the shell's for SIGINT."""
+    """Ctrl-C or SIGTERM ended the run; the message says where it stopped and how to continue. Not an error:
+    the line is `flashdapo: stopped at step N ...` and the exit status the shell's for the signal (130 for
+    SIGINT, 143 for SIGTERM)."""
 
     label = ""
     exit_status = 130
 
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_status = 128 + int(signum)
+
+
+def _signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 class StopOnInterrupt:
-    """SIGINT handling around a run (main thread only; elsewhere Python delivers no signals)."""
+    """SIGINT and SIGTERM handling around a run (main thread only; elsewhere Python delivers no signals)."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.is_main = False
-        """Whether this rank prints the notice of a first Ctrl-C (rank 0, once the run is set up)."""
+        """Whether this rank prints the notice of a first signal (rank 0, once the run is set up)."""
         self.phase = "setup"
-        """What runs now: 'setup', 'step N' (a Ctrl-C then waits for the step's end) or 'the export'."""
+        """What runs now: 'setup', 'step N' (a signal then waits for the step's end) or 'the export'."""
         self.requested = False
-        self._previous = None
+        self.signum = signal.SIGINT
+        """The first signal received (its name goes into the lines, its number into the exit status)."""
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
     def _handle(self, signum, frame) -> None:
         if self.phase.startswith("step") and not self.requested:
-            self.requested = True
+            self.requested, self.signum = True, signum
             if self.is_main:
-                _notice(f"flashdapo: Ctrl-C: stopping after {self.phase} (its checkpoint is saved then); Ctrl-C "
-                        "again stops at once, without it\n")
+                _notice(f"flashdapo: {_signal_name(signum)}: stopping after {self.phase} (its checkpoint is saved "
+                        "then); Ctrl-C again stops at once, without it\n")
             return
         newest = latest_checkpoint(self.run_dir)
-        raise Interrupted(f"stopped by Ctrl-C during {self.phase}, without a checkpoint of it; the newest "
-                          f"checkpoint is {newest or 'none'}; resume with --checkpoint.resume auto")
+        raise Interrupted(f"stopped by {_signal_name(signum)} during {self.phase}, without a checkpoint of it; the "
+                          f"newest checkpoint is {newest or 'none'}; resume with --checkpoint.resume auto", signum)
 
     def agreed(self) -> bool:
-        """Whether any rank was asked to stop (every rank calls this at the same point of each step)."""
-        return all_reduce(torch.tensor([float(self.requested)]), "max").item() > 0
+        """Whether any rank was asked to stop (every rank calls this at the same point of each step); every
+        rank then names the same signal (the highest number asked: SIGTERM over SIGINT)."""
+        asked = int(all_reduce(torch.tensor([float(self.signum if self.requested else 0)]), "max").item())
+        if asked:
+            self.signum = asked
+        return asked > 0
 
     def stopped(self, step: int) -> Interrupted:
         """The error that ends a run stopped after `step`, whose checkpoint is saved."""
-        return Interrupted(f"stopped at step {step} by Ctrl-C, after saving its checkpoint "
-                           f"{latest_checkpoint(self.run_dir)}; resume with --checkpoint.resume auto")
+        return Interrupted(f"stopped at step {step} by {_signal_name(self.signum)}, after saving its checkpoint "
+                           f"{latest_checkpoint(self.run_dir)}; resume with --checkpoint.resume auto", self.signum)
 
 
 def _notice(text: str) -> None:

@@ -20,14 +20,15 @@ from .test_distributed import ROOT, TINY, _env
 from .test_resume import _config, _metrics, _resume
 
 
-def _ctrl_c_during(monkeypatch, step: int, times: int = 1):
-    """SIGINT to this process `times` times in the middle of training step `step` (after its rollouts)."""
+def _ctrl_c_during(monkeypatch, step: int, times: int = 1, signum: int = signal.SIGINT):
+    """`signum` (SIGINT: Ctrl-C) to this process `times` times in the middle of training step `step` (after
+    its rollouts)."""
     real = loop.train_step
 
     def step_with_ctrl_c(run, n):
         if n == step:
             for _ in range(times):
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
         return real(run, n)
 
     monkeypatch.setattr(loop, "train_step", step_with_ctrl_c)
@@ -63,6 +64,17 @@ def test_ctrl_c_on_the_command_line_is_one_line(tmp_path, monkeypatch, capsys):
     assert "Traceback" not in err
     assert re.search(r"^flashdapo: stopped at step 1 by Ctrl-C, after saving its checkpoint \S+step_00000001; "
                      r"resume with --checkpoint.resume auto$", err, re.M), err
+
+
+def test_sigterm_stops_after_the_step_with_its_checkpoint_exit_143(tmp_path, monkeypatch, capsys):
+    """What a scheduler sends before it ends a job: the same stop as Ctrl-C, named SIGTERM, exit 128 + 15."""
+    _ctrl_c_during(monkeypatch, 2, signum=signal.SIGTERM)
+    assert cli(["train", *TINY, "--trainer.total-steps", "3", "--logging.run-dir", str(tmp_path)]) == 143
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "flashdapo: SIGTERM: stopping after step 2" in err, err
+    assert re.search(r"^flashdapo: stopped at step 2 by SIGTERM, after saving its checkpoint \S+step_00000002; "
+                     r"resume with --checkpoint.resume auto$", err, re.M), err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler is removed when the run ends"
 
 
 @pytest.mark.distributed
