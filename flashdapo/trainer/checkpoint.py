@@ -45,7 +45,6 @@ from .distributed import DistEnv
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-"""In export/: the files the export wrote (a re-export replaces these and leaves every other file)."""
 StateCheck = Callable[["TrainerState", Path], None]
 """Called with a checkpoint's state before its weights load; raises to refuse it."""
 

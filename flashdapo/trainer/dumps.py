@@ -33,10 +33,12 @@ def dumping(every: int, step: int) -> bool:
     return every > 0 and step % every == 0
 
 
-_FAILED: list[str] = []  # set after the first failed dump write of this process (the warning is said once)
+_WARNED = False
+"""Whether this process has said that a dump write failed (it is said once)."""
 
 
 def _write_lines(path: Path, rows: list[dict]) -> None:
+    global _WARNED
     tmp = path.with_suffix(".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,10 +47,10 @@ def _write_lines(path: Path, rows: list[dict]) -> None:
     except OSError as err:
         with contextlib.suppress(OSError):  # no partial file left behind (nor a second error)
             tmp.unlink(missing_ok=True)
-        if not _FAILED:
+        if not _WARNED:
             print(f"flashdapo: warning: cannot write the rollout dump {path} ({type(err).__name__}: {err}); "
                   "training goes on, later dumps are tried again", flush=True)
-        _FAILED.append(str(path))
+            _WARNED = True
 
 
 def dump_train_rollouts(run_dir: Path, step: int, generated: list[tuple[Group, bool]], batch: TrainBatch,

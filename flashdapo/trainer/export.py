@@ -18,6 +18,7 @@ import torch
 from ..collectives import barrier
 
 EXPORT_MANIFEST = ".flashdapo-export.json"
+"""In export/: the files the export wrote (a re-export replaces these and leaves every other file)."""
 
 
 def export_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config, tokenizer, out_dir: Path,
