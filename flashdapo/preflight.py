@@ -54,10 +54,17 @@ def _cuda_available() -> bool:
 
 
 def check_launch(cfg: Config, world_size: int | None = None) -> None:
-    """Refuse, before the process group starts, a training config this machine or launch cannot run:
-    CUDA or a GPU-only kernel without a GPU, an optional package that is not installed, batch sizes the
-    data-parallel ranks cannot share, a model without data. `world_size`: torchrun's WORLD_SIZE by default."""
+    """Refuse, before the process group starts, a training config this machine or launch cannot run: what
+    this machine lacks (`check_machine`) and what the launch's ranks cannot share (`check_layout`).
+    `world_size`: torchrun's WORLD_SIZE by default."""
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    check_machine(cfg)
+    check_layout(cfg, world_size)
+
+
+def check_machine(cfg: Config) -> None:
+    """What this machine must have for `cfg`: CUDA or a GPU-only kernel without a GPU, an optional package
+    that is not installed."""
     check_device(cfg.trainer.device, "trainer.device")
     on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())
     check_kernels(cfg, on_gpu)
@@ -67,18 +74,42 @@ def check_launch(cfg: Config, world_size: int | None = None) -> None:
     if cfg.logging.tensorboard and not installed("tensorboard"):
         raise ConfigError("logging.tensorboard: true needs the tensorboard package (pip install tensorboard); "
                           "or set it false")
-    tc = cfg.trainer
-    for name in ("train_batch", "gen_batch", "mini_batch"):
-        value = getattr(tc, name)
-        if value % world_size:
-            raise ConfigError(f"trainer.{name}: {value} prompts cannot be shared by {world_size} data-parallel "
-                              f"ranks; use a multiple of {world_size} (or launch a divisor of {value} ranks)")
+
+
+def check_layout(cfg: Config, world_size: int) -> None:
+    """What a launch of `world_size` ranks needs of `cfg`, on any machine (`flashdapo plan` runs this for a
+    cluster it is not on): batch sizes the ranks and data-parallel slots can share, a tensor-parallel size
+    the ranks divide into, data for a model of one's own."""
+    check_batch_layout(cfg, world_size)
     if cfg.rollout.engine == "vllm" and world_size % cfg.rollout.tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
                           f"world size {world_size}; use a divisor of it")
     if cfg.model.path and not cfg.data.train_files:
         raise ConfigError(f"data.train_files: empty with model.path={cfg.model.path}; the built-in toy task is for "
                           "the toy model: give --data.train-files FILE [FILE ...] (.parquet or .jsonl)")
+
+
+def check_batch_layout(cfg: Config, world_size: int) -> None:
+    """Batch sizes the launch's ranks can share. Generation is sharded over every rank (each samples its share
+    of gen_batch); training over the data-parallel slots, world_size / sequence_parallel of them (the sp ranks
+    of a slot train on the same groups), so train_batch and mini_batch must divide by the slots, not the
+    ranks."""
+    tc = cfg.trainer
+    sp = tc.sequence_parallel
+    if world_size % sp:
+        raise ConfigError(f"trainer.sequence_parallel: {sp} does not divide the world size {world_size}; launch a "
+                          f"multiple of {sp} ranks or use a divisor of {world_size}")
+    slots = world_size // sp
+    layout = f"{world_size} ranks / sequence_parallel {sp}" if sp > 1 else f"{world_size} ranks"
+    if tc.gen_batch % world_size:
+        raise ConfigError(f"trainer.gen_batch: {tc.gen_batch} prompts cannot be shared by {world_size} generating "
+                          f"ranks; use a multiple of {world_size} (or launch a divisor of {tc.gen_batch} ranks)")
+    for name in ("train_batch", "mini_batch"):
+        value = getattr(tc, name)
+        if value % slots:
+            raise ConfigError(f"trainer.{name}: {value} prompts cannot be shared by {slots} data-parallel slots "
+                              f"({layout}); use a multiple of {slots}, or fewer slots (more sequence "
+                              "parallelism or fewer ranks)")
 
 
 def check_device(device: str, field_name: str) -> None:

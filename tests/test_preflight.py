@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from flashdapo.__main__ import main
-from flashdapo.config import Config, ConfigError, ToyTaskConfig, merge, preset
+from flashdapo.config import PRESET_CLUSTERS, Config, ConfigError, ToyTaskConfig, merge, preset
 from flashdapo.data import chat_ids
 from flashdapo.model_dir import ModelDirError
 from flashdapo.preflight import (
@@ -26,6 +26,7 @@ from flashdapo.preflight import (
     SUPPORTED_MODEL_TYPES,
     _check_vocabulary,
     check_launch,
+    check_layout,
     check_model,
     installed,
     resolve_auto,
@@ -247,7 +248,8 @@ def test_batches_the_ranks_cannot_share_are_one_line(name, tmp_path, capsys, mon
     monkeypatch.setenv("WORLD_SIZE", "2")  # before the process group: nothing starts
     args = [a for k, v in sizes.items() for a in (f"--trainer.{k.replace('_', '-')}", v)]
     err = _run(capsys, monkeypatch, tmp_path, *args)
-    assert f"trainer.{name}: {sizes[name]} prompts cannot be shared by 2 data-parallel ranks" in err
+    sharers = "generating ranks" if name == "gen_batch" else "data-parallel slots"
+    assert f"trainer.{name}: {sizes[name]} prompts cannot be shared by 2 {sharers}" in err
 
 
 def test_a_model_without_train_files_is_refused(tmp_path, capsys, monkeypatch):
@@ -289,3 +291,35 @@ def test_the_exports_config_says_the_dtype_of_its_tensors(dtype, saved, tmp_path
     assert {t.dtype for t in tensors.values()} == {getattr(torch, saved)}
     assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == saved
     assert hf.config.dtype == before  # the live policy's config is left alone
+
+
+# ---------------------------------------------------------------------------------------------------
+# The launch layout at the documented cluster sizes (no GPU needed: the layout checks read the config only)
+
+
+@pytest.mark.parametrize(("name", "cluster"), [(n, c) for n, clusters in PRESET_CLUSTERS.items() for c in clusters],
+                         ids=lambda v: v if isinstance(v, str) else f"{v.nodes}x{v.gpus_per_node}")
+def test_every_preset_launches_at_its_documented_cluster(name, cluster):
+    check_layout(preset(name), cluster.world_size)
+
+
+def test_the_32b_recipe_shares_its_batches_over_data_parallel_slots_not_ranks():
+    cfg = preset("qwen2.5-32b-dapo")
+    assert cfg.trainer.sequence_parallel == 8 and cfg.trainer.mini_batch == 32
+    for world in (64, 128, 256):  # 8, 16, 32 slots of 8 sequence-parallel ranks
+        check_layout(cfg, world)
+    with pytest.raises(ConfigError, match=r"trainer.mini_batch: 32 prompts cannot be shared by 64 data-parallel "
+                                          r"slots \(512 ranks / sequence_parallel 8\)"):
+        check_layout(cfg, 512)
+    with pytest.raises(ConfigError, match="trainer.sequence_parallel: 8 does not divide the world size 12"):
+        check_layout(cfg, 12)
+    with pytest.raises(ConfigError, match="trainer.gen_batch: 1536 prompts cannot be shared by 1024 generating ranks"):
+        check_layout(merge(cfg, {"trainer": {"sequence_parallel": 32}}), 1024)
+
+
+def test_without_sequence_parallelism_every_rank_is_a_slot():
+    cfg = merge(preset("qwen2.5-7b-math"), {"trainer": {"train_batch": 96, "gen_batch": 96, "mini_batch": 12}})
+    check_layout(cfg, 4)
+    with pytest.raises(ConfigError, match=r"trainer.mini_batch: 12 prompts cannot be shared by 8 data-parallel "
+                                          r"slots \(8 ranks\)"):
+        check_layout(cfg, 8)

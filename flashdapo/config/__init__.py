@@ -2,7 +2,17 @@
 
 from .checks import ConfigError, field_path
 from .io import CLI_REGISTRY, load_file, merge
-from .presets import DEFAULT_PRESET, PRESETS, compact_summary, differences, preset, starting_point, toy
+from .presets import (
+    DEFAULT_PRESET,
+    PRESET_CLUSTERS,
+    PRESETS,
+    Cluster,
+    compact_summary,
+    differences,
+    preset,
+    starting_point,
+    toy,
+)
 from .tree import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -19,7 +29,7 @@ from .tree import (
 )
 
 __all__ = [
-    "CLI_REGISTRY", "DEFAULT_PRESET", "PRESETS", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "CLI_REGISTRY", "DEFAULT_PRESET", "PRESETS", "PRESET_CLUSTERS", "Cluster", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
     "TrainerConfig", "compact_summary", "differences", "field_path", "load_file", "merge", "preset",
     "starting_point", "toy",

@@ -71,6 +71,28 @@ PRESETS: dict[str, dict[str, Any]] = {
 DEFAULT_PRESET = "toy"
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A launch: `nodes` x `gpus_per_node` ranks (torchrun --nnodes / --nproc-per-node)."""
+
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+PRESET_CLUSTERS: dict[str, tuple[Cluster, ...]] = {
+    "toy": (Cluster(1, 1), Cluster(1, 2)),
+    "scratchpad": (Cluster(1, 1), Cluster(1, 2)),
+    "qwen2.5-7b-math": (Cluster(1, 8),),
+    "qwen2.5-32b-dapo": (Cluster(16, 8), Cluster(8, 8)),  # the released recipe: 16 nodes x 8 GPUs
+}
+"""The launches each preset is documented for (README, docs/plan.md); the first is `flashdapo plan`'s default.
+tests/test_preflight.py checks every preset's launch at each of them."""
+
+
 def preset(name: str) -> Config:
     """The named preset; unknown names list the known ones."""
     if name not in PRESETS:
