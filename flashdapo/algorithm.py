@@ -33,7 +33,9 @@ derivations). The choices, as the paper and the released recipe make them:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,24 +110,30 @@ def response_loss_mask(truncated: torch.Tensor, algo: AlgorithmConfig) -> torch.
     return ~truncated.bool() if algo.overlong_filter else torch.ones(truncated.shape, dtype=torch.bool)
 
 
-def mini_batch_normalizers(valid_tokens: torch.Tensor, algo: AlgorithmConfig,
-                           sequence_parallel: int = 1) -> tuple[torch.Tensor, int]:
+def mini_batch_normalizers(valid_tokens: torch.Tensor, algo: AlgorithmConfig, sequence_parallel: int = 1,
+                           keys: Sequence[Any] | None = None) -> tuple[torch.Tensor, int]:
     """This rank's part of a mini-batch -> (the loss normalizer of each of its responses, global valid tokens).
 
-    `valid_tokens` [b] counts the valid tokens of this rank's responses of the mini-batch. Ranks hold
-    consecutive parts of every mini-batch, in rank order, so the gathered counts are the whole mini-batch in
-    the order one rank would hold it; `loss_normalizers` of that under `algo.loss_agg_mode` does not
-    depend on the number of ranks or on the micro-batches. One all-gather of b integers per mini-batch;
-    without an initialized process group, the local counts. With sequence parallelism the `sequence_parallel`
-    consecutive ranks of a group hold the same responses: the first of each group speaks for it.
+    `valid_tokens` [b] counts the valid tokens of this rank's responses of the mini-batch; `keys` [b] name
+    them, sorting into the order one rank would hold the whole mini-batch in (default: this rank's part
+    follows the previous ranks' parts). The gathered counts, in that order, are the whole mini-batch, and
+    `loss_normalizers` of them under `algo.loss_agg_mode` does not depend on the number of ranks, on which
+    rank holds which response, or on the micro-batches. One all-gather of b (key, count) pairs per
+    mini-batch; without an initialized process group, the local counts. With sequence parallelism the
+    `sequence_parallel` consecutive ranks of a group hold the same responses: the first of each speaks for it.
     """
-    local = [int(n) for n in valid_tokens.tolist()]
-    everyone = all_gather_objects(local)[::sequence_parallel]
     slot = dist.get_rank() // sequence_parallel if dist.is_initialized() else 0
-    offset = sum(len(part) for part in everyone[:slot])
-    counts = torch.tensor([n for part in everyone for n in part], dtype=torch.long)
+    local = [int(n) for n in valid_tokens.tolist()]
+    named = list(zip(keys if keys is not None else ((slot, i) for i in range(len(local))), local))
+    everyone = sorted((pair for part in all_gather_objects(named)[::sequence_parallel] for pair in part),
+                      key=lambda pair: pair[0])
+    position = {key: i for i, (key, _) in enumerate(everyone)}
+    if len(position) != len(everyone):
+        raise ValueError("mini_batch_normalizers: two responses of the mini-batch have the same key")
+    counts = torch.tensor([n for _, n in everyone], dtype=torch.long)
     normalizers = loss_normalizers(counts, algo.loss_agg_mode, algo.loss_agg_micro_batch)
-    return normalizers[offset:offset + len(local)], int(counts.sum())
+    mine = torch.tensor([position[key] for key, _ in named], dtype=torch.long)
+    return normalizers[mine], int(counts.sum())
 
 
 def loss_normalizers(valid_tokens: torch.Tensor, mode: str, micro_batch: int) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The step's training batch: whole groups of scored responses, and how they split into mini- and
 micro-batches.
 
-A group (one prompt, its n responses) never splits: not across data-parallel ranks, not across
-mini-batches. Micro-batches cut a rank's share of a mini-batch by a token budget; every rank runs the
-same number of micro-batches (agreed by an all-reduce), because each FSDP2 forward is a collective.
+A group (one prompt, its n responses) never splits across mini-batches. Its responses may be dealt to
+different data-parallel slots (`dealing.py` balances the slots' tokens): each slot then holds a piece of the
+group, carrying the advantages computed over the whole group and which of its responses it holds.
+Micro-batches cut a rank's share of a mini-batch by a token budget; every rank runs the same number of
+micro-batches (agreed by an all-reduce), because each FSDP2 forward is a collective.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..config import AlgorithmConfig
 
 @dataclass
 class Group:
-    """One prompt and its scored responses."""
+    """One prompt and its scored responses: all n of them, or the piece of them dealt to one slot."""
 
     prompt: torch.Tensor
     """Prompt token ids."""
@@ -37,10 +39,29 @@ class Group:
     """The rollout engine's per-token log-probs, when it reports them."""
     origin: tuple[int, int, int] = (0, 0, 0)
     """(generation round, rank, position in the round) where it was sampled: names it across ranks."""
+    members: tuple[int, ...] | None = None
+    """Which responses of the group as generated these are (a piece dealt to a slot); None: all, in order."""
+    advantages: torch.Tensor | None = None
+    """[size] advantages computed over the whole group when it was dealt (a piece cannot compute its own);
+    None: computed from `scores` by build_train_batch (a whole group)."""
 
     @property
     def size(self) -> int:
         return len(self.responses)
+
+    @property
+    def member_indices(self) -> tuple[int, ...]:
+        """Positions of these responses in the group as generated."""
+        return tuple(range(self.size)) if self.members is None else self.members
+
+    def piece(self, members: Sequence[int], advantages: torch.Tensor) -> Group:
+        """The group's responses at `members` (positions in this group), with `advantages` of the whole group."""
+        idx = list(members)
+        return Group(prompt=self.prompt, responses=[self.responses[i] for i in idx], scores=self.scores[idx],
+                     acc=self.acc[idx], truncated=self.truncated[idx],
+                     sampler_logprobs=None if self.sampler_logprobs is None else [self.sampler_logprobs[i] for i in idx],
+                     origin=self.origin, members=tuple(self.member_indices[i] for i in idx),
+                     advantages=advantages[idx])
 
 
 def flat_prompts(groups: Sequence[Group]) -> list[torch.Tensor]:
@@ -62,7 +83,7 @@ class TrainBatch:
 
     groups: tuple[Group, ...]
     mini_batches: tuple[slice, ...]
-    """Contiguous runs of `groups`, one per optimizer step (as laid out by `mini_batch_layout`)."""
+    """Contiguous runs of `groups`, one per optimizer step (as dealt by `dealing.deal_to_slots`)."""
     old_logprobs: tuple[torch.Tensor, ...] | None
     """Per response: log-probs of the response tokens under the policy before the update; None when the
     update is on-policy (one mini-batch, one epoch: pi_old is the current policy, detached)."""
@@ -103,6 +124,12 @@ class TrainBatch:
     def truncated(self) -> torch.Tensor:
         return _cat([g.truncated for g in self.groups], torch.bool)
 
+    @property
+    def response_keys(self) -> list[tuple[tuple[int, int, int], int]]:
+        """Per response, (its group's origin, its position in the group): sorted, the order one rank would
+        hold the step's responses in (what order-dependent loss normalizers read)."""
+        return [(g.origin, m) for g in self.groups for m in g.member_indices]
+
     def responses_lengths_tensor(self) -> torch.Tensor:
         return torch.tensor([len(r) for r in self.responses], dtype=torch.long)
 
@@ -123,17 +150,23 @@ def build_train_batch(mini_batches: Sequence[Sequence[Group]], old_logprobs: Seq
     `algorithm.rollout_correction`, resolved) computed here, by `flashdapo.algorithm`, once."""
     groups = tuple(g for part in mini_batches for g in part)
     bounds = list(itertools.accumulate((len(part) for part in mini_batches), initial=0))
-    group_ids = _cat([torch.full((g.size,), i, dtype=torch.long) for i, g in enumerate(groups)], torch.long)
-    scores = _cat([g.scores.float() for g in groups], torch.float32)
     truncated = _cat([g.truncated for g in groups], torch.bool)
     return TrainBatch(
         groups=groups,
         mini_batches=tuple(slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])),
         old_logprobs=None if old_logprobs is None else tuple(old_logprobs),
-        advantages=group_advantages(scores, group_ids, algo.advantage_eps),
+        advantages=_cat([g.advantages if g.advantages is not None else whole_group_advantages(g, algo.advantage_eps)
+                         for g in groups], torch.float32),
         loss_mask=response_loss_mask(truncated, algo),
         rollout_weights=_rollout_weights(groups, old_logprobs, correction, algo.rollout_correction_cap),
     )
+
+
+def whole_group_advantages(group: Group, eps: float) -> torch.Tensor:
+    """[n] advantages of a whole group from its scores (`algorithm.group_advantages`)."""
+    if group.members is not None and group.advantages is None:
+        raise ValueError(f"group {group.origin}: a piece of a group needs the whole group's advantages")
+    return group_advantages(group.scores.float(), torch.zeros(group.size, dtype=torch.long), eps)
 
 
 def _rollout_weights(groups: Sequence[Group], old_logprobs: Sequence[torch.Tensor] | None, mode: str,
@@ -155,23 +188,6 @@ def _rollout_weights(groups: Sequence[Group], old_logprobs: Sequence[torch.Tenso
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
-
-
-def mini_batch_layout(num_groups: int, mini_batch: int, world_size: int, rank: int) -> list[list[int]]:
-    """Which of the step's `num_groups` globally ordered groups rank `rank` trains on, per mini-batch.
-
-    The one place the mini-batch layout is decided. Global mini-batch k is the contiguous run of groups
-    [k * mini_batch, (k + 1) * mini_batch) (as it would be on one rank); each rank takes its contiguous part
-    of every mini-batch. So N ranks take the optimizer steps that one rank would. When dynamic sampling came
-    back short (on_max_gen_batches=continue) the mini-batches keep their size and the last one holds the
-    rest: fewer optimizer steps, not smaller ones. `num_groups` and `mini_batch` must be multiples of the
-    world size. No groups: one empty mini-batch (the update skips it).
-    """
-    layout = []
-    for start in range(0, num_groups, mini_batch):
-        size = min(mini_batch, num_groups - start) // world_size
-        layout.append(list(range(start + rank * size, start + (rank + 1) * size)))
-    return layout or [[]]
 
 
 def plan_micro_batches(token_counts: list[int], budget: int, padded: bool = False) -> list[list[int]]:

@@ -57,9 +57,10 @@ def dump_train_rollouts(run_dir: Path, step: int, generated: list[tuple[Group, b
                         tokenizer, env: DistEnv) -> None:
     """Gather every rank's generated groups (each with whether the filter kept it) and the advantages its
     groups were trained with; rank 0 writes the step's file."""
-    trained, start = {}, 0
-    for g in batch.groups:
-        trained[g.origin] = batch.advantages[start:start + g.size].tolist()
+    trained: dict[tuple[int, int, int], dict[int, float]] = {}  # origin -> {response in the group: advantage}
+    start = 0
+    for g in batch.groups:  # a group's responses may train on several slots: each holds some of them
+        trained.setdefault(g.origin, {}).update(zip(g.member_indices, batch.advantages[start:start + g.size].tolist()))
         start += g.size
     rows = [{"step": step, "round": g.origin[0], "rank": g.origin[1], "index": g.origin[2],
              "kept": kept,
@@ -70,7 +71,11 @@ def dump_train_rollouts(run_dir: Path, step: int, generated: list[tuple[Group, b
     everyone = all_gather_objects((rows, trained))
     if not env.is_main:
         return
-    advantages = {origin: adv for _, part in everyone for origin, adv in part.items()}
+    merged: dict[tuple[int, int, int], dict[int, float]] = {}
+    for _, part in everyone:
+        for origin, by_member in part.items():
+            merged.setdefault(origin, {}).update(by_member)
+    advantages = {origin: [by_member[m] for m in sorted(by_member)] for origin, by_member in merged.items()}
     out = sorted((row for part, _ in everyone for row in part), key=lambda r: (r["round"], r["rank"], r["index"]))
     for row in out:
         adv = advantages.get((row["round"], row["rank"], row["index"]))

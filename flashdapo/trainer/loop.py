@@ -162,7 +162,9 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
     env = run.env
     local = (batch.scores, batch.advantages, batch.responses_lengths_tensor(), batch.prompt_lengths_tensor(),
              batch.truncated.float())
-    scores, adv, resp_len, prompt_len, trunc = (torch.cat(parts) for parts in zip(*all_gather_objects(local)))
+    # The sp ranks of a sequence-parallel group hold the same responses: the first of each speaks for it.
+    slots = all_gather_objects(local)[::env.sequence_parallel]
+    scores, adv, resp_len, prompt_len, trunc = (torch.cat(parts) for parts in zip(*slots))
     means = update.stats.means()
     tokens = (resp_len.sum() + prompt_len.sum()).item()
     seconds = timer.seconds["step"]

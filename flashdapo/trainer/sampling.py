@@ -4,9 +4,8 @@ Dynamic sampling is decided globally: every rank generates for its shard of `gen
 keeps its informative groups (their `algorithm.filter_metric` values not all equal), and the kept
 counts are summed over ranks; rounds repeat until `train_batch` groups are kept in total (bounded by
 `max_gen_batches`). The kept groups are then ordered (round, rank, position), truncated to exactly
-`train_batch`, and dealt out so that each rank holds its contiguous part of every global mini-batch: a
-group never splits across ranks, every rank trains on as many groups as the others, and the optimizer
-steps are those one rank would take. Without dynamic sampling every generated group trains (the config
+`train_batch`, cut into global mini-batches as one rank would, and each mini-batch's responses dealt to the
+data-parallel slots balanced by tokens (`dealing.py`): the optimizer steps are those one rank would take. Without dynamic sampling every generated group trains (the config
 requires gen_batch = train_batch).
 """
 
@@ -25,7 +24,8 @@ from ..data import Prompt, PromptSampler
 from ..errors import FlashdapoError
 from ..reward import Verifier, check_reward, verify_responses
 from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
-from .batch import Group, mini_batch_layout
+from .batch import Group
+from .dealing import deal_to_slots
 from .distributed import DistEnv
 from .metrics import StageTimer
 
@@ -39,7 +39,7 @@ class Collected:
     """This rank's share of the step's kept groups, per mini-batch, and what the search cost (global figures)."""
 
     mini_batches: list[list[Group]]
-    """This rank's groups of each mini-batch (the layout of `mini_batch_layout`)."""
+    """This rank's groups (or pieces of them) of each mini-batch, as `dealing.deal_to_slots` dealt them."""
     num_gen_batches: int
     groups_generated: int
     groups_informative: int
@@ -134,7 +134,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
     return Collected(
-        mini_batches=_deal_out(kept_per_round, tc.train_batch, tc.mini_batch, env),
+        mini_batches=_deal_out(kept_per_round, cfg, env),
         num_gen_batches=rounds,
         groups_generated=rounds * tc.gen_batch,
         groups_informative=total_kept,
@@ -170,13 +170,12 @@ def _report_round(step: int, rounds: int, kept: int, cfg: Config, elapsed_s: flo
                       "unbounded: set it to a bound to stop or continue at that bound", stacklevel=3)
 
 
-def _deal_out(kept_per_round: list[list[Group]], train_batch: int, mini_batch: int,
-              env: DistEnv) -> list[list[Group]]:
+def _deal_out(kept_per_round: list[list[Group]], cfg: Config, env: DistEnv) -> list[list[Group]]:
     """Order kept groups by (round, rank, position), keep the first train_batch (or, when short, the
-    largest multiple of the data-parallel size), and give each data-parallel slot its part of every global
-    mini-batch (the ranks of a sequence-parallel group share a slot: the same groups)."""
+    largest multiple of the data-parallel size), and deal this data-parallel slot its responses of every
+    global mini-batch (the ranks of a sequence-parallel group share a slot: the same responses)."""
     everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
     ordered = [g for r in range(len(kept_per_round)) for rank_rounds in everyone for g in rank_rounds[r]]
-    usable = min(len(ordered), train_batch) // env.dp_size * env.dp_size
-    return [[ordered[i] for i in part] for part in mini_batch_layout(usable, mini_batch, env.dp_size,
-                                                                     env.dp_rank)]
+    usable = min(len(ordered), cfg.trainer.train_batch) // env.dp_size * env.dp_size
+    return deal_to_slots(ordered[:usable], cfg.trainer.mini_batch, env.dp_size, env.dp_rank,
+                         cfg.algorithm.advantage_eps)

@@ -135,7 +135,7 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     # A token masked by the rollout correction (weight 0) leaves the loss and its normalizer.
     token_mask = [(w > 0) & bool(m) for w, m in zip(weights, loss_mask.tolist())]
     normalizers, num_tokens = mini_batch_normalizers(torch.tensor([int(m.sum()) for m in token_mask]), cfg.algorithm,
-                                                     env.sequence_parallel)
+                                                     env.sequence_parallel, batch.response_keys[rows])
     if num_tokens == 0:
         # No valid token on any rank (all ranks agree: the count is global). An optimizer step on zero
         # gradients would still move the weights (Adam momentum, weight decay): skip it.

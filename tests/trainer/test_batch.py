@@ -1,4 +1,4 @@
-"""The step's TrainBatch (built once, every per-response field filled) and the mini-batch layout."""
+"""The step's TrainBatch (built once, every per-response field filled) and the dealing of mini-batches to slots."""
 
 import math
 
@@ -7,28 +7,69 @@ import torch
 
 from flashdapo.algorithm import group_advantages
 from flashdapo.config import AlgorithmConfig
-from flashdapo.trainer.batch import Group, TrainBatch, build_train_batch, mini_batch_layout
+from flashdapo.trainer.batch import Group, TrainBatch, build_train_batch
+from flashdapo.trainer.dealing import balance, deal_to_slots, slot_loads
 
 
-@pytest.mark.parametrize("num_groups, mini_batch, world", [(8, 2, 1), (8, 2, 2), (12, 4, 4), (6, 4, 2), (4, 4, 4),
-                                                             (10, 4, 2), (0, 2, 2), (2, 4, 2)])
-def test_layout_gives_each_rank_its_part_of_every_global_mini_batch(num_groups, mini_batch, world):
-    layouts = [mini_batch_layout(num_groups, mini_batch, world, rank) for rank in range(world)]
-    assert len({len(layout) for layout in layouts}) == 1, "every rank takes the same number of optimizer steps"
-    offset = 0
-    for k in range(len(layouts[0])):
-        # Global mini-batch k, read over the ranks in order, is the next contiguous run of groups, and
-        # every rank holds an equal part of it.
-        merged = [i for layout in layouts for i in layout[k]]
-        assert merged == list(range(offset, offset + len(merged)))
-        assert len({len(layout[k]) for layout in layouts}) == 1
-        offset += len(merged)
-    one_rank = mini_batch_layout(num_groups, mini_batch, 1, 0)
-    everything = sorted(i for layout in layouts for part in layout for i in part)
-    assert everything == list(range(num_groups))
-    # A short batch keeps the mini-batch size and takes fewer optimizer steps: all full but the last.
-    assert len(one_rank) == max(1, -(-num_groups // mini_batch))
-    assert all(len(part) == mini_batch for part in one_rank[:-1])
+def _lengths_group(index: int, prompt_len: int, response_lens: list[int], seed: int = 0) -> Group:
+    g = torch.Generator().manual_seed(seed + index)
+    n = len(response_lens)
+    return Group(torch.ones(prompt_len, dtype=torch.long), [torch.ones(m, dtype=torch.long) for m in response_lens],
+                 torch.randn(n, generator=g), torch.rand(n, generator=g) > 0.5, torch.zeros(n, dtype=torch.bool),
+                 origin=(1 + index // 6, (index // 2) % 3, index))  # canonical order: sorted
+
+
+@pytest.mark.parametrize("num_groups, mini_batch, slots", [(8, 2, 1), (8, 2, 2), (12, 4, 4), (6, 4, 2), (4, 4, 4),
+                                                           (10, 4, 2), (0, 2, 2), (2, 4, 2), (16, 16, 8)])
+def test_dealing_gives_every_response_of_each_global_mini_batch_to_one_slot(num_groups, mini_batch, slots):
+    g = torch.Generator().manual_seed(num_groups * 31 + slots)
+    ordered = [_lengths_group(i, int(torch.randint(2, 9, (1,), generator=g)),
+                              torch.randint(1, 40, (4,), generator=g).tolist()) for i in range(num_groups)]
+    dealt = [deal_to_slots(ordered, mini_batch, slots, s, advantage_eps=1e-3) for s in range(slots)]
+    assert len({len(d) for d in dealt}) == 1, "every slot takes the same number of optimizer steps"
+    # A short batch keeps the mini-batch size and takes fewer optimizer steps.
+    assert len(dealt[0]) == max(1, -(-num_groups // mini_batch))
+    for k in range(len(dealt[0])):
+        expected = ordered[k * mini_batch:(k + 1) * mini_batch]  # global mini-batch k, as one rank holds it
+        keys = sorted((p.origin, m) for d in dealt for p in d[k] for m in p.member_indices)
+        assert keys == [(w.origin, m) for w in expected for m in range(w.size)]
+        for piece in (p for d in dealt for p in d[k]):
+            whole = next(w for w in expected if w.origin == piece.origin)
+            idx = list(piece.member_indices)
+            assert [r.tolist() for r in piece.responses] == [whole.responses[i].tolist() for i in idx]
+            assert torch.equal(piece.scores, whole.scores[idx]) and torch.equal(piece.acc, whole.acc[idx])
+            # The advantages are the whole group's, not the piece's own.
+            full = group_advantages(whole.scores, torch.zeros(whole.size, dtype=torch.long), eps=1e-3)
+            torch.testing.assert_close(piece.advantages, full[idx])
+    if slots == 1:  # one slot: whole groups in canonical order, as the trainer always held them
+        assert [p.origin for part in dealt[0] for p in part] == [w.origin for w in ordered]
+        assert all(p.member_indices == tuple(range(p.size)) for part in dealt[0] for p in part)
+
+
+def test_dealing_balances_slot_tokens_where_whole_groups_cannot():
+    """The released 32B layout: 16 slots, 2 groups of 16 responses each per slot and mini-batch, DAPO-like
+    lengths (a long tail up to 20k tokens)."""
+    g = torch.Generator().manual_seed(0)
+    slots, n = 16, 16
+    costs = [(torch.distributions.LogNormal(7.5, 0.9).sample((n,)).clamp(max=20480) + 200).long().tolist()
+             for _ in range(2 * slots)]
+    del g
+    owners = balance(costs, slots)
+    loads = slot_loads(costs, owners, slots)
+    per_group = [sum(c) for c in costs]
+    contiguous = [per_group[2 * s] + per_group[2 * s + 1] for s in range(slots)]
+    total = sum(per_group)
+    assert sum(loads) == total and all(len(o) == n for o in owners)
+    # Longest-processing-time bound: no slot exceeds the mean by more than the longest response.
+    assert max(loads) <= total / slots + max(max(c) for c in costs)
+    assert (total / slots) / max(loads) > 0.9 > (total / slots) / max(contiguous)
+
+
+def test_a_piece_without_the_groups_advantages_is_refused():
+    piece = Group(torch.tensor([1]), [torch.tensor([2])], torch.zeros(1), torch.zeros(1, dtype=torch.bool),
+                  torch.zeros(1, dtype=torch.bool), members=(3,))
+    with pytest.raises(ValueError, match="needs the whole group's advantages"):
+        build_train_batch([[piece]], None, AlgorithmConfig())
 
 
 def _group(sizes_seed: int, n: int = 3, truncated_first: bool = False) -> Group:

@@ -76,15 +76,18 @@ def test_two_ranks_and_micro_batches_update_equals_one_rank(tmp_path):
 
 
 @pytest.mark.distributed
-def test_global_dynamic_sampling_keeps_exactly_train_batch_whole_groups(tmp_path):
+def test_global_dynamic_sampling_keeps_exactly_train_batch_groups(tmp_path):
     torchrun(2, str(SCRIPTS / "dynamic_sampling.py"), str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["rounds"] == ranks[1]["rounds"] == 2
     assert ranks[0]["informative"] == ranks[1]["informative"] == 4
     # Every informative group came from rank 0's shards. Kept in order [0, 1, 4, 5]: global mini-batches
-    # [0, 1] and [4, 5]; each rank takes its part of each.
-    assert ranks[0]["kept"] == [0, 4] and ranks[1]["kept"] == [1, 5]
-    assert all(size == 4 for r in ranks for size in r["sizes"])
+    # [0, 1] and [4, 5], every response of each dealt to exactly one rank; the responses are all as long,
+    # so the token-balanced dealing gives each rank half of each mini-batch's 8.
+    for k, groups in enumerate(([0, 1], [4, 5])):
+        dealt = sorted(tuple(pair) for r in ranks for pair in r["kept"][k])
+        assert dealt == [(p, m) for p in groups for m in range(4)]
+        assert len(ranks[0]["kept"][k]) == len(ranks[1]["kept"][k]) == 4
 
 
 def _metrics(run_dir: Path) -> list[dict]:

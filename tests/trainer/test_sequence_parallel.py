@@ -29,18 +29,26 @@ def test_sequence_parallel_and_skewed_ranks_train_as_one_rank(tmp_path):
     one rank's share needs more micro-batches than the other's). A 60-token prompt leaves one sp shard with
     no response token to predict. Same old
     log-probs, losses, gradient norms and parameters, in float64 (the LM-head log-probs are fp32: tolerances
-    1e-6 relative on losses and norms, 1e-5 of each tensor's norm on the parameters after 4 AdamW steps)."""
+    1e-6 relative on losses and norms, 1e-5 of each tensor's norm on the parameters after 4 AdamW steps).
+    And both at once: 4 ranks, 2 data-parallel slots x sp=2, the responses dealt to the slots by tokens."""
     one, sp2, dp2 = _run(tmp_path, "one", 1, 128, 1), _run(tmp_path, "sp2", 2, 64, 2), _run(tmp_path, "dp2", 2, 32, 1)
+    dp2sp2 = _run(tmp_path, "dp2sp2", 4, 64, 2)
     initial = torch.load(one / "initial.pt")
     for mode in MODES:
         ref = json.loads((one / f"sp_{mode}.json").read_text())
         assert len(ref["pg_loss"]) == 4 and ref["micro_batches"][0] > 1, mode
-        for run in (sp2, dp2):
+        ref_old = json.loads((one / f"rank0_{mode}.json").read_text())["old_logprobs"]
+        for run, ranks in ((sp2, 2), (dp2, 2), (dp2sp2, 4)):
             got = json.loads((run / f"sp_{mode}.json").read_text())
             for key in ("pg_loss", "grad_norm"):
                 torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=1e-6, atol=1e-9)
-            for a, b in zip(got["old_logprobs"], ref["old_logprobs"]) if run == sp2 else ():  # dp2: rank 0's share
-                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-6)
+            # Every response's old log-probs, from the rank it was dealt to, equal one rank's.
+            dealt = {}
+            for r in range(ranks):
+                dealt.update(json.loads((run / f"rank{r}_{mode}.json").read_text())["old_logprobs"])
+            assert dealt.keys() == ref_old.keys(), (run.name, mode)
+            for key, values in dealt.items():
+                torch.testing.assert_close(torch.tensor(values), torch.tensor(ref_old[key]), rtol=1e-6, atol=1e-6)
             expected, params = torch.load(one / f"params_{mode}.pt"), torch.load(run / f"params_{mode}.pt")
             for name in expected:
                 assert (params[name] - expected[name]).norm() <= 1e-5 * expected[name].norm(), (mode, name)
@@ -79,6 +87,9 @@ def test_train_command_under_sequence_parallel_resumes_bitwise(tmp_path):
     # The 2-step run validated at its last step (step 2); the straight run did not: compare the rest.
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and _without_val(_metrics(resumed)) == _without_val(rows)
     trained = [r for r in rows if "actor/grad_norm" in r]
+    for r in rows:  # each group counted once, not once per rank of its sequence-parallel group
+        informative = round(r["train/kept_fraction"] * r["train/num_gen_batches"] * 8)
+        assert r["train/kept_groups"] == min(informative, 4), r
     assert len(trained) >= 2 and all(r["actor/grad_norm"] > 0 for r in trained)
     assert max(r["response_length/max"] for r in trained) > 3 * min(r["response_length/min"] for r in trained)
     final_a, final_b = (load_file(d / "export" / "model.safetensors") for d in (straight, resumed))
@@ -90,7 +101,8 @@ def _without_val(rows: list[dict]) -> list[dict]:
 
 
 def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in (proc.stdout + proc.stderr).splitlines() if "flashdapo: error:" in line]
+    return [line for line in (proc.stdout + proc.stderr).splitlines()
+            if "flashdapo: error:" in line or "flashdapo: config error:" in line]
 
 
 @pytest.mark.distributed

@@ -25,8 +25,8 @@ collected = collect_groups(1, sampler, ScriptedEngine(), PlainTokenizer(), scrip
                            cfg, env, StageTimer(env.device))
 (out / f"rank_{env.rank}.json").write_text(json.dumps({
     "rounds": collected.num_gen_batches,
-    "kept": [int(g.prompt[0]) for g in collected.groups],
-    "sizes": [g.size for g in collected.groups],
+    # Per mini-batch, the (prompt, response in its group) pairs this rank was dealt.
+    "kept": [[[int(g.prompt[0]), m] for g in part for m in g.member_indices] for part in collected.mini_batches],
     "informative": collected.groups_informative,
 }))
 shutdown()

@@ -6,7 +6,8 @@ of micro-batches).
 
 Writes, per mode, sp_<mode>.json (global pg_loss and grad norm per optimizer step, the old log-probs, the
 micro-batch count per pass) and params_<mode>.pt (full tensors), and initial.pt; every rank writes
-rank<r>_<mode>.json: the micro-batches of each pass it ran, and how many its share alone needed."""
+rank<r>_<mode>.json: the micro-batches of each pass it ran, how many its share alone needed, and the old
+log-probs of the responses it was dealt, by "group/response"."""
 
 import json
 import sys
@@ -17,7 +18,8 @@ import torch
 import flashdapo.trainer.update as update
 from flashdapo.config import merge, toy
 from flashdapo.tasks.toy import build_toy_model
-from flashdapo.trainer.batch import Group, _first_fit_count, build_train_batch, mini_batch_layout
+from flashdapo.trainer.batch import Group, _first_fit_count, build_train_batch
+from flashdapo.trainer.dealing import deal_to_slots
 from flashdapo.trainer.distributed import init_distributed, shutdown
 from flashdapo.trainer.policy import PolicyModel, parallelize
 from flashdapo.trainer.update import compute_old_logprobs, update_actor
@@ -56,7 +58,7 @@ for prompt_len, response_lens in LENGTHS:
     prompt = torch.randint(3, VOCAB, (prompt_len,), generator=g)
     responses = [torch.randint(3, VOCAB, (n,), generator=g) for n in response_lens]
     groups.append(Group(prompt, responses, torch.tensor([1.0, -1.0]), torch.tensor([True, False]),
-                        torch.zeros(N, dtype=torch.bool)))
+                        torch.zeros(N, dtype=torch.bool), origin=(1, 0, len(groups))))
 
 for mode in ("token-mean", "seq-mean-token-mean"):
     cfg = merge(toy(), {
@@ -75,16 +77,16 @@ for mode in ("token-mean", "seq-mean-token-mean"):
     policy.token_batch = counting_token_batch(policy.token_batch, shards_without_targets)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     initial = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
-    layout = mini_batch_layout(GROUPS, cfg.trainer.mini_batch, env.dp_size, env.dp_rank)
-    mine = [[groups[i] for i in part] for part in layout]
+    mine = deal_to_slots(groups, cfg.trainer.mini_batch, env.dp_size, env.dp_rank, cfg.algorithm.advantage_eps)
     micro_counts.clear()
     needed.clear()
     old_logprobs = compute_old_logprobs(policy, [g for part in mine for g in part], cfg, pad_id=0, device=env.device)
     batch = build_train_batch(mine, old_logprobs, cfg.algorithm)
     result = update_actor(policy, optimizer, batch, cfg, env, pad_id=0)
     params = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
+    keyed = {f"{key[0][2]}/{key[1]}": lp.tolist() for key, lp in zip(batch.response_keys, old_logprobs)}
     (out / f"rank{env.rank}_{mode}.json").write_text(json.dumps({"micro_batches": micro_counts,
-                                                                 "needed": needed,
+                                                                 "needed": needed, "old_logprobs": keyed,
                                                                  "shards_without_targets": sum(shards_without_targets)}))
     if env.is_main:
         (out / f"sp_{mode}.json").write_text(json.dumps({

@@ -14,8 +14,9 @@ import torch
 import flashdapo.trainer.update as update
 from flashdapo.config import merge, toy
 from flashdapo.tasks.toy import build_toy_model
-from flashdapo.trainer.batch import Group, build_train_batch, mini_batch_layout
+from flashdapo.trainer.batch import Group, build_train_batch
 from flashdapo.trainer.correction import rollout_correction_metrics
+from flashdapo.trainer.dealing import deal_to_slots
 from flashdapo.trainer.distributed import init_distributed, shutdown
 from flashdapo.trainer.policy import PolicyModel, parallelize
 from flashdapo.trainer.update import compute_old_logprobs, update_actor
@@ -41,7 +42,7 @@ for _ in range(GROUPS):
     acc = torch.rand(N, generator=g) > 0.5
     acc[0], acc[1] = True, False
     groups.append(Group(prompt, responses, torch.where(acc, 1.0, -1.0) - 0.1 * torch.rand(N, generator=g), acc,
-                        torch.zeros(N, dtype=torch.bool)))
+                        torch.zeros(N, dtype=torch.bool), origin=(1, 0, len(groups))))
     # log(pi_old / pi_rollout) per token, in [-0.9, 0.9]: the rollout engine's log-probs are set from it below.
     offsets.append([torch.empty(len(r)).uniform_(-0.9, 0.9, generator=g) for r in responses])
 
@@ -63,12 +64,12 @@ for mode, correction in PAIRS:
     policy = parallelize(PolicyModel(model, "sdpa", "torch", 1.0), env, cfg.model, cfg.trainer)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     initial = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
-    layout = mini_batch_layout(GROUPS, cfg.trainer.mini_batch, env.world_size, env.rank)
-    mine = [[groups[i] for i in part] for part in layout]
+    # Responses dealt to the ranks balanced by tokens: on 2 ranks groups split between them.
+    mine = deal_to_slots(groups, cfg.trainer.mini_batch, env.world_size, env.rank, cfg.algorithm.advantage_eps)
     old_logprobs = compute_old_logprobs(policy, [g for part in mine for g in part], cfg, pad_id=0, device=env.device)
     flat = iter(old_logprobs)
-    for i in (i for part in layout for i in part):
-        groups[i].sampler_logprobs = [next(flat) - off for off in offsets[i]]
+    for piece in (g for part in mine for g in part):
+        piece.sampler_logprobs = [next(flat) - offsets[piece.origin[2]][m] for m in piece.member_indices]
     batch = build_train_batch(mine, old_logprobs, cfg.algorithm, correction)
     correction_metrics = rollout_correction_metrics(batch)
     micro_counts.clear()
