@@ -1,4 +1,5 @@
-"""The config tree (tree.py), its declarative checks (checks.py), overrides and files (io.py), presets."""
+"""The config tree (tree.py, its sections in inputs.py, sampling.py and training.py), its declarative checks
+(checks.py), overrides and files (io.py), presets."""
 
 from .checks import ConfigError, field_path
 from .io import CLI_REGISTRY, load_file, merge

@@ -55,6 +55,13 @@ def within(low: float, high: float, bounds: str = "[]") -> Check:
     return Check(lambda v: low_ok(low, v) and high_ok(v, high), f"a value in {bounds[0]}{low}, {high}{bounds[1]}")
 
 
+# Shorthands of the section modules' field types.
+Positive = Annotated[int, ge(1)]
+NonNegative = Annotated[int, ge(0)]
+PositiveFloat = Annotated[float, gt(0)]
+Fraction = Annotated[float, within(0, 1)]
+
+
 @dataclass(frozen=True)
 class Rule:
     """A constraint between fields of one section, reported at `field` (a dotted path inside the section)."""

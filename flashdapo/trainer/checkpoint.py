@@ -2,8 +2,8 @@
 
 A checkpoint is a directory `checkpoints/step_XXXXXXXX/` holding a `torch.distributed.checkpoint`
 (DCP) save of model + optimizer (sharded, so it reloads at any world size), `trainer_state.pt` (step,
-run id, LR schedule, data position, the run's settings: run_settings.py), one `rng_rank{r}.pt` per rank (torch, CUDA, numpy, python), and a
-`COMPLETE` marker (JSON: step, world size, run id). It is written under `step_XXXXXXXX.tmp/` and renamed
+run id, LR schedule, data position, the run's settings: run_settings.py), one `rng_rank{r}.pt` per rank
+(torch, CUDA, numpy, python), and a `COMPLETE` marker (JSON: step, world size, run id). It is written under `step_XXXXXXXX.tmp/` and renamed
 into place only once every rank has finished, so a crash mid-save never leaves a directory that
 `--resume auto` would pick; a failed save (a full disk) removes its temporary directory and leaves every
 older checkpoint as it was.
@@ -12,7 +12,9 @@ older checkpoint as it was.
 with `torch.load(weights_only=True)`: loading a checkpoint never unpickles arbitrary objects (a crafted
 file cannot run code). `--resume auto` tries the complete checkpoints newest first and resumes from the
 first that loads, warning about each one it skips (resume.py decides which run's checkpoints qualify and
-checks the settings). Weights holding NaN or inf are never saved.
+checks the settings). A damaged checkpoint (a file missing or truncated, a marker that does not parse, as a
+failing disk or a half-finished copy leaves them) is one that does not load: it is skipped with a line
+naming it and what is wrong. Weights holding NaN or inf are never saved.
 """
 
 from __future__ import annotations
@@ -214,11 +216,27 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def marker_run_id(path: Path) -> str | None:
-    """The run id in a checkpoint's COMPLETE marker ('' in markers that predate run ids; None if unreadable)."""
+def read_marker(path: Path) -> dict[str, Any]:
+    """A checkpoint's COMPLETE marker (step, world size, run id; markers that predate run ids have none).
+    CheckpointError saying what is wrong when it is missing or does not parse (a truncated or half-copied
+    checkpoint): such a checkpoint is damaged, and records no run."""
+    file = path / MARKER
     try:
-        return json.loads((path / MARKER).read_text()).get("run_id", "")
-    except (OSError, ValueError, AttributeError):
+        marker = json.loads(file.read_text())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{file}: missing") from err
+    except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{file}: does not parse ({one_line(err)})") from err
+    if not isinstance(marker, dict) or not isinstance(marker.get("run_id", ""), str):
+        raise CheckpointError(f"{file}: not a checkpoint marker (expected a JSON object with a string run_id)")
+    return marker
+
+
+def marker_run_id(path: Path) -> str | None:
+    """The run id in a checkpoint's COMPLETE marker ('' in markers that predate run ids; None if damaged)."""
+    try:
+        return read_marker(path).get("run_id", "")
+    except CheckpointError:
         return None
 
 
@@ -233,15 +251,21 @@ def _prune(root: Path, keep_last: int, run_id: str) -> None:
 # Finding and loading
 
 
-def _is_complete(path: Path) -> bool:
-    return (path / MARKER).is_file() and (path / ".metadata").is_file() and (path / "trainer_state.pt").is_file()
+def _missing(path: Path) -> list[str]:
+    """The files every checkpoint has that `path` lacks."""
+    return [name for name in (MARKER, ".metadata", "trainer_state.pt") if not (path / name).is_file()]
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Checkpoint directories under root, complete or not, oldest first (temporary `.tmp` ones never count)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
 
 
 def _complete(root: Path) -> list[Path]:
-    """Complete checkpoint directories under root, oldest first (temporary or unmarked ones never count)."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and _is_complete(p))
+    """Complete checkpoint directories under root, oldest first."""
+    return [p for p in _step_dirs(root) if not _missing(p)]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -250,17 +274,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def resume_candidates(resume: str, run_dir: Path) -> list[Path]:
-    """'' -> [] (fresh); 'auto' -> the complete checkpoints, newest first; a path -> [that checkpoint],
-    validated, with an error naming what is missing."""
+def resume_candidates(resume: str, run_dir: Path, warn: Callable[[str], None] = lambda _m: None) -> list[Path]:
+    """'' -> [] (fresh); 'auto' -> the complete checkpoints, newest first, warning about each step directory
+    skipped for a missing file; a path -> [that checkpoint], validated, with an error naming what is missing."""
     if not resume:
         return []
     if resume == "auto":
-        return _complete(checkpoint_root(run_dir))[::-1]
+        found = _step_dirs(checkpoint_root(run_dir))[::-1]
+        for path in found:
+            if missing := _missing(path):
+                warn(f"warning: skipping checkpoint {path.name}, it is damaged (missing {', '.join(missing)})")
+        return [p for p in found if not _missing(p)]
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.resume={resume}: no such directory")
-    missing = [name for name in (MARKER, ".metadata", "trainer_state.pt") if not (path / name).is_file()]
+    missing = _missing(path)
     if missing:
         raise CheckpointError(f"checkpoint.resume={resume}: not a complete flashdapo checkpoint "
                               f"(missing {', '.join(missing)}); an interrupted save leaves such a directory")
@@ -304,6 +332,7 @@ def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch
         rng_file = path / "rng_rank0.pt"
     error: CheckpointError | None = None
     try:
+        read_marker(path)  # a damaged marker records no run: resume.py could not tell whose checkpoint it is
         state = TrainerState.from_plain(_safe_load(path / "trainer_state.pt"), path / "trainer_state.pt")
         rng = _safe_load(rng_file)
     except CheckpointError as err:

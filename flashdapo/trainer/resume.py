@@ -1,10 +1,12 @@
 """Resuming a run honestly: only this run's checkpoints, only with the settings it was trained with.
 
 - **Which checkpoint.** A run directory holds one run, named by the id in its `run.json` (rundir.py).
-  `--checkpoint.resume auto` takes the newest complete checkpoint: if it carries another run's id (a
-  checkpoint copied into checkpoints/) the resume is refused with one line; another run's checkpoints older
-  than this run's newest are skipped with a warning. A directory without run.json (a new one, or one written
-  by an older flashdapo) adopts the newest checkpoint's run. `--checkpoint.resume PATH` of another run than
+  `--checkpoint.resume auto` takes the newest complete checkpoint: if its COMPLETE marker names another run
+  (a checkpoint copied into checkpoints/) the resume is refused with one line; another run's checkpoints older
+  than this run's newest are skipped with a warning. A damaged checkpoint is not another run's: a marker
+  that does not parse names no run, so it is not judged here, and loading skips it (checkpoint.py) for the
+  newest one of this run that loads. A directory without run.json (a new one, or one written by an older
+  flashdapo) adopts the run of the newest readable marker. `--checkpoint.resume PATH` of another run than
   the directory's is refused too: resume it in a run directory of its own.
 - **Same settings.** Each checkpoint records the settings that shape the run (run_settings.py); a resume
   with other settings is refused naming each `old -> new`, unless `checkpoint.allow_changes` accepts them.
@@ -41,23 +43,27 @@ class Resumed:
 def own_checkpoints(candidates: list[Path], dir_run_id: str | None, explicit: bool,
                     warn: Callable[[str], None]) -> list[Path]:
     """The candidates (newest first) this run may resume from (module docstring); ResumeRefused if the one
-    it would take belongs to another run."""
-    if not candidates:
-        return []
-    owner = dir_run_id if dir_run_id is not None else marker_run_id(candidates[0])
-    newest_id = marker_run_id(candidates[0])
+    it would take belongs to another run. Damaged ones (their marker names no run) are kept for loading to
+    skip, with a line saying what is wrong."""
+    ids = {path: marker_run_id(path) for path in candidates}
+    readable = [path for path in candidates if ids[path] is not None]
+    if not readable:
+        return candidates
+    newest, newest_id = readable[0], ids[readable[0]]
+    owner = dir_run_id if dir_run_id is not None else newest_id
     if newest_id != owner:
-        what = f"checkpoint {candidates[0]}" if explicit else f"the newest checkpoint, {candidates[0]},"
+        which = "newest checkpoint" if newest is candidates[0] else "newest checkpoint with a readable marker"
+        what = f"checkpoint {newest}" if explicit else f"the {which}, {newest},"
         fix = ("resume it in a run directory of its own (an empty --logging.run-dir)" if explicit else
                "move it out of checkpoints/ (or resume it in a run directory of its own, with "
                "--checkpoint.resume PATH)")
         raise ResumeRefused(f"{what} belongs to run {newest_id or '(unrecorded)'}, but this run directory holds run "
                             f"{owner} (its run.json); resuming it would splice two runs: {fix}")
-    foreign = [p for p in candidates if marker_run_id(p) != owner]
+    foreign = [path for path in readable if ids[path] != owner]
     if foreign:
         warn(f"warning: skipping {len(foreign)} checkpoint(s) of another run in checkpoints/ "
              f"({', '.join(p.name for p in foreign)}): resume auto only continues this run ({owner})")
-    return [p for p in candidates if p not in foreign]
+    return [path for path in candidates if path not in foreign]
 
 
 def load_resume(candidates: list[Path], cfg: Config, settings: dict[str, Any], env: DistEnv, model,

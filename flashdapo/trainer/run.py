@@ -210,7 +210,7 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
         log(f"config {line}")
     tokenizer = _checked_tokenizer(cfg, log)
     dir_run_id = recorded_run_id(run_dir) if cfg.checkpoint.resume else None  # a fresh run is a new run
-    candidates = own_checkpoints(resume_candidates(cfg.checkpoint.resume, run_dir), dir_run_id,
+    candidates = own_checkpoints(resume_candidates(cfg.checkpoint.resume, run_dir, log), dir_run_id,
                                  cfg.checkpoint.resume != "auto", log)
     torch.manual_seed(cfg.trainer.seed + env.rank)
     train_set, val_set = build_datasets(cfg.data, tokenizer)

@@ -1,7 +1,7 @@
 """Honest resume: a resume with settings that would splice two runs is refused naming each field old -> new,
 an accepted change (checkpoint.allow_changes) really applies (the learning rate), an unchanged resume
-reproduces the uninterrupted run bit for bit, another run's checkpoints are never adopted, and each start
-keeps its own config file. Single process, the tiny toy run (seconds)."""
+reproduces the uninterrupted run bit for bit, another run's checkpoints are never adopted while a damaged one
+is skipped for the one before it, and each start keeps its own config file. Single process, the tiny toy run (seconds)."""
 
 import dataclasses
 import json
@@ -107,6 +107,37 @@ def test_an_unchanged_resume_reproduces_the_uninterrupted_run_bitwise(finished, 
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def _truncate_every_file(checkpoint):
+    for file in checkpoint.iterdir():
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _unparsable_marker(text):
+    return lambda checkpoint: (checkpoint / "COMPLETE").write_text(text)
+
+
+@pytest.mark.parametrize("damage, what, without_run_json", [
+    (_truncate_every_file, "step_00000002/COMPLETE: does not parse", False),
+    (_truncate_every_file, "step_00000002/COMPLETE: does not parse", True),  # the run adopted from step 1
+    (_unparsable_marker("{not json"), "step_00000002/COMPLETE: does not parse", False),
+    (_unparsable_marker('{"run_id": 7}'), "step_00000002/COMPLETE: not a checkpoint marker", False),
+    (lambda checkpoint: (checkpoint / ".metadata").unlink(), "it is damaged (missing .metadata)", False),
+], ids=["truncated", "truncated-no-run-json", "not-json", "not-a-marker", "missing-file"])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before_it(finished, run_dir, capsys, damage, what,
+                                                                       without_run_json):
+    run_id = json.loads((finished / "run.json").read_text())["run_id"]
+    damage(run_dir / "checkpoints" / "step_00000002")
+    if without_run_json:
+        (run_dir / "run.json").unlink()
+    run = train(_resume(run_dir))
+    out = capsys.readouterr().out
+    skipped = [line for line in out.splitlines() if "skipping checkpoint step_00000002" in line]
+    assert len(skipped) == 1 and what in skipped[0], out
+    assert "belongs to run" not in out and "of another run" not in out
+    assert run.start_step == 1 and run.run_id == run_id and f"resumed from {run_dir}/checkpoints/step_00000001" in out
+    assert _metrics(run_dir) == _metrics(finished)  # step 2 retrained from step 1 as the first run trained it
+
+
 def test_a_changed_train_file_with_the_same_rows_is_refused(tmp_path):
     records = toy_records(ToyTaskConfig(num_train=24, seed=3), "train")
     data = tmp_path / "train.parquet"
@@ -167,3 +198,10 @@ def test_another_runs_checkpoint_is_never_adopted(tmp_path, capsys):
     # Named by path from another run's directory: refused as well.
     with pytest.raises(ResumeRefused, match=f"belongs to run {second.run_id}"):
         train(_resume(mine, checkpoint={"resume": str(other / "checkpoints" / "step_00000002")}))
+    # Behind a damaged newest checkpoint, the newest readable one is another run's: still refused.
+    shutil.copytree(other / "checkpoints" / "step_00000003", mine / "checkpoints" / "step_00000004")
+    (mine / "checkpoints" / "step_00000004" / "COMPLETE").write_text("{not json")
+    with pytest.raises(ResumeRefused, match=f"newest checkpoint with a readable marker, .*step_00000003, belongs "
+                                            f"to run {second.run_id}"):
+        train(_resume(mine, trainer={"total_steps": 5}))
+    assert (mine / "metrics.jsonl").read_text() == before

