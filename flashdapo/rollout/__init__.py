@@ -1,5 +1,15 @@
 """Rollout engines: a plain torch engine (any device) and a co-located vLLM engine (GPU, lazy import)."""
 
-from .base import RolloutEngine, Rollouts, SamplingParams, WeightSource, derive_seed
+from .base import (
+    Completion,
+    Request,
+    RolloutEngine,
+    Rollouts,
+    SamplingParams,
+    StreamingEngine,
+    WeightSource,
+    derive_seed,
+)
 
-__all__ = ["RolloutEngine", "Rollouts", "SamplingParams", "WeightSource", "derive_seed"]
+__all__ = ["Completion", "Request", "RolloutEngine", "Rollouts", "SamplingParams", "StreamingEngine", "WeightSource",
+           "derive_seed"]

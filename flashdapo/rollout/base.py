@@ -9,6 +9,12 @@ Per step, on every rank together, whatever the engine:
 `weights(dtype)` yields the policy's full HF-named tensors (`trainer.weight_sync.iter_full_state_dict`):
 an engine with its own copy of the model (vLLM) consumes it; one that samples from the policy module
 itself (the torch engine) never calls it.
+
+Streaming (`StreamingEngine`, both engines): between wake and sleep the trainer may instead open a stream,
+submit one `Request` per response, call `step()` (every rank together, the same number of times) to receive
+each response the moment it finishes, and `abort()` the rest, getting back what each had sampled so far.
+A request may carry a `prefix`: response tokens sampled earlier (a partial rollout carried over a weight
+update), prefilled under the current weights and never re-sampled.
 """
 
 from __future__ import annotations
@@ -79,6 +85,66 @@ class Rollouts:
     @property
     def prompt_lengths(self) -> torch.Tensor:
         return torch.tensor([len(p) for p in self.prompt_ids], dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One response to sample in a stream."""
+
+    key: int
+    """The caller's name for it, unique among the stream's requests."""
+    prompt: tuple[int, ...]
+    prefix: tuple[int, ...] = ()
+    """Response tokens already sampled (a carried partial rollout): prefilled after the prompt, not re-sampled."""
+    max_new_tokens: int = 256
+    """Tokens it may still sample (the response's limit minus the prefix)."""
+    seed: int = 0
+    """Its own sampling seed (engines that seed per request: vLLM); the torch engine draws from the stream's."""
+
+
+@dataclass
+class Completion:
+    """What a request sampled in this stream: all of it (finished) or up to an abort (finished False)."""
+
+    key: int
+    tokens: torch.Tensor
+    """[t] int64 tokens sampled after the prefix (including the EOS token when one was sampled)."""
+    logprobs: torch.Tensor
+    """[t] fp32 log-probs of those tokens under the distribution they were drawn from."""
+    finished: bool
+    """Ended by EOS or by its max_new_tokens; False: aborted while in flight or waiting."""
+    truncated: bool = False
+    """Finished by max_new_tokens without an EOS."""
+
+
+class StreamingEngine(Protocol):
+    """Per-response streaming on top of the RolloutEngine contract: continuous batching inside the engine.
+
+    Every call is collective over the ranks of the trainer's process group: all ranks open, step and abort
+    together (a rank with nothing in flight still steps: the engine keeps its collectives in step). What a
+    step returns is a function of what was submitted, in order, and of the seeds: never of the clock.
+    """
+
+    def open_stream(self, sampling: SamplingParams) -> None:
+        """Start a stream sampling with `sampling` (its n is ignored: one response per request; its seed
+        seeds the stream)."""
+        ...
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests; they join the decode batch as it has room (in submission order)."""
+        ...
+
+    def step(self) -> list[Completion]:
+        """Advance every running request by one engine step; the requests that finished in it."""
+        ...
+
+    def abort(self) -> list[Completion]:
+        """End the stream: every request still running or queued, with what it sampled (finished False)."""
+        ...
+
+    def pending(self) -> int:
+        """Requests of this rank submitted and not yet returned."""
+        ...
 
 
 class RolloutEngine(Protocol):
