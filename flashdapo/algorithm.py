@@ -167,12 +167,14 @@ def loss_normalizers(valid_tokens: torch.Tensor, mode: str, micro_batch: int) ->
     return torch.where(n > 0, out, torch.ones_like(out))
 
 
-def resolved_rollout_correction(algo: AlgorithmConfig, engine: str) -> str:
-    """algorithm.rollout_correction with `auto` resolved: none for the torch engine, token_truncate for vLLM;
-    none when pi_old is the engine's own log-probs (algorithm.old_logprobs=rollout: every ratio is 1)."""
+def resolved_rollout_correction(algo: AlgorithmConfig, engine: str, carries: bool = False) -> str:
+    """algorithm.rollout_correction with `auto` resolved: none for the torch engine, token_truncate for vLLM
+    or when partial rollouts carry tokens sampled by older weights (`carries`); none when pi_old is the
+    engine's own log-probs (algorithm.old_logprobs=rollout: every ratio is 1)."""
     if algo.rollout_correction != "auto":
         return algo.rollout_correction
-    return "token_truncate" if engine == "vllm" and algo.old_logprobs == "recompute" else "none"
+    off_policy = engine == "vllm" or carries
+    return "token_truncate" if off_policy and algo.old_logprobs == "recompute" else "none"
 
 
 def rollout_correction_weights(old: torch.Tensor, rollout: torch.Tensor, lengths: torch.Tensor, mode: str,

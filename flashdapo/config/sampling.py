@@ -50,6 +50,21 @@ class RolloutConfig(Section):
     sleep_level: Literal[1, 2] = 2
     """vLLM sleep level while training: 2 discards the weights (every weight is pushed before generating),
     1 offloads them to CPU memory and copies them back."""
+    streaming: bool = False
+    """Streaming dynamic sampling (docs/algorithm.md, "Streaming"): each group is scored and filtered the
+    moment its last response finishes, prompts are topped up to max_in_flight, and generation stops once
+    train_batch informative groups are kept (the rest carried over, see partial_rollouts). False: rounds of
+    gen_batch prompts, each waiting for its longest response (the paper's procedure)."""
+    max_in_flight: NonNegative = 0
+    """Streaming: prompts in flight at once over all ranks (0: trainer.gen_batch)."""
+    partial_rollouts: bool = True
+    """Streaming: responses still running at the stop are carried into the next step with their tokens, the
+    policy version of each token and its sampling log-prob, and finish under the new weights (training with
+    the rollout correction). False: they and their groups are dropped (biases training toward short
+    responses)."""
+    max_carry_steps: Positive = 1
+    """Streaming: a carried response whose oldest token is more policy versions old than this restarts from
+    scratch (counted in rollout/restarted)."""
     logprob_check_every: NonNegative = 10
     """Compare vLLM's and the trainer's log-probs on the same tokens every N steps (0 = only at start)."""
     logprob_check_threshold: PositiveFloat = 0.05

@@ -3,7 +3,8 @@
 The choices, before the code:
 
 - **Batching.** `generate` repeats each prompt `n` times (responses of prompt i are adjacent) and runs
-  sub-batches of at most `max_batch` sequences. A sub-batch is LEFT-padded so every row's next token
+  sub-batches of at most `max_batch` sequences, one after another; a stream (`open_stream`, the
+  `StreamingEngine` contract) lets requests join as rows finish (continuous batching, `torch_stream.py`). A sub-batch is LEFT-padded so every row's next token
   sits in the same column; position ids are `cumsum(mask) - 1`, so RoPE sees each prompt from
   position 0, exactly as an unpadded forward does.
 - **KV cache.** A transformers `StaticCache` preallocated for `prompt + max_new_tokens` slots (the
@@ -12,8 +13,8 @@ The choices, before the code:
   to the cache length), so pad slots are never attended to; position ids only feed RoPE.
 - **Prefill** projects only the last position onto the vocabulary (`logits_to_keep=1`).
 - **Stopping.** A row is finished after its first EOS (kept in the response). Finished rows keep
-  being decoded (their inputs are pads and their outputs are dropped) until every row is finished or
-  `max_new_tokens` is reached; rows are never compacted, so the cache keeps its shape.
+  being decoded (their inputs are pads and their outputs are dropped) until the batch is rebuilt or every
+  row is finished; rows are never compacted inside a cache, so it keeps its shape.
 - **Sampling.** logits / temperature (skipped at T = 1), then top-k, then top-p, then an inverse-CDF
   draw: one uniform number per row against the running sum of the exponentials (no host sync; an
   exponential race would draw one random number per vocabulary entry, which cost more than the LM
@@ -27,8 +28,8 @@ The choices, before the code:
   `kernels.token_logprobs(..., temperature=T)`. They are fp32; in a bf16 model the LM-head matmul itself
   is bf16.
 - **Distributed.** Under FSDP2 every forward all-gathers parameters, so all ranks of `process_group`
-  must make the same number of forward calls: the number of sub-batches and the "all finished" test
-  are agreed by an all-reduce (MAX); a rank out of prompts decodes a one-token dummy batch. All ranks
+  must make the same number of forward calls: every step is one forward on every rank, "anything left"
+  is agreed by an all-reduce (MAX), and a rank out of work runs a one-token dummy forward. All ranks
   must pass the same `SamplingParams`. Without a group (or with one rank) there are no collectives.
 - **Weights.** The engine samples from the module it is given: in training, the FSDP2-sharded policy
   itself, so there is nothing to copy. `wake` gathers every FSDP2 unit once for the whole generation
@@ -49,7 +50,8 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import StaticCache
 
 from ..collectives import all_reduce, world_size
-from .base import Rollouts, SamplingParams, WeightSource, derive_seed
+from .base import Completion, Request, Rollouts, SamplingParams, WeightSource, derive_seed
+from .torch_stream import TorchStream
 
 __all__ = ["TorchEngine", "cache_argument", "left_pad", "sample"]
 
@@ -226,48 +228,65 @@ class TorchEngine:
         self._rank = dist.get_rank(process_group) if self._distributed else 0
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
         self._cache_arg = cache_argument(model)
+        self._stream: TorchStream | None = None
+        self._was_training = model.training
 
     # ---- the RolloutEngine protocol ------------------------------------------------------------
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, max_batch: int | None = None
     ) -> Rollouts:
-        """Sample `sampling.n` responses per prompt; `max_batch` overrides the constructor's bound."""
+        """Sample `sampling.n` responses per prompt; `max_batch` overrides the constructor's bound. A stream
+        that takes sub-batches of at most `max_batch` sequences one after another (policy `drain`)."""
         _check_request(prompts, sampling)
         owners = [i for i in range(len(prompts)) for _ in range(sampling.n)]
-        size = max_batch or self.max_batch or max(len(owners), 1)
-        chunks = [owners[i : i + size] for i in range(0, len(owners), size)]
-        num_chunks = self._agree_max(len(chunks))
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(derive_seed(sampling.seed, self._rank))  # ranks sample different prompts
-
-        responses, logprobs, truncated = [], [], []
-        was_training = self.model.training
-        self.model.eval()
+        self.open_stream(sampling, max_batch=max_batch, policy="drain")
+        self.submit([Request(key=k, prompt=tuple(prompts[i]), max_new_tokens=sampling.max_new_tokens)
+                     for k, i in enumerate(owners)])
+        done: dict[int, Completion] = {}
         try:
-            with torch.no_grad():
-                for c in range(num_chunks):
-                    if c >= len(chunks):  # out of work: keep FSDP's collectives in step with the others
-                        self._generate_batch([[self.pad_token_id]], sampling, generator, dummy=True)
-                        continue
-                    tokens, logps, lengths, trunc = self._generate_batch(
-                        [prompts[i] for i in chunks[c]], sampling, generator
-                    )
-                    for row, length in enumerate(lengths.tolist()):
-                        responses.append(tokens[row, :length].clone())
-                        logprobs.append(logps[row, :length].clone())
-                    truncated.append(trunc)
+            while self._agree_max(self.pending()):
+                done.update((c.key, c) for c in self.step())
         finally:
-            self.model.train(was_training)
-
+            self.abort()
         prompt_tensors = [torch.tensor(p, dtype=torch.long) for p in prompts]
         return Rollouts(
             prompt_ids=[prompt_tensors[i] for i in owners],
-            response_ids=responses,
+            response_ids=[done[k].tokens for k in range(len(owners))],
             group_ids=torch.tensor(owners, dtype=torch.long),
-            truncated=torch.cat(truncated) if truncated else torch.zeros(0, dtype=torch.bool),
-            logprobs=logprobs,
+            truncated=torch.tensor([done[k].truncated for k in range(len(owners))], dtype=torch.bool),
+            logprobs=[done[k].logprobs for k in range(len(owners))],
         )
+
+    # ---- the StreamingEngine protocol ----------------------------------------------------------
+
+    def open_stream(self, sampling: SamplingParams, max_batch: int | None = None, policy: str = "fill") -> None:
+        """Start a stream (`torch_stream.py`): the model in eval mode until `abort` ends it."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(derive_seed(sampling.seed, self._rank))  # ranks sample different prompts
+        self._was_training = self.model.training
+        self.model.eval()
+        self._stream = TorchStream(self._forward, self.sample, self.model.config, sampling, generator, self._eos,
+                                   self.pad_token_id, self.device, left_pad, max_batch or self.max_batch, policy)
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests on the open stream."""
+        self._stream.submit(requests)
+
+    def step(self) -> list[Completion]:
+        """One forward of the open stream (every rank together); the requests that finished."""
+        with torch.no_grad():
+            return self._stream.step()
+
+    def abort(self) -> list[Completion]:
+        """End the open stream: what every unfinished request sampled; the model's training mode back."""
+        stream, self._stream = self._stream, None
+        self.model.train(self._was_training)
+        return stream.abort() if stream is not None else []
+
+    def pending(self) -> int:
+        """Requests of the open stream on this rank not yet returned (0 without one)."""
+        return self._stream.pending() if self._stream is not None else 0
 
     def wake(self, weights: WeightSource | None = None, version: int | None = None) -> None:
         """Gather an FSDP2 model's shards for the whole generation. `weights` and `version` are never read:
@@ -318,51 +337,8 @@ class TorchEngine:
         )
         return out.logits[:, -1].float()
 
-    def _generate_batch(
-        self, prompts: list[list[int]], sampling: SamplingParams, generator: torch.Generator, dummy=False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decode one sub-batch: CPU tokens [B, T], log-probs [B, T], lengths [B], truncated [B].
-
-        A `dummy` batch starts finished: it only makes the forward calls the other ranks make.
-        """
-        ids, mask, positions = left_pad(prompts, self.pad_token_id, self.device)
-        batch, width = ids.shape
-        steps = sampling.max_new_tokens
-        cache = StaticCache(config=self.model.config, max_cache_len=width + steps)
-        # Generated tokens always occupy valid slots; only the prompts' left pads are masked.
-        mask = torch.cat([mask, mask.new_ones(batch, steps)], dim=1)
-        next_position = positions[:, -1] + 1  # position of the first generated token, per row
-        tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device)
-        logps = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
-        done = torch.full((batch,), dummy, dtype=torch.bool, device=self.device)
-
-        logits = self.prefill(ids, mask[:, :width], positions, cache)
-        for t in range(steps):
-            if t > 0:
-                if self._all_done(done):
-                    break
-                logits = self.decode_one_token(
-                    tokens[:, t - 1], next_position + (t - 1), mask[:, : width + t], cache
-                )
-            new, new_logp = self.sample(
-                logits, sampling.temperature, sampling.top_p, sampling.top_k, generator
-            )
-            tokens[:, t] = torch.where(done, self.pad_token_id, new)
-            logps[:, t] = torch.where(done, 0.0, new_logp)
-            done |= torch.isin(new, self._eos)
-
-        is_eos = torch.isin(tokens, self._eos)
-        has_eos = is_eos.any(dim=1)
-        # argmax returns the first maximal index: the first EOS of the row.
-        lengths = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, steps)
-        return tokens.cpu(), logps.cpu(), lengths.cpu(), (~has_eos).cpu()
-
     def _agree_max(self, value: int) -> int:
         """The maximum of `value` over the process group (the value itself without one)."""
         if not self._distributed:
             return value
         return int(all_reduce(torch.tensor([value], device=self.device), "max", self.process_group).item())
-
-    def _all_done(self, done: torch.Tensor) -> bool:
-        """Whether every row on every rank is finished (one host sync per decode step)."""
-        return self._agree_max(int((~done).any())) == 0

@@ -39,6 +39,8 @@ class Group:
     """The rollout engine's per-token log-probs, when it reports them."""
     origin: tuple[int, int, int] = (0, 0, 0)
     """(generation round, rank, position in the round) where it was sampled: names it across ranks."""
+    versions: list[torch.Tensor] | None = None
+    """Per response, [len] int64: the policy version that sampled each token (streaming); None: this step's."""
     members: tuple[int, ...] | None = None
     """Which responses of the group as generated these are (a piece dealt to a slot); None: all, in order."""
     advantages: torch.Tensor | None = None
@@ -60,6 +62,7 @@ class Group:
         return Group(prompt=self.prompt, responses=[self.responses[i] for i in idx], scores=self.scores[idx],
                      acc=self.acc[idx], truncated=self.truncated[idx],
                      sampler_logprobs=None if self.sampler_logprobs is None else [self.sampler_logprobs[i] for i in idx],
+                     versions=None if self.versions is None else [self.versions[i] for i in idx],
                      origin=self.origin, members=tuple(self.member_indices[i] for i in idx),
                      advantages=advantages[idx])
 

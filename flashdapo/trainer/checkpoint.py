@@ -139,8 +139,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: TrainerState, keep_last: int) -> Path:
+                    state: TrainerState, keep_last: int, rank_state: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of `state.step` atomically (tmp dir + rename) and prune this run's old ones.
+    `rank_state`: this rank's own plain state (the streaming sampler's carried work), one file per rank.
 
     Raises CheckpointError on every rank, having written nothing, when the weights hold NaN/inf or a write
     fails (e.g. a full disk); older checkpoints are left intact either way."""
@@ -160,6 +161,8 @@ def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: to
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(_rng_state(), tmp / f"rng_rank{env.rank}.pt")
+        if rank_state is not None:
+            torch.save(rank_state, tmp / f"{RANK_STATE}{env.rank}.pt")
         if env.is_main:
             torch.save(dataclasses.asdict(state), tmp / "trainer_state.pt")
 
@@ -319,6 +322,20 @@ def _safe_load(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling refusals, truncated zips and I/O errors all mean "cannot load"
         raise CheckpointError(f"{path}: cannot load ({one_line(err)})") from err
+
+
+RANK_STATE = "stream_rank"
+"""Per-rank state files: <RANK_STATE><rank>.pt."""
+
+
+def load_rank_state(path: Path, env: DistEnv) -> dict[str, Any] | None:
+    """This rank's plain state saved with the checkpoint at `path`; None when it holds none or was written
+    at another world size (each rank's state belongs to the rank that wrote it)."""
+    marker = read_marker(path)
+    mine = path / f"{RANK_STATE}{env.rank}.pt"
+    if marker.get("world_size") != env.world_size or not mine.is_file():
+        return None
+    return _safe_load(mine)
 
 
 def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,

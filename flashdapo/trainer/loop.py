@@ -36,6 +36,7 @@ from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe
 from .run import Run, setup_run
 from .sampling import collect_groups
+from .streaming import carries, stream_groups, stream_metrics
 from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
 
 
@@ -82,7 +83,7 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
         stopping = stop.agreed()  # every rank, every step: all stop after the same step
         if saving or stopping:
             save_checkpoint(run.run_dir, run.env, run.policy, run.optimizer, run.trainer_state(step),
-                            cfg.checkpoint.keep_last)
+                            cfg.checkpoint.keep_last, run.rank_state())
         if stopping:
             return step
     return None
@@ -98,14 +99,19 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         with timer("weight_sync"):
             run.engine.wake(run.policy_weights, run.policy_version)
         dump = dumping(cfg.logging.dump_rollouts_every, step)
-        collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer,
-                                   keep_generated=dump)
+        stream = None
+        if cfg.rollout.streaming:
+            collected, stream = stream_groups(step, run.stream, run.sampler, run.engine, run.tokenizer, run.verifier,
+                                              cfg, env, timer, version=step)
+        else:
+            collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer,
+                                       keep_generated=dump)
         run.engine.sleep()
         with timer("old_log_prob"):
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
             batch = build_train_batch(collected.mini_batches, old, cfg.algorithm,
-                                      resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine))
+                                      resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, carries(cfg)))
         # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip it.
         recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
         rollout_check = {**logprob_agreement(step, batch, cfg.rollout, warn=env.is_main),
@@ -119,7 +125,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         stop_after_skips(run, step, update)
     if dump:
         dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env)
-    return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check}
+    stream_check = stream_metrics(stream, batch, step, env) if stream is not None else {}
+    return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check,
+            **stream_check}
 
 
 def stop_after_skips(run: Run, step: int, update: UpdateResult) -> None:

@@ -25,7 +25,7 @@ from ..tasks import build_datasets, build_task_tokenizer
 from ..tasks.toy import build_toy_model
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
-from .checkpoint import TrainerState, resume_candidates
+from .checkpoint import TrainerState, load_rank_state, resume_candidates
 from .distributed import DistEnv, before_destroy, init_distributed, shutdown
 from .failfast import FailFast
 from .loading import load_sharded_policy
@@ -42,6 +42,7 @@ from .rundir import (
     recorded_run_id,
     stop_if_launcher_dies,
 )
+from .streaming import StreamState
 from .warmup import warm_up_built_in
 from .weight_sync import iter_full_state_dict
 
@@ -77,6 +78,8 @@ class Run:
     """The settings that shape this run, recorded in its checkpoints (run_settings.py)."""
     resumed: Resumed | None = None
     """The checkpoint this process continued from, None for a fresh start."""
+    stream: StreamState = field(default_factory=StreamState)
+    """This rank's streaming sampler state between steps (rollout.streaming), saved with every checkpoint."""
 
     def close(self, error: BaseException | None) -> None:
         """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
@@ -94,6 +97,10 @@ class Run:
     def log(self, message: str) -> None:
         if self.env.is_main:
             print(f"flashdapo: {message}", flush=True)
+
+    def rank_state(self) -> dict[str, Any] | None:
+        """This rank's own state for the checkpoint: the streaming sampler's carried work."""
+        return self.stream.to_plain() if self.cfg.rollout.streaming else None
 
     def trainer_state(self, step: int) -> TrainerState:
         return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict(),
@@ -246,7 +253,20 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
                scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
                pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
-               settings=settings, resumed=resumed)
+               settings=settings, resumed=resumed, stream=_resumed_stream(resumed, cfg, env, log))
+
+
+def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:
+    """The streaming sampler's carried work from the checkpoint (this rank's); empty for a fresh start. A
+    checkpoint written at another world size cannot give each rank its own: that work is dropped, said once."""
+    if resumed is None or not cfg.rollout.streaming:
+        return StreamState()
+    plain = load_rank_state(resumed.path, env)
+    if plain is None:
+        log(f"{resumed.path.name}: no streaming state for this world size ({env.world_size} ranks): carried "
+            "responses and groups kept past the last target, if any, are dropped")
+        return StreamState()
+    return StreamState.from_plain(plain)
 
 
 def _checked_tokenizer(cfg: Config, log):

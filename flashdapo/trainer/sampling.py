@@ -170,12 +170,18 @@ def _report_round(step: int, rounds: int, kept: int, cfg: Config, elapsed_s: flo
                       "unbounded: set it to a bound to stop or continue at that bound", stacklevel=3)
 
 
-def _deal_out(kept_per_round: list[list[Group]], cfg: Config, env: DistEnv) -> list[list[Group]]:
-    """Order kept groups by (round, rank, position), keep the first train_batch (or, when short, the
-    largest multiple of the data-parallel size), and deal this data-parallel slot its responses of every
-    global mini-batch (the ranks of a sequence-parallel group share a slot: the same responses)."""
+def _deal_out(kept_per_round: list[list[Group]], cfg: Config, env: DistEnv,
+              with_leftover: bool = False):
+    """Order kept groups by origin (round or tick, rank, position), keep the first train_batch (or, when
+    short, the largest multiple of the data-parallel size), and deal this data-parallel slot its responses of
+    every global mini-batch (the ranks of a sequence-parallel group share a slot: the same responses).
+    `with_leftover`: also this rank's own kept groups that did not make the cut, in order."""
     everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
-    ordered = [g for r in range(len(kept_per_round)) for rank_rounds in everyone for g in rank_rounds[r]]
+    ordered = sorted((g for rank_rounds in everyone for rnd in rank_rounds for g in rnd), key=lambda g: g.origin)
     usable = min(len(ordered), cfg.trainer.train_batch) // env.dp_size * env.dp_size
-    return deal_to_slots(ordered[:usable], cfg.trainer.mini_batch, env.dp_size, env.dp_rank,
-                         cfg.algorithm.advantage_eps)
+    dealt = deal_to_slots(ordered[:usable], cfg.trainer.mini_batch, env.dp_size, env.dp_rank,
+                          cfg.algorithm.advantage_eps)
+    if not with_leftover:
+        return dealt
+    cut = {g.origin for g in ordered[:usable]}
+    return dealt, [g for rnd in kept_per_round for g in rnd if g.origin not in cut]

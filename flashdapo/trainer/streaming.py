@@ -1,0 +1,324 @@
+"""Streaming dynamic sampling (rollout.streaming): steps 1-4 of the DAPO walk without waiting for the tail.
+
+The choices, before the code:
+
+- **One response per request.** Each prompt of the step becomes n requests of the engine's stream
+  (`rollout/base.py` StreamingEngine); a group is scored and filtered (`algorithm.filter_metric`) the
+  moment its last response finishes.
+- **Top-up.** Each rank keeps at most max_in_flight / world prompts in flight; prompts come from the
+  shared sampler a global batch at a time (every rank pulls together, so the samplers stay at one
+  position), and a rank's unsubmitted prompts wait in its queue.
+- **Stop at enough.** After every engine step one all-reduce sums the ranks' kept groups; at train_batch
+  the stream stops and every request still running is aborted. The decision reads only the outputs, in
+  their completion order, never the clock: a fixed seed repeats bitwise.
+- **Order.** Which groups are kept is decided by completion; their order is that of submission: a
+  group's origin is (the sampler batch its prompt came from, counted over the run; rank; its position in
+  the rank's share). So without an early stop the step trains on the groups rounds would, in the same
+  order, and groups kept past the target roll into the next step ahead of anything newer.
+- **Partial rollouts** (rollout.partial_rollouts): an aborted response is carried with its tokens, the
+  policy version that sampled each token and its sampling log-probs; next step it is resubmitted with
+  that prefix (prefilled under the new weights) and finishes. Its group waits for it, its siblings keep
+  theirs. A carried response more than rollout.max_carry_steps versions old restarts from scratch. Such
+  tokens train with the rollout correction against the log-prob of the version that sampled them
+  (`algorithm.resolved_rollout_correction` turns token_truncate on). Without partial rollouts aborted
+  responses and their groups are dropped: training then sees the short responses first (a length bias).
+- **Nothing lost on resume**: the carried responses, waiting groups and the queue are this rank's
+  `StreamState`, saved with every checkpoint (`checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..collectives import all_reduce
+from ..config import Config
+from ..data import Prompt, PromptSampler
+from ..reward import Verifier
+from ..rollout import Completion, Request, Rollouts, SamplingParams, derive_seed
+from .batch import Group
+from .distributed import DistEnv
+from .metrics import StageTimer
+from .sampling import Collected, DynamicSamplingError, _deal_out, _is_informative, score_groups
+
+
+@dataclass
+class Response:
+    """A response of a pending group: what was sampled so far, by which policy version, at what log-prob."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    versions: torch.Tensor
+    """[len] int64: the policy version that sampled each token."""
+    finished: bool = False
+    truncated: bool = False
+
+
+@dataclass
+class PendingGroup:
+    """A prompt whose n responses are being sampled (possibly across steps)."""
+
+    prompt: Prompt
+    responses: list[Response]
+    origin: tuple[int, int, int]
+    """(sampler batch, rank, position in the rank's share): the group's place in the canonical order."""
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finished for r in self.responses)
+
+
+@dataclass
+class StreamState:
+    """This rank's stream between steps: saved with every checkpoint, so nothing is lost on resume."""
+
+    pending: dict[int, PendingGroup] = field(default_factory=dict)
+    """Groups with responses still to finish (carried), by key."""
+    ready: list[Group] = field(default_factory=list)
+    """Informative groups kept past the last step's target: first in line next step."""
+    queue: list[tuple[tuple[int, int, int], Prompt]] = field(default_factory=list)
+    """Prompts pulled from the sampler and not yet submitted, with their origins."""
+    next_key: int = 0
+    pulls: int = 0
+    """Sampler batches pulled over the run (every rank pulls together)."""
+
+    def to_plain(self) -> dict[str, Any]:
+        """Plain containers (tensors, lists, dicts) for torch.save(weights_only)."""
+        return {"pending": {k: {"prompt": _prompt_plain(g.prompt), "origin": list(g.origin),
+                                "responses": [vars(r).copy() for r in g.responses]} for k, g in self.pending.items()},
+                "ready": [_group_plain(g) for g in self.ready],
+                "queue": [[list(origin), _prompt_plain(p)] for origin, p in self.queue],
+                "next_key": self.next_key, "pulls": self.pulls}
+
+    @classmethod
+    def from_plain(cls, data: dict[str, Any]) -> StreamState:
+        pending = {int(k): PendingGroup(Prompt(**g["prompt"]), [Response(**r) for r in g["responses"]],
+                                        tuple(g["origin"])) for k, g in data["pending"].items()}
+        ready = [Group(**{**g, "origin": tuple(g["origin"]), "members": None}) for g in data["ready"]]
+        return cls(pending=pending, ready=ready, queue=[(tuple(o), Prompt(**p)) for o, p in data["queue"]],
+                   next_key=int(data["next_key"]), pulls=int(data["pulls"]))
+
+
+def _prompt_plain(p: Prompt) -> dict[str, Any]:
+    return {f: getattr(p, f) for f in p.__dataclass_fields__}
+
+
+def _group_plain(g: Group) -> dict[str, Any]:
+    return {f: getattr(g, f) for f in g.__dataclass_fields__}
+
+
+@dataclass
+class StreamStats:
+    """What the step's stream did (global figures): for the stream/* metrics."""
+
+    ticks: int = 0
+    generated_tokens: int = 0
+    finished_groups: int = 0
+    all_equal_groups: int = 0
+    carried: int = 0
+    restarted: int = 0
+    dropped: int = 0
+    carried_age_max: int = 0
+
+
+def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine, tokenizer, verifier: Verifier,
+                  cfg: Config, env: DistEnv, timer: StageTimer, version: int) -> tuple[Collected, StreamStats]:
+    """Stream until train_batch informative groups are kept (globally), then deal them out; `state` carries
+    what is left into the next step. `version`: the policy version sampling this step."""
+    rc, tc = cfg.rollout, cfg.trainer
+    per_rank = max(1, (rc.max_in_flight or tc.gen_batch) // env.world_size)
+    stats = StreamStats()
+    sampling = SamplingParams(n=1, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                              max_new_tokens=rc.max_response_length, seed=derive_seed(tc.seed, step, 1))
+    kept: list[Group] = list(state.ready)
+    state.ready = []
+    gen_sums = torch.zeros(4, dtype=torch.float64)  # correct, score, truncated, count over finished responses
+    pulls = 0
+    with timer("gen"):
+        engine.open_stream(sampling)
+        engine.submit(_resubmissions(state, version, cfg, stats, env.rank, step))
+        while True:
+            need_pull = not state.queue and _in_flight(state) < per_rank
+            submitted = _top_up(state, engine, per_rank, cfg, env.rank, step)
+            totals = all_reduce(torch.tensor([len(kept), engine.pending(), int(need_pull), submitted]))
+            if int(totals[0]) >= tc.train_batch:
+                break
+            can_pull = cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches
+            if int(totals[2]) and can_pull:  # some rank is out of prompts: every rank pulls the next batch
+                state.pulls += 1
+                state.queue += [((state.pulls, env.rank, i), p) for i, p in enumerate(sampler.next_batch())]
+                pulls += 1
+                continue
+            if int(totals[1]) == 0:  # nothing in flight anywhere and no prompt left to submit
+                break
+            stats.ticks += 1
+            finished = engine.step()
+            with timer("reward"):
+                for group in _finish(state, finished, version, tokenizer, verifier, cfg, gen_sums, stats):
+                    stats.finished_groups += 1
+                    if not cfg.algorithm.dynamic_sampling or _is_informative(group, cfg.algorithm.filter_metric):
+                        kept.append(group)
+                    else:
+                        stats.all_equal_groups += 1
+        _carry(state, engine.abort(), cfg, stats, version)
+    _check_bound(step, len(kept), cfg, env)
+    mini_batches, leftover = _deal_out([kept], cfg, env, with_leftover=True)
+    if cfg.algorithm.dynamic_sampling:  # past the target: first in line next step, in order
+        state.ready = leftover
+    global_stats = all_reduce(torch.tensor([stats.finished_groups, stats.all_equal_groups, stats.carried,
+                                            stats.restarted, stats.dropped, int(gen_sums[3].item())]))
+    totals = all_reduce(gen_sums)
+    count = max(totals[3].item(), 1.0)
+    (stats.finished_groups, stats.all_equal_groups, stats.carried, stats.restarted, stats.dropped,
+     _) = (int(v) for v in global_stats.tolist())
+    stats.generated_tokens = int(all_reduce(torch.tensor([stats.generated_tokens])).item())
+    stats.carried_age_max = int(all_reduce(torch.tensor([stats.carried_age_max]), "max").item())
+    collected = Collected(mini_batches=mini_batches, num_gen_batches=pulls, groups_generated=stats.finished_groups,
+                          groups_informative=stats.finished_groups - stats.all_equal_groups,
+                          gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
+                          gen_truncated=totals[2].item() / count)
+    return collected, stats
+
+
+def _check_bound(step: int, kept: int, cfg: Config, env: DistEnv) -> None:
+    """The stream ended short of train_batch (algorithm.max_gen_batches pulls, nothing left in flight): as in
+    rounds, an error or a warning by algorithm.on_max_gen_batches."""
+    total = int(all_reduce(torch.tensor([kept])).item())
+    tc, algo = cfg.trainer, cfg.algorithm
+    if total >= tc.train_batch or not algo.dynamic_sampling:
+        return
+    message = (f"step {step}: streaming dynamic sampling found {total} informative groups in {algo.max_gen_batches} "
+               f"batches of {tc.gen_batch} prompts; train_batch needs {tc.train_batch}")
+    if algo.on_max_gen_batches == "error":
+        raise DynamicSamplingError(message + ". The data may be too easy or too hard for the model: raise "
+                                   "algorithm.max_gen_batches, or set algorithm.on_max_gen_batches=continue")
+    if env.is_main:
+        warnings.warn(message + "; training on what was found (on_max_gen_batches=continue)", stacklevel=3)
+
+
+def _in_flight(state: StreamState) -> int:
+    return len(state.pending)
+
+
+def _key(group: int, member: int, n: int) -> int:
+    return group * n + member
+
+
+def _top_up(state: StreamState, engine, per_rank: int, cfg: Config, rank: int, step: int) -> int:
+    """Submit queued prompts while fewer than `per_rank` groups are pending; how many were submitted."""
+    n, limit, submitted = cfg.rollout.n, cfg.rollout.max_response_length, 0
+    requests = []
+    while state.queue and len(state.pending) < per_rank:
+        origin, prompt = state.queue.pop(0)
+        key = state.next_key
+        state.next_key += 1
+        state.pending[key] = PendingGroup(prompt, [Response(torch.zeros(0, dtype=torch.long), torch.zeros(0),
+                                                            torch.zeros(0, dtype=torch.long)) for _ in range(n)],
+                                          origin)
+        requests += [Request(_key(key, m, n), tuple(prompt.ids), (), limit,
+                             derive_seed(cfg.trainer.seed, step, rank, key, m)) for m in range(n)]
+        submitted += 1
+    if requests:
+        engine.submit(requests)
+    return submitted
+
+
+def _resubmissions(state: StreamState, version: int, cfg: Config, stats: StreamStats, rank: int,
+                   step: int) -> list[Request]:
+    """The carried responses' requests (prefix = what they sampled), or a fresh start for those too old."""
+    n, limit, out = cfg.rollout.n, cfg.rollout.max_response_length, []
+    for key, group in state.pending.items():
+        for m, r in enumerate(group.responses):
+            if r.finished:
+                continue
+            age = version - int(r.versions.min()) if len(r.versions) else 0
+            if age > cfg.rollout.max_carry_steps:
+                stats.restarted += 1
+                r.tokens, r.logprobs, r.versions = r.tokens[:0], r.logprobs[:0], r.versions[:0]
+            stats.carried_age_max = max(stats.carried_age_max, age if len(r.tokens) else 0)
+            out.append(Request(_key(key, m, n), tuple(group.prompt.ids), tuple(r.tokens.tolist()),
+                               limit - len(r.tokens), derive_seed(cfg.trainer.seed, step, rank, key, m)))
+    return out
+
+
+def _finish(state: StreamState, completions: list[Completion], version: int, tokenizer, verifier: Verifier,
+            cfg: Config, gen_sums: torch.Tensor, stats: StreamStats) -> list[Group]:
+    """Record finished responses; the groups that became complete, scored (in key order)."""
+    n, done = cfg.rollout.n, []
+    for c in completions:
+        stats.generated_tokens += len(c.tokens)
+        key, member = divmod(c.key, n)
+        _extend(state.pending[key].responses[member], c, version)
+    for key in sorted({c.key // n for c in completions}):
+        group = state.pending[key]
+        if not group.complete:
+            continue
+        del state.pending[key]
+        scored = _score(group, tokenizer, verifier, cfg)
+        gen_sums += torch.tensor([scored.acc.sum().item(), scored.scores.sum().item(), scored.truncated.sum().item(),
+                                  scored.size], dtype=torch.float64)
+        done.append(scored)
+    return done
+
+
+def _extend(response: Response, c: Completion, version: int) -> None:
+    response.tokens = torch.cat([response.tokens, c.tokens])
+    response.logprobs = torch.cat([response.logprobs, c.logprobs.float()])
+    response.versions = torch.cat([response.versions, torch.full((len(c.tokens),), version, dtype=torch.long)])
+    response.finished, response.truncated = c.finished, c.truncated
+
+
+def _score(group: PendingGroup, tokenizer, verifier: Verifier, cfg: Config) -> Group:
+    rollouts = Rollouts(prompt_ids=[torch.tensor(group.prompt.ids, dtype=torch.long)] * len(group.responses),
+                        response_ids=[r.tokens for r in group.responses],
+                        group_ids=torch.zeros(len(group.responses), dtype=torch.long),
+                        truncated=torch.tensor([r.truncated for r in group.responses], dtype=torch.bool),
+                        logprobs=[r.logprobs for r in group.responses])
+    scored = score_groups(rollouts, [group.prompt], tokenizer, verifier, cfg)[0]
+    scored.versions = [r.versions for r in group.responses]
+    scored.origin = group.origin
+    return scored
+
+
+def _carry(state: StreamState, aborted: list[Completion], cfg: Config, stats: StreamStats, version: int) -> None:
+    """Keep what the aborted requests sampled (partial rollouts), or drop their groups."""
+    n = cfg.rollout.n
+    for c in aborted:
+        key, member = divmod(c.key, n)
+        response = state.pending[key].responses[member]
+        if cfg.rollout.partial_rollouts:
+            _extend(response, c, version)
+            stats.carried += 1
+        stats.generated_tokens += len(c.tokens)
+    if not cfg.rollout.partial_rollouts:
+        stats.dropped += len({c.key // n for c in aborted})
+        for key in {c.key // n for c in aborted}:
+            del state.pending[key]
+
+
+def carries(cfg: Config) -> bool:
+    """Whether trained tokens may come from older weights: streaming with partial rollouts."""
+    return cfg.rollout.streaming and cfg.rollout.partial_rollouts
+
+
+def stream_metrics(stats: StreamStats, batch, step: int, env: DistEnv) -> dict[str, float]:
+    """stream/* metrics of one step (global): generated vs trained tokens, carried / restarted / dropped
+    responses, the lag (in steps) of every trained token behind the weights it trains, the all-equal share of
+    the finished groups."""
+    lags = [step - v for g in batch.groups for v in (g.versions or [])]
+    flat = torch.cat(lags) if lags else torch.zeros(0, dtype=torch.long)
+    # The sp ranks of a sequence-parallel group hold the same responses: count one of them.
+    speaks = float(env.sp_rank == 0)
+    sums = all_reduce(torch.tensor([flat.numel() * speaks, flat.sum().item() * speaks], dtype=torch.float64))
+    peak = int(all_reduce(torch.tensor([int(flat.max()) if flat.numel() else 0]), "max").item())
+    trained = sums[0].item()
+    return {"stream/ticks": float(stats.ticks), "stream/generated_tokens": float(stats.generated_tokens),
+            "stream/trained_tokens": trained,
+            "stream/generated_per_trained": stats.generated_tokens / max(trained, 1.0),
+            "stream/carried": float(stats.carried), "stream/restarted": float(stats.restarted),
+            "stream/dropped_groups": float(stats.dropped), "stream/carried_age_max": float(stats.carried_age_max),
+            "stream/lag_mean": sums[1].item() / max(trained, 1.0), "stream/lag_max": float(peak),
+            "stream/all_equal_fraction": stats.all_equal_groups / max(stats.finished_groups, 1)}
