@@ -140,10 +140,12 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     with timer("gen"):
         engine.open_stream(sampling)
         engine.submit(_resubmissions(state, version, cfg, stats, env.rank, step))
+        totals = None
         while True:
-            need_pull = not state.queue and _in_flight(state) < per_rank
-            submitted = _top_up(state, engine, per_rank, cfg, env.rank, step)
-            totals = all_reduce(torch.tensor([len(kept), engine.pending(), int(need_pull), submitted]))
+            more = _wants_more(totals, cfg)
+            submitted = _top_up(state, engine, per_rank, cfg, env.rank, step) if more else 0
+            need_pull = more and not state.queue and len(state.pending) < per_rank
+            totals = all_reduce(torch.tensor([len(kept), engine.pending(), int(need_pull), len(state.pending)]))
             if int(totals[0]) >= tc.train_batch:
                 break
             can_pull = cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches
@@ -152,7 +154,7 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
                 state.queue += [((state.pulls, env.rank, i), p) for i, p in enumerate(sampler.next_batch())]
                 pulls += 1
                 continue
-            if int(totals[1]) == 0:  # nothing in flight anywhere and no prompt left to submit
+            if int(totals[1]) == 0 and not submitted:  # nothing in flight anywhere, nothing left to submit
                 break
             stats.ticks += 1
             finished = engine.step()
@@ -181,6 +183,15 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
                           gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
                           gen_truncated=totals[2].item() / count)
     return collected, stats
+
+
+def _wants_more(totals: torch.Tensor | None, cfg: Config) -> bool:
+    """Whether to submit more prompts, from the last all-reduce (kept groups, requests and groups in flight):
+    with dynamic sampling up to max_in_flight (some groups will be filtered out); without it every group
+    trains, so no more than train_batch groups are ever kept or in flight (nothing to abort, as in rounds)."""
+    if totals is None or cfg.algorithm.dynamic_sampling:
+        return True
+    return int(totals[0]) + int(totals[3]) < cfg.trainer.train_batch
 
 
 def _check_bound(step: int, kept: int, cfg: Config, env: DistEnv) -> None:

@@ -1,0 +1,166 @@
+"""Streaming dynamic sampling (trainer/streaming.py) over a scripted streaming engine: carried responses keep
+the version and log-prob of every token, nothing is lost or trained twice, the state survives a checkpoint
+round trip, and the length bias of stopping early without carrying over; then the training command: streaming
+without an early stop is the rounds run bitwise, a fixed-seed streaming run repeats bitwise, and it resumes
+bitwise from a checkpoint holding carried responses."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from flashdapo.config import merge, toy
+from flashdapo.reward import Verdict
+from flashdapo.trainer.distributed import DistEnv
+from flashdapo.trainer.metrics import StageTimer
+from flashdapo.trainer.streaming import StreamState, stream_groups
+
+from .scripted import PlainTokenizer, ScriptedStream, numbered_prompts
+from .test_distributed import TINY, torchrun
+
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
+N = 4
+
+
+def long_tail(prompt: int, member: int) -> int:
+    """Heavy-tailed response lengths (3..~90 tokens), fixed per (prompt, member)."""
+    u = ((prompt * 7919 + member * 104729) % 1000 + 0.5) / 1000
+    return 3 + int(4 * math.exp(2.6 * u ** 3))
+
+
+def every_prompt_informative(text: str, truth: str) -> Verdict:
+    prompt, member = map(int, text.split()[:2])
+    ok = member == 0  # one correct response per group: every group is informative
+    return Verdict(1.0 if ok else -1.0, ok, text)
+
+
+def _cfg(carry: bool, **trainer):
+    return merge(toy(), {"rollout": {"n": N, "streaming": True, "partial_rollouts": carry, "max_carry_steps": 50,
+                                     "max_response_length": 200},
+                         "algorithm": {"max_gen_batches": 0},
+                         "trainer": {"train_batch": 4, "gen_batch": 8, "mini_batch": 4, **trainer}})
+
+
+def _steps(cfg, steps: int, engine: ScriptedStream, state: StreamState | None = None, start: int = 1):
+    state = state or StreamState()
+    sampler = _sampler(cfg)
+    out = []
+    for step in range(start, start + steps):
+        engine.version = step
+        collected, stats = stream_groups(step, state, sampler, engine, PlainTokenizer(), every_prompt_informative,
+                                         cfg, ENV, StageTimer(ENV.device), version=step)
+        out.append((collected, stats))
+    return out, state, sampler
+
+
+def _sampler(cfg):
+    from flashdapo.data import PromptSampler
+
+    return PromptSampler(numbered_prompts(4000), cfg.trainer.gen_batch, seed=0, shuffle=False)
+
+
+def test_carried_responses_keep_each_tokens_version_and_log_prob():
+    cfg = _cfg(carry=True)
+    steps, _, _ = _steps(cfg, 6, ScriptedStream(long_tail, N))
+    mixed = 0
+    for step, (collected, stats) in enumerate(steps, start=1):
+        assert stats.finished_groups >= 4
+        for group in collected.groups:
+            for tokens, versions, logps in zip(group.responses, group.versions, group.sampler_logprobs):
+                assert len(tokens) == len(versions) == len(logps) == long_tail(int(tokens[0]), int(tokens[1]))
+                # The behaviour log-prob of each token is the one of the weights that sampled it.
+                torch.testing.assert_close(logps, -(versions.double() + 1).float())
+                assert 1 <= int(versions.min()) and int(versions.max()) <= step  # rolled-over groups: older
+                mixed += int(versions.min()) < step
+    assert mixed > 0, "some trained responses were sampled across a weight update"
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_no_response_is_lost_or_trained_twice(carry):
+    cfg = _cfg(carry)
+    steps, state, _ = _steps(cfg, 8, ScriptedStream(long_tail, N))
+    trained = [int(g.prompt[0]) for collected, _ in steps for g in collected.groups]
+    assert len(trained) == 8 * 4 and len(set(trained)) == len(trained)
+    waiting = {int(g.prompt.ids[0]) for g in state.pending.values()} | {int(g.prompt[0]) for g in state.ready}
+    waiting |= {int(p.ids[0]) for _, p in state.queue}
+    assert not waiting & set(trained)
+    dropped = sum(stats.dropped for _, stats in steps)
+    pulled = state.pulls * cfg.trainer.gen_batch
+    # Every prompt pulled is trained, still waiting, or (without carry) dropped with its partial responses.
+    assert len(trained) + len(waiting) + dropped == pulled
+    assert (dropped > 0) != carry
+
+
+def test_early_stop_without_carry_biases_toward_short_responses_and_carry_does_not():
+    def mean_trained_length(carry: bool) -> float:
+        # 16 prompts in flight, 4 trained per step: the early stop takes the fastest quarter.
+        steps, _, _ = _steps(_cfg(carry, gen_batch=16), 30, ScriptedStream(long_tail, N))
+        lengths = [len(r) for collected, _ in steps for g in collected.groups for r in g.responses]
+        return sum(lengths) / len(lengths)
+
+    population = sum(long_tail(p, m) for p in range(480) for m in range(N)) / (480 * N)
+    without, with_carry = mean_trained_length(False), mean_trained_length(True)
+    # Measured: 9.57 without carry, 12.65 with, 13.21 over the prompts (0.72x and 0.96x).
+    assert without < 0.8 * population  # the long responses were aborted and never trained
+    assert abs(with_carry - population) < 0.06 * population
+
+
+def test_stream_state_round_trips_through_a_checkpoint_file(tmp_path):
+    cfg = _cfg(carry=True)
+    _, state, sampler = _steps(cfg, 2, ScriptedStream(long_tail, N))
+    assert state.pending and any(len(r.tokens) for g in state.pending.values() for r in g.responses)
+    torch.save(state.to_plain(), tmp_path / "s.pt")
+    restored = StreamState.from_plain(torch.load(tmp_path / "s.pt", weights_only=True))
+    a, _, _ = _steps(cfg, 3, ScriptedStream(long_tail, N), state, start=3)
+    sampler2 = _sampler(cfg)
+    sampler2.load_state_dict(sampler.state_dict())
+    b, _, _ = _steps(cfg, 3, ScriptedStream(long_tail, N), restored, start=3)
+    for (ca, _), (cb, _) in zip(a, b):
+        assert [[r.tolist() for r in g.responses] for g in ca.groups] == [[r.tolist() for r in g.responses]
+                                                                           for g in cb.groups]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training command
+
+STREAM = ["--rollout.streaming", "True", "--model.toy.sft-steps", "60", "--rollout.max-response-length", "24"]
+
+
+def _rows(run_dir, drop=("timing_s/", "perf/", "stream/")):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+
+
+@pytest.mark.distributed
+def test_streaming_without_an_early_stop_trains_as_rounds_do(tmp_path):
+    """Dynamic sampling off: every group of the batch trains, so the stream stops only when all finished."""
+    base = [*TINY, "--model.toy.sft-steps", "60", "--rollout.max-response-length", "24", "--trainer.total-steps", "3"]
+    torchrun(1, "-m", "flashdapo", "train", *base, "--logging.run-dir", str(tmp_path / "rounds"))
+    # Without partial rollouts: nothing is carried, so the rollout correction stays off as in rounds.
+    torchrun(1, "-m", "flashdapo", "train", *base, "--rollout.streaming", "True", "--rollout.partial-rollouts",
+             "False", "--logging.run-dir", str(tmp_path / "stream"))
+    rounds, stream = _rows(tmp_path / "rounds"), _rows(tmp_path / "stream")
+    assert len(rounds) == 3 and rounds == stream
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_streaming_repeats_and_resumes_bitwise_with_carried_responses(tmp_path, ranks):
+    common = [*TINY, *STREAM, "--algorithm.dynamic-sampling", "True", "--algorithm.max-gen-batches", "0",
+              "--trainer.gen-batch", "8", "--checkpoint.save-every", "2"]
+    straight, again, resumed = tmp_path / "a", tmp_path / "b", tmp_path / "r"
+    for run in (straight, again):
+        torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(run))
+    torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--logging.run-dir", str(resumed))
+    assert list((resumed / "checkpoints" / "step_00000002").glob("stream_rank*.pt"))
+    torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(resumed),
+             "--checkpoint.resume", "auto")
+    keep = ("timing_s/", "perf/")
+    a, b, r = (_rows(d, keep) for d in (straight, again, resumed))
+    assert a == b  # a fixed seed repeats
+    assert any(row.get("stream/carried", 0) > 0 for row in a[:2]), "the checkpoint held carried responses"
+    # The 2-step run validated at its last step; the straight one did not.
+    strip = lambda rows: [{k: v for k, v in row.items() if not k.startswith("val/")} for row in rows]
+    assert strip(r) == strip(a)
