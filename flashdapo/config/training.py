@@ -70,8 +70,9 @@ class TrainerConfig(Section):
     """FSDP2: free gathered parameters after forward (ZeRO-3) rather than keep them until backward."""
     sequence_parallel: Positive = 1
     """Ulysses sequence parallelism: ranks per group that split each packed micro-batch's tokens (all-to-all
-    around attention). Must divide the world size and the model's query and key/value head counts; the
-    rollout engines do not use it."""
+    around attention). Must divide the world size; the model's query heads must divide by it, and its
+    key/value heads must divide by it or divide it (then each is repeated sp / kv_heads times). The rollout
+    engines do not use it."""
     collective_timeout_s: Positive = 1800
     """Seconds a collective may wait for the other ranks before it fails: a backstop for a rank that
     hangs without raising (a rank that raises ends the job at once)."""

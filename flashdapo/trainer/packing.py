@@ -1,81 +1,145 @@
 """Padding-free micro-batches on any device: one packed row of responses, attention per response.
 
-A packed row [1, T] concatenates the (prompt + response) sequences of a micro-batch; `cu_seqlens` [D + 1]
-are their boundaries. Attention must not cross them. With flash-attn (model.attn_implementation =
-flash_attention_2) the varlen kernel reads the boundaries; with SDPA or eager attention, torch's own
+A packed row [1, T] concatenates the (prompt + response) sequences of a micro-batch; `DocumentBounds` are
+their boundaries, made once per micro-batch in the two forms attention reads: host ints (SDPA slices by
+them) and int32 offsets on the device with the longest length as a host int (flash-attn's `cu_seqlens`
+and `max_seqlen`), so no layer copies boundaries to the GPU or syncs with it. Attention must not cross
+them. With flash-attn (model.attn_implementation = flash_attention_2) the varlen kernel
+(flash_attn_varlen_func) reads the boundaries; with SDPA or eager attention, torch's own
 `scaled_dot_product_attention` runs causally on each document's slice, so the attention work is
 sum_d L_d^2 (no padding, no [T, T] block mask) on every device torch runs on. flex_attention with a
 document mask would need torch.compile to be fast on CPU and materializes [T, T] scores without it.
-flash-attn's varlen kernel is called directly (flash_attn_varlen_func), on the same boundaries.
+
+Sliding-window layers (HF passes `sliding_window` = W to the attention function: Qwen2's layers past
+max_window_layers when use_sliding_window is set, Mistral's) keep HF's window: key j is visible to query
+i iff i - W < j <= i (transformers' sliding_window_overlay and causal mask). flash-attn reads it as
+window_size=(W - 1, 0) (its query i sees keys [i - left, i + right]; HF's own flash path passes
+(W - 1, W - 1), the same under causal=True); SDPA runs a document longer than W in query blocks of W,
+each against the keys it can see, with a banded mask of at most [W, 2W - 1].
 
 The policy's HF model is switched to an attention implementation of its own, `flashdapo_packed_<inner>`:
-called with the packed keyword arguments (`cu_seq_lens_q`, from `packed_attention_kwargs`) it attends per
-document, optionally inside the Ulysses all-to-alls (`ulysses.py`); called without them (the rollout engine
+called with the packed keyword arguments (from `packed_attention_kwargs`) it attends per document,
+optionally inside the Ulysses all-to-alls (`ulysses.py`); called without them (the rollout engine
 sampling with a KV cache, a padded micro-batch) it is exactly the inner implementation, whose mask builder
-it shares. The layer looks the function up on every call, so the activation-checkpoint recompute in
-backward takes the same path as the forward.
+it shares. Packed rows get a prepared mask (empty) so that the model builds none. The layer looks the
+function up on every call, so the activation-checkpoint recompute in backward takes the same path as the
+forward.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .ulysses import heads_to_sequence, sequence_to_heads
+from .ulysses import expand_kv_heads, heads_to_sequence, sequence_to_heads
 
 PREFIX = "flashdapo_packed_"
 
 
-def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                       scaling: float | None) -> torch.Tensor:
+@dataclass(frozen=True)
+class DocumentBounds:
+    """The documents of a packed row, made once per micro-batch in the forms attention reads."""
+
+    offsets: tuple[int, ...]
+    """[D + 1] cumulative document lengths, host ints (SDPA slices by them)."""
+    cu_seqlens: torch.Tensor
+    """The same offsets, int32 on the model's device (flash-attn's cu_seqlens_q/k)."""
+    longest: int
+    """The longest document (flash-attn's max_seqlen_q/k)."""
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], device: torch.device | str) -> DocumentBounds:
+        """Bounds of documents of `lengths` tokens, in order; the device copy is the one copy made."""
+        offsets = tuple(itertools.accumulate(lengths, initial=0))
+        return cls(offsets, torch.tensor(offsets, dtype=torch.int32).to(device), max(lengths))
+
+
+def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: Sequence[int],
+                       scaling: float | None, window: int | None = None) -> torch.Tensor:
     """Causal attention within each document of a packed row, by SDPA per document.
 
-    query [1, H, T, D], key/value [1, Hkv, T, D] (H a multiple of Hkv: grouped-query attention), cu_seqlens
-    [D + 1] (host ints). Returns [1, T, H, D], the layout HF attention functions return.
+    query [1, H, T, D], key/value [1, Hkv, T, D] (H a multiple of Hkv: grouped-query attention), offsets
+    [D + 1] host ints, window: HF's sliding window (None: full causal). Returns [1, T, H, D], the layout HF
+    attention functions return.
     """
-    bounds = cu_seqlens.tolist()
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # SDPA's enable_gqa is not taken by every backend: repeat the KV heads once
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-    parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                            scale=scaling)
-             for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    parts = [_causal(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling, window)
+             for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
-def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask, *, inner: str, scaling: float | None = None, dropout: float = 0.0,
-                      cu_seq_lens_q: torch.Tensor | None = None, flashdapo_sp_group=None, **kwargs):
-    """The registered attention function (HF's signature); `inner` is the implementation it stands in for."""
-    if cu_seq_lens_q is None:  # not a packed training forward: the inner implementation as HF runs it
-        return _as_inner(module, inner, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if flashdapo_sp_group is not None:  # sequence shards -> head shards of the whole row
-        query, key, value = (sequence_to_heads(t, flashdapo_sp_group) for t in (query, key, value))
-    if inner == "flash_attention_2":
-        out = flash_document_attention(query, key, value, cu_seq_lens_q, scaling)
-    else:
-        out = document_attention(query, key, value, cu_seq_lens_q, scaling)
-    if flashdapo_sp_group is not None:  # head shards -> this rank's sequence shard, all heads
-        out = heads_to_sequence(out, flashdapo_sp_group)
-    return out, None
+def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+            window: int | None) -> torch.Tensor:
+    """One document's causal attention, [1, H, L, D]; with a window W shorter than the document, key j is
+    visible to query i iff i - W < j <= i, computed in query blocks of W against keys [start - W + 1, end)
+    (a [W, 2W - 1] mask, never [L, L])."""
+    length = query.shape[2]
+    if window is None or length <= window:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    blocks = []
+    for start in range(0, length, window):
+        end, first = min(start + window, length), max(0, start - window + 1)
+        i = torch.arange(start, end, device=query.device)[:, None]
+        j = torch.arange(first, end, device=query.device)[None, :]
+        blocks.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, first:end],
+                                                     value[:, :, first:end], attn_mask=(j <= i) & (j > i - window),
+                                                     scale=scaling))
+    return torch.cat(blocks, dim=2)
 
 
-def flash_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                             scaling: float | None) -> torch.Tensor:
-    """`document_attention` by flash-attn's varlen kernel (GPU; grouped-query heads natively). [1, T, H, D]."""
+def flash_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             bounds: DocumentBounds, scaling: float | None, window: int | None = None) -> torch.Tensor:
+    """`document_attention` by flash-attn's varlen kernel (GPU; grouped-query heads natively). [1, T, H, D].
+
+    The boundaries are already int32 on the device and the longest length a host int (`DocumentBounds`):
+    nothing here copies to the GPU or waits for it."""
     from flash_attn import flash_attn_varlen_func
 
-    bounds = cu_seqlens.to(query.device, torch.int32)
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
-    out = flash_attn_varlen_func(q, k, v, bounds, bounds, longest, longest, causal=True, softmax_scale=scaling)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D], last dim contiguous
+    # window_size=(left, right): query i sees keys [i - left, i + right]; causal caps right at 0.
+    windowed = {} if window is None else {"window_size": (window - 1, 0)}
+    out = flash_attn_varlen_func(q, k, v, bounds.cu_seqlens, bounds.cu_seqlens, bounds.longest, bounds.longest,
+                                 causal=True, softmax_scale=scaling, **windowed)
     return out.unsqueeze(0)
+
+
+def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, *, inner: str, flashdapo_bounds: DocumentBounds | None = None,
+                      flashdapo_sp_group=None, **kwargs):
+    """The registered attention function (HF's signature); `inner` is the implementation it stands in for."""
+    if flashdapo_bounds is None:  # not a packed training forward: the inner implementation as HF runs it
+        return _as_inner(module, inner, query, key, value, attention_mask, **kwargs)
+    return _attend_packed(query, key, value, inner, flashdapo_bounds, flashdapo_sp_group, **kwargs), None
+
+
+def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inner: str, bounds: DocumentBounds,
+                   sp_group, *, scaling: float | None = None, sliding_window: int | None = None,
+                   **_) -> torch.Tensor:
+    """Per-document attention of a packed row (this rank's sequence shard of it under sequence parallelism,
+    which the all-to-alls turn into a head shard of the whole row and back). [1, T, H, D]."""
+    if sp_group is not None:  # sequence shards -> head shards of the whole row
+        sp = dist.get_world_size(sp_group)
+        key, value = (expand_kv_heads(t, sp) for t in (key, value))
+        query, key, value = (sequence_to_heads(t, sp_group) for t in (query, key, value))
+    if inner == "flash_attention_2":
+        out = flash_document_attention(query, key, value, bounds, scaling, sliding_window)
+    else:
+        out = document_attention(query, key, value, bounds.offsets, scaling, sliding_window)
+    if sp_group is not None:  # head shards -> this rank's sequence shard, all heads
+        out = heads_to_sequence(out, sp_group)
+    return out
 
 
 def _as_inner(module: nn.Module, inner: str, *args, **kwargs):
@@ -107,16 +171,20 @@ def use_packed_attention(hf_model: nn.Module) -> None:
         config._attn_implementation = packed_implementation(inner)
 
 
-def packed_attention_kwargs(hf_model: nn.Module, cu_seqlens: torch.Tensor, sp_group=None) -> dict:
+def packed_attention_kwargs(hf_model: nn.Module, bounds: DocumentBounds, sp_group=None) -> dict:
     """Keyword arguments of the HF model's forward for a packed row: the document boundaries (which the
-    layers pass to the attention function), the sequence-parallel group, and a prepared (empty) mask per
-    layer type so that the model builds no [T, T] mask."""
+    layers pass to the attention function; under HF's names too, cu_seq_lens_q/k and max_length_q/k), the
+    sequence-parallel group, and a prepared mask so that the model builds no [T, T] one."""
     layer_types = getattr(hf_model.config, "layer_types", None)
-    # Models with per-layer-type masks (Qwen2, Qwen3) take a prepared mapping and build nothing; the others
-    # (Llama, Mistral) take None, for which the mask builder of a causal batch without padding returns
-    # None too (SDPA's is_causal path); the packed attention reads only cu_seq_lens either way.
-    mask = {t: None for t in set(layer_types)} if layer_types else None
-    return {"attention_mask": mask, "cu_seq_lens_q": cu_seqlens, "flashdapo_sp_group": sp_group}
+    # Models with per-layer-type masks (Qwen2, Qwen3) take a prepared mapping and build nothing. The others
+    # (Llama, Mistral) return any 4-D mask as prepared: given None they would see the positions restart and
+    # build a [1, 1, T, T] document mask nobody reads. The packed attention reads only the bounds.
+    empty = bounds.cu_seqlens.new_zeros((1, 1, 0, 0), dtype=torch.bool)
+    mask = {t: None for t in set(layer_types)} if layer_types else empty
+    return {"attention_mask": mask, "flashdapo_bounds": bounds, "flashdapo_sp_group": sp_group,
+            "cu_seq_lens_q": bounds.cu_seqlens, "cu_seq_lens_k": bounds.cu_seqlens,
+            "max_length_q": bounds.longest, "max_length_k": bounds.longest}
 
 
-__all__ = ["document_attention", "packed_attention_kwargs", "packed_implementation", "use_packed_attention"]
+__all__ = ["DocumentBounds", "document_attention", "flash_document_attention", "packed_attention_kwargs",
+           "packed_implementation", "use_packed_attention"]

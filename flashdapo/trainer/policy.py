@@ -28,7 +28,7 @@ from ..config import ModelConfig, TrainerConfig
 from ..kernels import fused_loss_default, fused_token_loss, token_logprobs
 from ..rollout.torch_engine import cache_argument
 from .distributed import DistEnv
-from .packing import packed_attention_kwargs, use_packed_attention
+from .packing import DocumentBounds, packed_attention_kwargs, use_packed_attention
 from .ulysses import check_heads, gather_token_values, local_predictions, shard_bounds
 
 
@@ -40,7 +40,7 @@ class TokenBatch:
     sequence (`packing.py`). padded: rows [B, L] right-padded, with a 2-D attention mask.
     Under sequence parallelism (sp ranks) the packed row is padded to a multiple of sp and this rank holds
     its contiguous 1/sp of it: `input_ids`, `position_ids`, `predict_index` and `targets` are the local
-    shard's, `held` says which of the micro-batch's response tokens those are, `cu_seqlens` is the row's.
+    shard's, `held` says which of the micro-batch's response tokens those are, `bounds` are the row's.
     """
 
     input_ids: torch.Tensor
@@ -55,8 +55,9 @@ class TokenBatch:
     """[N] the response tokens predicted at `predict_index`."""
     token_counts: list[int]
     """Response tokens of each sequence, in order (to split per-token outputs back)."""
-    cu_seqlens: torch.Tensor | None = None
-    """[D + 1] (host) sequence boundaries of the whole packed row; None when padded."""
+    bounds: DocumentBounds | None = None
+    """Sequence boundaries of the whole packed row (host and device copies, made here once); None when
+    padded."""
     held: torch.Tensor | None = None
     """Sequence parallelism: indices, into the micro-batch's response tokens, of the N this rank predicts
     (None: all of them)."""
@@ -88,12 +89,12 @@ def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor],
     predict = torch.cat([start + len(p) - 1 + torch.arange(len(r))
                          for start, p, r in zip(starts, prompts, responses)]).long()
     targets = torch.cat(list(responses)).long()
-    cu_seqlens = held = None
+    bounds = held = None
     if packed:
         input_ids = torch.cat(rows).unsqueeze(0)
         positions = torch.cat([torch.arange(len(t)) for t in rows]).unsqueeze(0)
         mask = None
-        cu_seqlens = torch.tensor(list(itertools.accumulate((len(t) for t in rows), initial=0)))
+        bounds = DocumentBounds.from_lengths([len(t) for t in rows], device)
         if sp > 1:
             start, end = shard_bounds(width, sp, sp_rank)
             held, predict = local_predictions(predict, start, end)
@@ -112,7 +113,7 @@ def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor],
         predict_index=predict.to(device),
         targets=targets.to(device),
         token_counts=[len(r) for r in responses],
-        cu_seqlens=cu_seqlens,
+        bounds=bounds,
         held=held,
     )
 
@@ -200,8 +201,8 @@ class PolicyModel(nn.Module):
         return gather_token_values(values, batch.held.to(values.device), batch.total_tokens, self.sp_group)
 
     def _hidden_states(self, batch: TokenBatch) -> torch.Tensor:
-        if batch.cu_seqlens is not None:
-            packed = packed_attention_kwargs(self.hf, batch.cu_seqlens, self.sp_group)
+        if batch.bounds is not None:
+            packed = packed_attention_kwargs(self.hf, batch.bounds, self.sp_group)
             out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **packed)
         else:
             out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids,

@@ -5,10 +5,13 @@ Everything outside attention is per token, so each rank runs the embeddings, MLP
 the log-probs and the DAPO loss on its own shard only: no rank ever holds the logits or hidden states of
 the whole row. Attention needs the whole row, so around it one all-to-all turns the sequence shards of
 q, k and v ([1, H, T/sp, D] on each rank) into head shards of the whole row ([1, H/sp, T, D]), attention
-runs per document on them (`packing.py`), and a second all-to-all turns the output back. Query and
-key/value heads must both divide by sp (head chunk i of the queries then uses KV chunk i). Rotary
+runs per document on them (`packing.py`), and a second all-to-all turns the output back. Query heads must
+divide by sp; key/value heads must divide by sp (head chunk i of the queries then uses KV chunk i) or
+divide sp: with fewer KV heads than ranks each is repeated sp / Hkv times before the all-to-all, as verl
+and DeepSpeed do, so that the rank holding a chunk of query heads receives the one KV head their
+grouped-query group reads (the repeat's backward sums the copies' gradients: exact). Rotary
 position ids are sliced with the tokens, so each token keeps the position it has in its own response;
-the packing boundaries (`cu_seqlens`) describe the whole row and are the same on every rank of a group.
+the packing boundaries (`DocumentBounds`) describe the whole row and are the same on every rank of a group.
 
 Gradients: the all-to-all's backward is the reverse all-to-all. Each rank's loss covers its own tokens,
 divided by the mini-batch's global normalizer, and FSDP2 sums gradients over every rank, so the sum over
@@ -42,17 +45,33 @@ def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     return received.transpose(0, 1).reshape(1, length // sp, sp * heads, dim)
 
 
+def expand_kv_heads(x: torch.Tensor, sp: int) -> torch.Tensor:
+    """[1, Hkv, S, D] -> [1, sp, S, D] when Hkv < sp (Hkv dividing sp): each KV head repeated sp / Hkv times,
+    copies adjacent, so chunk i of the result is the KV head that query head chunk i uses (grouped-query
+    attention: query head h reads KV head h // (H / Hkv)); `x` itself when Hkv >= sp."""
+    heads = x.shape[1]
+    return x if heads >= sp else x.repeat_interleave(sp // heads, dim=1)
+
+
 def _all_to_all(chunks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Chunk j of dim 0 to rank j, chunk i of the result from rank i; its backward is the reverse exchange."""
     return wait_tensor(all_to_all_single_autograd(chunks, None, None, group))
 
 
+def heads_fit(num_heads: int, num_kv_heads: int, sp: int) -> bool:
+    """Whether the all-to-all can split the heads into sp chunks: sp divides the query heads, and the KV
+    heads divide by sp or divide sp (then they are repeated, `expand_kv_heads`)."""
+    return num_heads % sp == 0 and (num_kv_heads % sp == 0 or sp % num_kv_heads == 0)
+
+
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
-    """One-line error unless sp divides both head counts (the all-to-all splits heads into sp chunks)."""
-    if num_heads % sp or num_kv_heads % sp:
+    """One-line error unless the heads split into sp chunks (`heads_fit`), naming the sizes that do."""
+    if not heads_fit(num_heads, num_kv_heads, sp):
+        fitting = ", ".join(str(s) for s in range(1, num_heads + 1) if heads_fit(num_heads, num_kv_heads, s))
         raise SequenceParallelError(
-            f"trainer.sequence_parallel={sp} must divide the model's {num_heads} query heads and {num_kv_heads} "
-            f"key/value heads: choose a common divisor of {num_heads} and {num_kv_heads}")
+            f"trainer.sequence_parallel={sp} does not fit the model's {num_heads} query heads and {num_kv_heads} "
+            f"key/value heads (query heads must divide by it; key/value heads must divide by it or divide it): "
+            f"choose one of {fitting}")
 
 
 def shard_bounds(length: int, sp: int, sp_rank: int) -> tuple[int, int]:
@@ -76,5 +95,5 @@ def gather_token_values(values: torch.Tensor, held: torch.Tensor, total: int, gr
     return full
 
 
-__all__ = ["check_heads", "gather_token_values", "heads_to_sequence", "local_predictions", "sequence_to_heads",
-           "shard_bounds"]
+__all__ = ["check_heads", "expand_kv_heads", "gather_token_values", "heads_fit", "heads_to_sequence",
+           "local_predictions", "sequence_to_heads", "shard_bounds"]

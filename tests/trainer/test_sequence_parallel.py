@@ -1,10 +1,12 @@
 """Ulysses sequence parallelism and micro-batches that keep ranks in step, over real gloo ranks: sp=2 trains
 as one rank does, ranks with skewed shares run as many micro-batches as each other, the training command
-runs and resumes bitwise under sp=2, and settings that cannot work are one line."""
+runs and resumes bitwise under sp=2, attention with fewer KV heads than ranks, a sliding window or flash-attn's
+varlen kernel (a CPU stand-in) gives one process's result, and settings that cannot work are one line."""
 
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -66,6 +68,84 @@ def test_sequence_parallel_and_skewed_ranks_train_as_one_rank(tmp_path):
         assert [max(a, b) for a, b in zip(dp_ranks[0]["needed"], dp_ranks[1]["needed"])] == dp_ranks[0]["micro_batches"]
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_attention_under_sequence_parallel_equals_one_process(tmp_path, ranks):
+    """sp = 2 (and 4) ranks vs one process with padded rows and HF's own masks, on one micro-batch whose
+    longest sequence spans the shards: 4 query heads with 1 KV head (repeated to each rank), a sliding window
+    of 6 in layer 1, and both through flash-attn's varlen function (the stand-in, bf16). float64: the same
+    log-probs and gradients to rounding; bf16: no further from the float64 reference than HF's padded SDPA in
+    bf16 is."""
+    torchrun(ranks, str(SCRIPTS / "sequence_parallel_attention.py"), str(tmp_path))
+    results = torch.load(tmp_path / "results.pt")
+    for name in ("kv1", "window"):
+        (logp, grads), (ref_logp, ref_grads) = results[name]["sp"], results[name]["padded"]
+        torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-12, msg=name)
+        for n in ref_grads:
+            assert (grads[n] - ref_grads[n]).norm() <= 1e-12 * ref_grads[n].norm(), (name, n)
+    flash = results["flash"]
+    assert flash["flash_calls"] == [(-1, -1), (5, 0)]  # layer 0 full, layer 1 the window of 6
+    err, bf16_err = _error(flash["sp"], flash["padded"]), _error(flash["padded_bf16"], flash["padded"])
+    assert err[0] <= 2 * bf16_err[0] and err[1] <= 2 * bf16_err[1], (err, bf16_err)
+
+
+def _error(got, reference):
+    """(max |log-prob error|, the largest relative gradient error over the parameters)."""
+    (logp, grads), (ref_logp, ref_grads) = got, reference
+    return (logp - ref_logp).abs().max().item(), max(((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item()
+                                                     for n in ref_grads)
+
+
+class _ThreadGroup:
+    """sp ranks as threads of one process, for `_all_to_all`: rank r sends chunk j of its tensor to rank j."""
+
+    def __init__(self, size: int):
+        self.size, self.barrier, self.sent = size, threading.Barrier(size, timeout=60), [None] * size
+
+    def all_to_all(self, chunks: torch.Tensor, rank: int) -> torch.Tensor:
+        self.sent[rank] = chunks
+        self.barrier.wait()
+        received = torch.stack([self.sent[source][rank] for source in range(self.size)])
+        self.barrier.wait()
+        return received
+
+
+@pytest.mark.parametrize("heads, kv_heads, sp, window", [(4, 1, 4, None), (8, 1, 8, 5), (16, 2, 4, None),
+                                                         (32, 4, 8, 7), (8, 8, 4, None), (8, 2, 2, None)])
+def test_ulysses_attention_head_mapping_without_ranks(monkeypatch, heads, kv_heads, sp, window):
+    """The packed attention under sequence parallelism (its KV-head repeat and both all-to-alls) with sp ranks
+    simulated by threads: each rank's output shard is that of attention on the whole row in one process, also
+    where the ranks outnumber the KV heads (Qwen2.5-3B's 16 and 2 at sp = 4, Qwen3-30B-A3B's 32 and 4 at 8)."""
+    from flashdapo.trainer import packing, ulysses
+
+    ulysses.check_heads(heads, kv_heads, sp)
+    group = _ThreadGroup(sp)
+    rank_of = {}
+    monkeypatch.setattr(ulysses.dist, "get_world_size", lambda g: sp)
+    monkeypatch.setattr(ulysses, "_all_to_all",
+                        lambda chunks, g: group.all_to_all(chunks, rank_of[threading.get_ident()]))
+    g = torch.Generator().manual_seed(heads + sp)
+    offsets, total = (0, 5, 30, 31, 48), 48
+    query = torch.randn(1, heads, total, 4, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(1, kv_heads, total, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    bounds = packing.DocumentBounds.from_lengths([b - a for a, b in zip(offsets[:-1], offsets[1:])], "cpu")
+    expected = packing.document_attention(query, key, value, offsets, None, window)
+    shards: dict[int, torch.Tensor] = {}
+
+    def rank(r: int):
+        rank_of[threading.get_ident()] = r
+        a, b = ulysses.shard_bounds(total, sp, r)
+        shards[r] = packing._attend_packed(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], "sdpa", bounds,
+                                           object(), sliding_window=window)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(sp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(torch.cat([shards[r] for r in range(sp)], dim=1), expected, rtol=1e-12, atol=1e-12)
+
+
 SKEWED = ["--model.toy.sft-steps", "60", "--rollout.max-response-length", "48", "--trainer.micro-batch-tokens", "40",
           "--algorithm.dynamic-sampling", "True", "--algorithm.max-gen-batches", "4",
           "--algorithm.on-max-gen-batches", "continue", "--trainer.gen-batch", "8"]
@@ -101,8 +181,9 @@ def _without_val(rows: list[dict]) -> list[dict]:
 
 
 def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The one-line user errors (`flashdapo: error: ...`, `flashdapo: config error: ...`) in a run's output."""
     return [line for line in (proc.stdout + proc.stderr).splitlines()
-            if "flashdapo: error:" in line or "flashdapo: config error:" in line]
+            if line.startswith("flashdapo: ") and "error: " in line]
 
 
 @pytest.mark.distributed
@@ -113,9 +194,11 @@ def test_sequence_parallel_that_cannot_work_is_one_line(tmp_path):
                            text=True, env=env, cwd=ROOT, timeout=300)
     lines = _error_lines(alone)
     assert alone.returncode != 0 and len(lines) == 1 and "divide the world size 1" in lines[0], alone.stderr[-2000:]
+    # 3 KV heads neither divide by 2 nor divide 2 (1 KV head would be repeated, and runs).
     heads = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            *run, "--trainer.sequence-parallel", "2", "--model.toy.num-kv-heads", "1"],
+                            *run, "--trainer.sequence-parallel", "2", "--model.toy.hidden-size", "48",
+                            "--model.toy.num-heads", "6", "--model.toy.num-kv-heads", "3"],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     lines = _error_lines(heads)
     assert heads.returncode != 0 and len(lines) == 1, heads.stderr[-3000:]
-    assert "4 query heads and 1 key/value heads" in lines[0]
+    assert "6 query heads and 3 key/value heads" in lines[0] and "choose one of 1, 3, 6" in lines[0], lines[0]
