@@ -189,6 +189,9 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "train/num_gen_batches": collected.num_gen_batches,
          "train/kept_fraction": collected.groups_informative / max(collected.groups_generated, 1),
          "train/kept_groups": float(len(scores) // run.cfg.rollout.n),
+         # Groups whose filter values were all equal, of those generated: what dynamic sampling drops (or, without
+         # it, trains on with zero advantage).
+         "train/all_equal_fraction": collected.groups_all_equal / max(collected.groups_generated, 1),
          # Fewer than train_batch / mini_batch when a short batch trains (on_max_gen_batches=continue).
          "train/mini_batches": float(len(batch.mini_batches)),
          "train/gen_acc": collected.gen_acc, "train/gen_score": collected.gen_score,

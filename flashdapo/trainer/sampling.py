@@ -47,6 +47,8 @@ class Collected:
     gen_score: float
     gen_truncated: float
     """Fraction of all generated responses that hit the max length."""
+    groups_all_equal: int = 0
+    """Finished groups whose filter values were all equal (dynamic sampling drops them; counted without it too)."""
     generated: list[tuple[Group, bool]] = field(default_factory=list)
     """With keep_generated: every group this rank generated, and whether the filter kept it (for dumps)."""
 
@@ -91,7 +93,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     tc, algo = cfg.trainer, cfg.algorithm
     kept_per_round: list[list[Group]] = []
     generated: list[tuple[Group, bool]] = []
-    total_kept = rounds = 0
+    total_kept = rounds = all_equal = 0
     started = time.perf_counter()
     # Sums over all generated responses (this rank): correct, score, truncated, count.
     gen_sums = torch.zeros(4, dtype=torch.float64)
@@ -110,7 +112,9 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                                      dtype=torch.float64)
         for i, g in enumerate(groups):
             g.origin = (rounds, env.rank, i)
-        kept = [g for g in groups if _is_informative(g, algo.filter_metric)] if algo.dynamic_sampling else groups
+        informative = [g for g in groups if _is_informative(g, algo.filter_metric)]
+        all_equal += len(groups) - len(informative)  # counted with or without the filter
+        kept = informative if algo.dynamic_sampling else groups
         kept_per_round.append(kept)
         if keep_generated:
             generated += [(g, any(g is k for k in kept)) for g in groups]
@@ -133,6 +137,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
             _report_round(step, rounds, total_kept, cfg, time.perf_counter() - started)
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
+    all_equal = int(all_reduce(torch.tensor([all_equal])).item())
     return Collected(
         mini_batches=_deal_out(kept_per_round, cfg, env),
         num_gen_batches=rounds,
@@ -141,6 +146,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         gen_acc=totals[0].item() / count,
         gen_score=totals[1].item() / count,
         gen_truncated=totals[2].item() / count,
+        groups_all_equal=all_equal,
         generated=generated,
     )
 

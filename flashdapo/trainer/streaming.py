@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..algorithm import rollout_correction_sums
 from ..collectives import all_reduce
 from ..config import Config
 from ..data import Prompt, PromptSampler
@@ -161,10 +162,10 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
             with timer("reward"):
                 for group in _finish(state, finished, version, tokenizer, verifier, cfg, gen_sums, stats):
                     stats.finished_groups += 1
-                    if not cfg.algorithm.dynamic_sampling or _is_informative(group, cfg.algorithm.filter_metric):
+                    informative = _is_informative(group, cfg.algorithm.filter_metric)
+                    stats.all_equal_groups += not informative  # counted with or without the filter
+                    if informative or not cfg.algorithm.dynamic_sampling:
                         kept.append(group)
-                    else:
-                        stats.all_equal_groups += 1
         _carry(state, engine.abort(), cfg, stats, version)
     _check_bound(step, len(kept), cfg, env)
     mini_batches, leftover = _deal_out([kept], cfg, env, with_leftover=True)
@@ -179,9 +180,10 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     stats.generated_tokens = int(all_reduce(torch.tensor([stats.generated_tokens])).item())
     stats.carried_age_max = int(all_reduce(torch.tensor([stats.carried_age_max]), "max").item())
     collected = Collected(mini_batches=mini_batches, num_gen_batches=pulls, groups_generated=stats.finished_groups,
-                          groups_informative=stats.finished_groups - stats.all_equal_groups,
+                          groups_informative=stats.finished_groups - stats.all_equal_groups
+                          if cfg.algorithm.dynamic_sampling else stats.finished_groups,
                           gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
-                          gen_truncated=totals[2].item() / count)
+                          gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups)
     return collected, stats
 
 
@@ -326,10 +328,29 @@ def stream_metrics(stats: StreamStats, batch, step: int, env: DistEnv) -> dict[s
     sums = all_reduce(torch.tensor([flat.numel() * speaks, flat.sum().item() * speaks], dtype=torch.float64))
     peak = int(all_reduce(torch.tensor([int(flat.max()) if flat.numel() else 0]), "max").item())
     trained = sums[0].item()
-    return {"stream/ticks": float(stats.ticks), "stream/generated_tokens": float(stats.generated_tokens),
+    return {**_per_lag(batch, flat, speaks), "stream/ticks": float(stats.ticks), "stream/generated_tokens": float(stats.generated_tokens),
             "stream/trained_tokens": trained,
             "stream/generated_per_trained": stats.generated_tokens / max(trained, 1.0),
             "stream/carried": float(stats.carried), "stream/restarted": float(stats.restarted),
             "stream/dropped_groups": float(stats.dropped), "stream/carried_age_max": float(stats.carried_age_max),
             "stream/lag_mean": sums[1].item() / max(trained, 1.0), "stream/lag_max": float(peak),
             "stream/all_equal_fraction": stats.all_equal_groups / max(stats.finished_groups, 1)}
+
+
+def _per_lag(batch, lags: torch.Tensor, speaks: float) -> dict[str, float]:
+    """The rollout correction's mean weight and the engine/trainer k3 KL over trained tokens sampled by this
+    step's weights (lag 0) and by older ones (lag >= 1); empty without pi_old or engine log-probs."""
+    sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
+    if batch.old_logprobs is None or len(sampled) != len(batch.responses) or len(lags) != sum(map(len, sampled)):
+        return {}
+    old, rollout = torch.cat(list(batch.old_logprobs)), torch.cat(sampled)
+    weights = torch.cat(list(batch.rollout_weights))
+    valid = torch.repeat_interleave(batch.loss_mask.bool(), batch.responses_lengths_tensor())
+    out = {}
+    for name, bucket in (("lag0", lags == 0), ("lag1plus", lags >= 1)):
+        sums, _ = rollout_correction_sums(old, rollout, weights, valid & bucket)
+        sums = all_reduce(sums * speaks)
+        out[f"stream/{name}_tokens"] = sums[0].item()
+        out[f"stream/{name}_weight_mean"] = sums[2].item() / max(sums[3].item(), 1.0)
+        out[f"stream/{name}_k3_kl"] = sums[4].item() / max(sums[0].item(), 1.0)
+    return out

@@ -6,6 +6,8 @@ bitwise from a checkpoint holding carried responses."""
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from flashdapo.trainer.metrics import StageTimer
 from flashdapo.trainer.streaming import StreamState, stream_groups
 
 from .scripted import PlainTokenizer, ScriptedStream, numbered_prompts
-from .test_distributed import TINY, torchrun
+from .test_distributed import ROOT, SCRIPTS, TINY, _env, torchrun
 
 ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
 N = 4
@@ -153,8 +155,15 @@ def test_streaming_repeats_and_resumes_bitwise_with_carried_responses(tmp_path, 
     straight, again, resumed = tmp_path / "a", tmp_path / "b", tmp_path / "r"
     for run in (straight, again):
         torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(run))
-    torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--logging.run-dir", str(resumed))
-    assert list((resumed / "checkpoints" / "step_00000002").glob("stream_rank*.pt"))
+    if ranks == 1:  # SIGKILL inside step 3 (after its generation), after the checkpoint of step 2
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "kill_during_step.py"), "3", *common,
+                               "--trainer.total-steps", "4", "--logging.run-dir", str(resumed)],
+                              capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+        assert proc.returncode == -9, proc.stderr[-3000:]
+    else:
+        torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--logging.run-dir",
+                 str(resumed))
+    assert len(list((resumed / "checkpoints" / "step_00000002").glob("stream_rank*.pt"))) == ranks
     torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(resumed),
              "--checkpoint.resume", "auto")
     keep = ("timing_s/", "perf/")
