@@ -82,8 +82,7 @@ def model_source(cfg: Config, model_config: str | None = None, model_shape: str 
         raise ConfigError(f"model.path: {cfg.model.path} has no config.json on this machine and its name is not a "
                           f"built-in shape ({', '.join(BUILTIN_SHAPES)}); give --model-config FILE (its config.json) "
                           "or --model-shape NAME")
-    return ModelSource(values, _builtin_origin(Path(cfg.model.path).name),
-                       notes=[f"{cfg.model.path} is not on this machine: its tokenizer was not checked"])
+    return ModelSource(values, _builtin_origin(Path(cfg.model.path).name))
 
 
 def _builtin_origin(name: str) -> str:
