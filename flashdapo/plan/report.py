@@ -85,7 +85,7 @@ def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
                    alt.train_peak )]
     e = plan.engine
     if e is not None:
-        level = "level 2 discards its weights" if e.sleep_level == 2 else "level 1 moves its weights to host memory"
+        level = "level 2: weights discarded" if e.sleep_level == 2 else "level 1: weights in host memory"
         lines += [_row(f"vLLM weights, bf16 / tensor_parallel_size {cfg.rollout.tensor_parallel_size}", e.weights,
                        "modelled"),
                   _row("vLLM activations and runtime", e.activations + e.runtime, "modelled"),
