@@ -1,4 +1,4 @@
-"""The flashdapo command line: `flashdapo train | config | eval | ablate`.
+"""The flashdapo command line: `flashdapo train | config | plan | eval | ablate`.
 
 `train` and `config` take `--preset NAME` and `--config FILE`, then overrides of any config field
 (`--trainer.total-steps 10`); tyro derives those flags and their help from `flashdapo.config`.
@@ -19,10 +19,11 @@ from . import __version__  # noqa: E402
 from .config import CLI_REGISTRY, DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
 
-USAGE = """usage: flashdapo {train,config,eval,ablate} [options]   (flashdapo --version)
+USAGE = """usage: flashdapo {train,config,plan,eval,ablate} [options]   (flashdapo --version)
 
   train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
   config   print the resolved config (YAML; reusable with --config)
+  plan     will a launch start and fit: flashdapo plan [--preset NAME] [--nodes N] [--gpus-per-node G] [--gpu h20] [train options]
   eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32] [--config FILE]
   ablate   the paper's ablation ladder: flashdapo ablate [--out DIR] [--seeds 3] [--arms NAME ...] [train options]
 
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             train(config)
         elif command == "config":
             print(resolve_config(rest, "flashdapo config").to_yaml(), end="")
+        elif command == "plan":
+            from .plan.command import plan_main
+
+            return plan_main(rest)
         elif command == "eval":
             from .eval.command import eval_main
 

@@ -161,31 +161,41 @@ class ModelCheck:
 def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str,
                 positions: str = "error") -> ModelCheck:
     """Check the model at `path` against its tokenizer and the run's token budget, from config.json and the
-    tokenizer files only: a supported architecture; the tokenizer's vocabulary, pad and eos ids inside the
-    model's embedding; `max_tokens` (prompt + response, named by `tokens_field`) within its positions
-    (`positions`: 'error' refuses, 'note' reports it); a chat template (else the plain one, noted)."""
+    tokenizer files only: what `check_model_config` checks; the tokenizer's vocabulary, pad and eos ids
+    inside the model's embedding; a chat template (else the plain one, noted)."""
     where = f"{field_name}={path}"
     config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        named = ", ".join(config.get("architectures") or []) or "no architectures"
-        raise ModelDirError(f"{where}: model_type {model_type!r} ({named}) is not supported; supported: "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    notes = check_model_config(config, where, max_tokens, tokens_field, positions, f"{path}/config.json")
     tokenizer = load_tokenizer(path)
     _check_vocabulary(tokenizer, config, where)
-    notes = []
-    limit = config.get("max_position_embeddings")
-    if isinstance(limit, int) and max_tokens > limit:
-        message = (f"{tokens_field} = {max_tokens} tokens > max_position_embeddings={limit} of {path}/config.json "
-                   "(the model has no positions beyond)")
-        if positions == "error":
-            raise ModelDirError(f"{message}; lower them to fit")
-        notes.append(f"warning: {message}; a sample that long is out of the model's range")
     if not tokenizer.chat_template:
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
         notes.append(f"{path}: the tokenizer has no chat template; prompts use the plain one "
                      "('User: <prompt>\\n\\nAssistant:')")
     return ModelCheck(tokenizer, notes)
+
+
+def check_model_config(config: dict[str, Any], where: str, max_tokens: int, tokens_field: str,
+                       positions: str = "error", named: str = "config.json") -> list[str]:
+    """What a model's config.json alone decides (`flashdapo plan` runs this where the tokenizer is absent):
+    a supported architecture, and `max_tokens` (prompt + response, named by `tokens_field`) within its
+    positions (`positions`: 'error' refuses, 'note' reports it). Returns the notes for the log."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        architectures = ", ".join(config.get("architectures") or []) or "no architectures"
+        raise ModelDirError(f"{where}: model_type {model_type!r} ({architectures}) is not supported; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not isinstance(config.get("vocab_size"), int):
+        raise ModelDirError(f"{where}: config.json has no integer vocab_size")
+    notes = []
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and max_tokens > limit:
+        message = (f"{tokens_field} = {max_tokens} tokens > max_position_embeddings={limit} of {named} "
+                   "(the model has no positions beyond)")
+        if positions == "error":
+            raise ModelDirError(f"{message}; lower them to fit")
+        notes.append(f"warning: {message}; a sample that long is out of the model's range")
+    return notes
 
 
 def _check_vocabulary(tokenizer: Any, config: dict[str, Any], where: str) -> None:

@@ -82,12 +82,10 @@ def token_logprobs(
 
 
 def fused_loss_default(impl: str, device: torch.device) -> bool:
-    """Whether a training loss should run through `fused_token_loss` rather than token_logprobs + loss.
-
-    Chosen by measurement and model (bench/results/NOTES.md): on CPU the fused sweep (6 NHV) is the
-    faster; on CUDA the generic path keeps the extra memory ~22x below naive at the 7B shape (1.6 GB,
-    modelled), where the fused sweep's [C, V] tile set and fp32 dW accumulator take ~3x more (4.5 GB) for
-    a modelled 22% less time. naive has no fused form.
+    """Whether a training loss should run through `fused_token_loss` rather than token_logprobs + loss, without
+    knowing the GPU: the fused sweep (6 NHV) on a CPU, where it is measured faster (bench/results/NOTES.md);
+    the generic path on CUDA. The trainer picks per GPU from the cost model (trainer/lm_head_choice.py) and
+    falls back to this for a GPU the model does not know. naive has no fused form.
     """
     return device.type != "cuda" and resolve_impl(impl, device) in CHUNKED_IMPLS
 

@@ -25,9 +25,10 @@ from torch.distributed.fsdp import (
 )
 
 from ..config import ModelConfig, TrainerConfig
-from ..kernels import fused_loss_default, fused_token_loss, token_logprobs
+from ..kernels import fused_token_loss, token_logprobs
 from ..rollout.torch_engine import cache_argument
 from .distributed import DistEnv
+from .lm_head_choice import use_fused_loss
 from .packing import DocumentBounds, packed_attention_kwargs, use_packed_attention
 from .ulysses import check_heads, gather_token_values, local_predictions, shard_bounds
 
@@ -132,6 +133,9 @@ class PolicyModel(nn.Module):
         """Packed micro-batches (`set_layout`); until then only flash-attn packs (the toy warm-up pads)."""
         self.sp_group = None
         self.sp, self.sp_rank = 1, 0
+        self.micro_batch_tokens = 16384
+        """Tokens of a micro-batch on this rank (set by `parallelize`): the LM-head design is chosen for it."""
+        self._fused: dict[str, bool] = {}
 
     @property
     def config(self):
@@ -172,8 +176,12 @@ class PolicyModel(nn.Module):
         return out if with_entropy else (out, None)
 
     def fused_loss(self, device: torch.device) -> bool:
-        """Whether the update should pass its loss to forward (the fused sweep) on `device`."""
-        return fused_loss_default(self.kernel_impl, device)
+        """Whether the update should pass its loss to forward (the fused sweep) on `device`: the kernel cost
+        model's choice for this GPU (trainer/lm_head_choice.py), the fused sweep on a CPU."""
+        if str(device) not in self._fused:
+            vocab, hidden = self.lm_head_weight().shape
+            self._fused[str(device)] = use_fused_loss(self.kernel_impl, device, self.micro_batch_tokens, hidden, vocab)
+        return self._fused[str(device)]
 
     @property
     def packed_layout(self) -> bool:
@@ -232,6 +240,7 @@ def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, train
     divided by the global token count of the mini-batch.
     """
     policy.set_layout(trainer_cfg.pack_sequences or model_cfg.attn_implementation == "flash_attention_2", env)
+    policy.micro_batch_tokens = trainer_cfg.micro_batch_tokens
     layers = policy.decoder_layers()
     if model_cfg.gradient_checkpointing:
         for i, layer in enumerate(layers):

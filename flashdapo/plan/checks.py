@@ -1,0 +1,67 @@
+"""Every check the launch runs that needs neither the cluster's GPUs nor the weights, through the launch's
+own functions (a plan cannot pass where the launch would refuse), and the fit of the memory plan.
+
+Run here: the batch layout over ranks and data-parallel slots (preflight.check_layout); the model's
+config.json (preflight.check_model_config: architecture, positions for prompt + response), and with the
+checkpoint directory on this machine also its files and tokenizer (model_dir.check_model_dir,
+preflight.check_model, as trainer/run.py does); the sequence-parallel head rule (trainer/ulysses.py
+check_heads); vLLM's tensor-parallel head rule. Not run: what the nodes themselves must have
+(preflight.check_machine: CUDA, vLLM, flash-attn, wandb), and the data files when they are not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import Config, ConfigError
+from ..model_dir import check_model_dir
+from ..preflight import check_layout, check_model, check_model_config
+from ..trainer.ulysses import check_heads
+from .model import ModelShape
+from .shapes import ModelSource
+
+TOKENS_FIELD = "data.max_prompt_length + rollout.max_response_length"
+
+
+@dataclass
+class CheckReport:
+    """What was checked, and what could not be from here."""
+
+    passed: list[str] = field(default_factory=list)
+    not_checked: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def launch_checks(cfg: Config, world: int, source: ModelSource, shape: ModelShape) -> CheckReport:
+    """Raise the launch's own one-line error for what it would refuse; else say what passed and what not."""
+    report = CheckReport(notes=list(source.notes))
+    check_layout(cfg, world)
+    report.passed.append("batch layout (preflight.check_layout)")
+    max_tokens = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if source.model_dir is not None:
+        check_model_dir(source.model_dir)
+        report.notes += check_model(source.model_dir, "model.path", max_tokens, TOKENS_FIELD).notes
+        report.passed.append("model directory and tokenizer (preflight.check_model)")
+    elif not source.toy:
+        where = f"model.path={cfg.model.path}" if cfg.model.path else source.origin
+        report.notes += check_model_config(source.config, where, max_tokens, TOKENS_FIELD, named=source.origin)
+        report.passed.append("model config (preflight.check_model_config)")
+        report.not_checked.append("the tokenizer (the checkpoint is not on this machine)")
+    if cfg.trainer.sequence_parallel > 1:
+        check_heads(shape.heads, shape.kv_heads, cfg.trainer.sequence_parallel)
+        report.passed.append(f"sequence_parallel {cfg.trainer.sequence_parallel} heads (ulysses.check_heads)")
+    if cfg.rollout.engine == "vllm":
+        tp = cfg.rollout.tensor_parallel_size
+        if shape.heads % tp:
+            raise ConfigError(f"rollout.tensor_parallel_size: {tp} does not divide the model's {shape.heads} "
+                              "attention heads (vLLM refuses it); use a divisor of them")
+        report.passed.append(f"vLLM tensor_parallel_size {tp} heads")
+    missing = [f for f in cfg.data.train_files + cfg.data.val_files if not Path(f).exists()]
+    if missing:
+        report.not_checked.append(f"data files not on this machine ({', '.join(missing)})")
+    report.not_checked.append("the nodes' CUDA and packages (preflight.check_machine runs at launch)")
+    return report
+
+
+__all__ = ["CheckReport", "launch_checks"]

@@ -1,0 +1,113 @@
+"""The model built on the meta device (no weights, no memory): every parameter tensor's exact shape and the
+FSDP2 unit it belongs to, and the dimensions the memory and time models read."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Config
+from .shapes import ModelSource
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: its HF name, shape and FSDP2 unit ('layers.<i>', or 'root' for embeddings, final
+    norm and LM head)."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_numel(self, world: int, rank: int) -> int:
+        """Elements of rank `rank`'s FSDP2 shard: dim 0 split as torch.chunk does (ceil(d0 / world) rows per
+        rank, the last ranks fewer or none)."""
+        if not self.shape:
+            return 1 if rank == 0 else 0
+        rows = -(-self.shape[0] // world)
+        mine = max(0, min(rows, self.shape[0] - rank * rows))
+        return mine * math.prod(self.shape[1:])
+
+    def padded_numel(self, world: int) -> int:
+        """Elements of one rank's padded shard (what FSDP2 allocates and all-gathers per rank)."""
+        if not self.shape:
+            return 1
+        return -(-self.shape[0] // world) * math.prod(self.shape[1:])
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan knows of the model: its tensors and dimensions."""
+
+    name: str
+    tensors: tuple[Tensor, ...]
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    max_positions: int | None
+    model_type: str
+
+    @property
+    def parameters(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def unit_tensors(self, unit: str) -> list[Tensor]:
+        return [t for t in self.tensors if t.unit == unit]
+
+    @property
+    def lm_head_parameters(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def build_meta_model(source: ModelSource, cfg: Config) -> torch.nn.Module:
+    """The HF model of `source` on the meta device, as the trainer builds it (fp32; the toy through the
+    trainer's own builder)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        if source.toy:
+            from ..tasks import build_task_tokenizer
+            from ..tasks.toy import build_toy_model
+
+            max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
+            return build_toy_model(cfg.model, len(build_task_tokenizer(cfg.data)), max_positions, cfg.trainer.seed)
+        values = {k: v for k, v in source.config.items() if k not in ("architectures", "model_type")}
+        config = AutoConfig.for_model(source.config["model_type"], **values)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def model_shape(model: torch.nn.Module, name: str) -> ModelShape:
+    """Tensors (tied weights once, as named_parameters lists them) and dimensions of a meta-built model."""
+    tensors = []
+    for pname, param in model.named_parameters():
+        match = _LAYER.match(pname)
+        tensors.append(Tensor(pname, tuple(param.shape), f"layers.{match.group(1)}" if match else "root"))
+    c = model.config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return ModelShape(name=name, tensors=tuple(tensors), hidden=c.hidden_size, intermediate=c.intermediate_size,
+                      layers=c.num_hidden_layers, heads=heads, kv_heads=getattr(c, "num_key_value_heads", heads) or heads,
+                      head_dim=head_dim, vocab=c.vocab_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
+                      max_positions=getattr(c, "max_position_embeddings", None), model_type=c.model_type)
+
+
+__all__ = ["ModelShape", "Tensor", "build_meta_model", "model_shape"]

@@ -1,0 +1,132 @@
+"""The plan as text: the launch, the model, the checks, the per-GPU memory table and the step time. Every
+figure that is not an exact count is labelled `modelled`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Config
+from .checks import CheckReport
+from .fit import GIB, SEARCH_LIMIT, MemoryPlan
+from .model import ModelShape
+from .step_time import StepTime, Workload
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the report describes besides the plan's figures."""
+
+    cfg: Config
+    start: str
+    nodes: int
+    gpus_per_node: int
+    origin: str
+    alternative: MemoryPlan
+    """The same launch with trainer.fsdp_cpu_offload flipped (not checked for fit)."""
+
+
+def _g(value: float) -> str:
+    return f"{value / GIB:8.2f}"
+
+
+def _row(label: str, value: float, basis: str, other: float | None = None) -> str:
+    alt = _g(other) if other is not None else "       -"
+    return f"  {label:<52}{_g(value)}  {alt}   {basis}"
+
+
+def render(inputs: PlanInputs, shape: ModelShape, checks: CheckReport, plan: MemoryPlan, time: StepTime,
+           work: Workload) -> list[str]:
+    """The plan's lines."""
+    cfg, tc, rc = inputs.cfg, inputs.cfg.trainer, inputs.cfg.rollout
+    world = inputs.nodes * inputs.gpus_per_node
+    sp, slots = tc.sequence_parallel, world // tc.sequence_parallel
+    lines = [f"flashdapo plan: {inputs.start} on {inputs.nodes} node(s) x {inputs.gpus_per_node} {plan.gpu.name} = "
+             f"{world} ranks ({plan.gpu.memory_gib:g} GiB, {plan.gpu.bf16_tflops:g} TFLOP/s bf16 dense, "
+             f"{plan.gpu.hbm_tbps:g} TB/s: {plan.gpu.source})",
+             f"model: {shape.name} from {inputs.origin}: {shape.parameters:,} parameters in {len(shape.tensors)} "
+             f"tensors (exact, built on the meta device); {shape.layers} layers, hidden {shape.hidden}, "
+             f"{shape.heads} heads / {shape.kv_heads} KV heads, vocabulary {shape.vocab:,}"
+             f"{', tied head' if shape.tied else ''}",
+             f"layout: {slots} data-parallel slot(s) x sequence_parallel {sp}; FSDP2 over all {world} ranks"
+             + (f"; {world // rc.tensor_parallel_size} vLLM engine(s) of tensor_parallel_size {rc.tensor_parallel_size}"
+                if rc.engine == "vllm" else "; torch rollout engine"),
+             "checks passed: " + "; ".join(checks.passed)]
+    if checks.not_checked:
+        lines.append("not checked here: " + "; ".join(checks.not_checked))
+    lines += [f"note: {n}" for n in checks.notes]
+    lines += _memory(inputs, plan, cfg)
+    lines += _time(plan, time, work, cfg)
+    return lines
+
+
+def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
+    s, t, alt = plan.state, plan.transients, inputs.alternative
+    on = cfg.trainer.fsdp_cpu_offload
+    head = "offload on " if not on else "offload off"
+    lines = ["", f"memory per GPU, GiB (rank 0; largest micro-batch {plan.tokens} tokens per rank; "
+                 f"trainer.fsdp_cpu_offload={str(on).lower()}; last column: {head.strip()})",
+             f"  {'':<52}{'value':>8}  {head:>8}   basis"]
+    gpu_state = (lambda v: 0 if on else v)
+    alt_state = (lambda v: v if on else 0)
+    where = (lambda v: f"exact; {v / GIB:.2f} GiB per rank in host memory") if on else (lambda v: "exact")
+    lines += [_row("parameters, fp32 shards", gpu_state(s.params), where(s.params), alt_state(s.params)),
+              _row("gradients, fp32 shards", gpu_state(s.grads), where(s.grads), alt_state(s.grads)),
+              _row("AdamW moments, fp32", gpu_state(s.moments), where(s.moments), alt_state(s.moments)),
+              _row("gathered parameters (root + blocks, compute dtype)", t.gathered, "modelled",
+                   alt.transients.gathered ),
+              _row("activations kept" + (" (checkpointed inputs)" if plan.setup.checkpointing else ""),
+                   t.kept_activations, "modelled", alt.transients.kept_activations ),
+              _row("one block's recompute and backward", t.recompute, "modelled", alt.transients.recompute ),
+              _row(f"LM-head kernel, {plan.setup.lm_head} (chosen for this GPU)", t.lm_head,
+                   "modelled (kernels/cost.py)", alt.transients.lm_head ),
+              _row("gradient reduction buffers", t.layer_reduce, "modelled", alt.transients.layer_reduce ),
+              _row("optimizer step temporaries", t.optimizer_step, "modelled", alt.transients.optimizer_step ),
+              _row("trainer peak in training (+ CUDA context)", plan.train_peak, "modelled",
+                   alt.train_peak )]
+    e = plan.engine
+    if e is not None:
+        level = "level 2: weights discarded" if e.sleep_level == 2 else "level 1: weights in host memory"
+        lines += [_row(f"vLLM weights, bf16 / tensor_parallel_size {cfg.rollout.tensor_parallel_size}", e.weights,
+                       "modelled"),
+                  _row("vLLM activations and runtime", e.activations + e.runtime, "modelled"),
+                  _row(f"vLLM KV cache at gpu_memory_utilization {cfg.rollout.gpu_memory_utilization}", e.kv_cache,
+                       f"modelled: {e.sequences} requests of {e.max_model_len} tokens"),
+                  _row(f"vLLM asleep in training ({level})", e.asleep, "modelled")]
+    lines += [_row("total in generation (trainer resident + vLLM)", plan.generation_total, "modelled",
+                   alt.generation_total ),
+              _row("total in training (trainer peak + vLLM asleep)", plan.training_total, "modelled",
+                   alt.training_total ),
+              _row(f"GPU memory ({plan.gpu.name})", plan.gpu.memory_bytes, "datasheet"),
+              f"  biggest trainer.micro_batch_tokens that fits: {_tokens(plan.best_tokens)} (modelled; configured "
+              f"{cfg.trainer.micro_batch_tokens})"
+              + f"; with offload {'off' if on else 'on'}: {_tokens(alt.best_tokens)}"]
+    if on and e is not None and e.sleep_level == 1:
+        lines.append(f"  host memory per node for vLLM's sleeping weights: "
+                     f"{e.weights * inputs.gpus_per_node / GIB:.1f} GiB (modelled)")
+    if on:
+        lines.append(f"  host memory per node for the offloaded state: "
+                     f"{s.total * inputs.gpus_per_node / GIB:.1f} GiB (exact)")
+    return lines
+
+
+def _tokens(count: int) -> str:
+    return f"{count} or more" if count >= SEARCH_LIMIT else str(count)
+
+
+def _time(plan: MemoryPlan, time: StepTime, work: Workload, cfg: Config) -> list[str]:
+    tc, rc, gpu = cfg.trainer, cfg.rollout, plan.gpu
+    rows = [(f"generation, one round of {tc.gen_batch} prompts x {rc.n}", time.generation,
+             f"decode roofline at {gpu.hbm_tbps:g} TB/s: {time.decode_steps} steps, {time.concurrent} sequences "
+             "at once per engine"),
+            ("old log-probs", time.old_logprobs, "skipped: on-policy" if time.old_logprobs == 0 else "forward"),
+            (f"update, {tc.ppo_epochs} epoch(s)", time.update,
+             f"{8 if cfg.model.gradient_checkpointing else 6} FLOPs per parameter and token, attention"),
+            (f"LM-head kernel, {plan.setup.lm_head}", time.lm_head, f"kernels/cost.py at {gpu.name} rates"),
+            ("total", time.total, "without the weight push, communication and extra dynamic-sampling rounds")]
+    return ["", f"step time, modelled (assumed: mean response {work.mean_response} tokens, uniform on [0, 2 x mean], "
+                f"longest {rc.max_response_length}; mean prompt {work.mean_prompt}; MFU {work.mfu:.0%} of "
+                f"{gpu.bf16_tflops:g} TFLOP/s)"] + \
+        [f"  {label:<52}{seconds:8.1f} s   modelled: {basis}" for label, seconds, basis in rows]
+
+
+__all__ = ["PlanInputs", "render"]

@@ -1,0 +1,106 @@
+"""A modelled training step: generation (decode roofline), old log-probs, the update, the LM-head kernel.
+
+Every figure here is modelled, from stated assumptions (`Workload`), never measured:
+- generation, per round of trainer.gen_batch prompts x rollout.n responses: each engine (tensor_parallel_size
+  ranks) decodes its share; a decode step reads the rank's weight shard once and the KV cache of every
+  running sequence, at the GPU's datasheet HBM bandwidth (a roofline: no kernel reaches it). Responses run
+  together as far as the KV cache holds them; the round lasts until the longest response
+  (rollout.max_response_length) is done. Lengths uniform on [0, 2 x mean] (so E[len^2] = 4/3 mean^2). Prefill
+  once per prompt (prefix caching shares it over the n responses) at the stated MFU;
+- old log-probs (when the update needs them, update.on_policy): a forward of every kept token, 2 FLOPs per
+  parameter outside the LM head per token plus causal attention 2 s^2 H per layer and sequence;
+- update: 6 FLOPs per parameter per token (8 with gradient checkpointing: the forward again), attention 3x
+  its forward (4x), at the stated MFU, per PPO epoch;
+- LM head: flashdapo/kernels/cost.py's time of the design the trainer uses, at this GPU's rates, per
+  micro-batch.
+Not modelled: the weight push to the engine, FSDP2 and Ulysses communication (assumed overlapped), CPU
+offload traffic, rewards, and extra generation rounds when dynamic sampling keeps too few groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import Config
+from ..trainer.update import on_policy
+from .engine import EngineMemory, torch_engine_memory
+from .gpus import GPU
+from .memory import lm_head_cost
+from .model import ModelShape
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The stated assumptions of the time model."""
+
+    mean_response: int
+    mean_prompt: int
+    mfu: float
+    """Model FLOPs utilization of the dense forward/backward and prefill (of the bf16 dense peak)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Modelled seconds of one training step, by stage."""
+
+    generation: float
+    decode_steps: int
+    concurrent: int
+    old_logprobs: float
+    update: float
+    lm_head: float
+
+    @property
+    def total(self) -> float:
+        return self.generation + self.old_logprobs + self.update + self.lm_head
+
+
+def _attention_flops(shape: ModelShape, sequences: float, mean_len_sq: float) -> float:
+    """Causal attention forward FLOPs: QK^T and PV, 2 s^2 H each, half of it masked, per layer."""
+    return sequences * 2 * mean_len_sq * shape.hidden * shape.layers
+
+
+def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: EngineMemory | None, lm_design: str,
+              work: Workload) -> StepTime:
+    """The modelled step time of `cfg` on `world` ranks of `gpu` (`engine` None: the torch engine)."""
+    engine = engine or torch_engine_memory(shape, cfg)
+    tc, rc = cfg.trainer, cfg.rollout
+    p, mu, longest = work.mean_prompt, work.mean_response, rc.max_response_length
+    len_sq = min(4 / 3 * mu**2, longest**2)
+    flops = gpu.bf16_tflops * 1e12 * work.mfu
+    # The embedding is a lookup and the LM head is the kernel's: neither is a dense FLOP per parameter.
+    dense = shape.parameters - shape.lm_head_parameters * (1 if shape.tied else 2)
+
+    engines = world // rc.tensor_parallel_size
+    responses = tc.gen_batch * rc.n / engines
+    kv_tokens = engine.kv_cache / max(1, engine.kv_per_token)
+    concurrent = max(1, min(int(responses), int(kv_tokens // (p + mu))))
+    steps = max(longest, math.ceil(responses * mu / concurrent))
+    kv_read = responses * (p * mu + len_sq / 2) * engine.kv_per_token
+    decode = (steps * engine.weights + kv_read) / (gpu.hbm_tbps * 1e12)
+    prefill = 2 * shape.parameters / rc.tensor_parallel_size * (tc.gen_batch / engines) * p / flops
+    generation = decode + prefill
+
+    sequences = tc.train_batch * rc.n / world  # kept responses per rank (sp shares a slot's rows 1/sp each)
+    tokens = sequences * (p + mu)
+    seq_sq = p**2 + 2 * p * mu + len_sq
+    attention = _attention_flops(shape, sequences, seq_sq)
+    forward = 2 * dense * tokens + attention
+    old = 0.0 if on_policy(cfg) or cfg.algorithm.old_logprobs == "rollout" else forward / flops
+    ckpt = cfg.model.gradient_checkpointing
+    update = tc.ppo_epochs * ((8 if ckpt else 6) * dense * tokens + (4 if ckpt else 3) * attention) / flops
+
+    micro = max(1, math.ceil(tokens / tc.micro_batch_tokens))
+    rows = int(sequences * mu / micro)  # response tokens per micro-batch: the LM head's rows
+    rates = gpu.kernel_rates()
+    per_micro = lm_head_cost(lm_design, max(rows, 1), shape.hidden, shape.vocab, 2, "cuda")
+    per_micro_ms = per_micro.gemm_tflop / rates.gemm_tflops * 1e3 + per_micro.exposed_gb / rates.hbm_tbps
+    lm_forward = (2 * rows * shape.hidden * shape.vocab / (rates.gemm_tflops * 1e12)
+                  + 4 * rows * shape.vocab / (rates.hbm_tbps * 1e12))
+    lm_head = micro * (tc.ppo_epochs * per_micro_ms / 1e3 + (lm_forward if old else 0.0))
+    return StepTime(generation=generation, decode_steps=steps, concurrent=concurrent, old_logprobs=old,
+                    update=update, lm_head=lm_head)
+
+
+__all__ = ["StepTime", "Workload", "step_time"]
