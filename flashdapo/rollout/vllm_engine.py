@@ -63,6 +63,7 @@ Per step, on every rank together (vLLM calls in the comments):
     engine.sleep()                      # sleep(level=rollout.sleep_level) if the weights are awake
 
 The push is needed before the first generate of the run too (the engine starts on dummy weights).
+Streaming instead of generate (`open_stream` / `submit` / `step` / `abort`): `vllm_stream.py`.
 What the engine changes in the trainer's process, and what it restores, is in `vllm_process.py`.
 """
 
@@ -77,7 +78,7 @@ from typing import Any
 import torch
 
 from ..config import RolloutConfig
-from .base import Rollouts, SamplingParams, WeightSource, derive_seed
+from .base import Completion, Request, Rollouts, SamplingParams, WeightSource, derive_seed
 from .vllm_outputs import sampled_logprobs, to_rollouts
 from .vllm_platform import (
     VLLM_VERSION_READ,
@@ -94,6 +95,7 @@ from .vllm_process import (
     set_launcher_env,
     torch_threads,
 )
+from .vllm_stream import VLLMStream
 from .vllm_weights import push_weights, vllm_target
 
 __all__ = ["VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "VLLMEngine", "tp_layout", "to_rollouts", "vllm_target"]
@@ -202,6 +204,7 @@ class VLLMEngine:
         self._wake_bytes = 0  # GPU memory the last sleep released
         self._holds: int | None = None  # the policy version an awake engine was pushed (None: unknown)
         self._noted_no_sleep = False
+        self._stream: VLLMStream | None = None
         self.last_weight_sync_s = 0.0
         self.started_line = self._started_line(kwargs, kept.note)
         if rank == 0:
@@ -232,6 +235,7 @@ class VLLMEngine:
         `keep_awake` (the next wake brings the same policy version, e.g. validation then a training step):
         stay awake, so that wake pushes nothing. Without sleep mode (vLLM's CPU platform) nothing happens:
         weights and KV cache stay resident."""
+        self._no_stream("sleep")
         if self._weights_asleep or keep_awake:
             return
         self._holds = None
@@ -326,12 +330,7 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
         """Sample `sampling.n` responses per prompt. Every rank of a TP group must call it together."""
-        if self._weights_asleep:
-            raise RuntimeError("VLLMEngine.generate while asleep: call wake(weights) first")
-        if not self._weights_valid:
-            raise RuntimeError("VLLMEngine holds dummy, discarded or partly pushed weights: push the policy "
-                               "with wake(weights) before generate")
-        self._wake_kv_cache()
+        self._ready_to_sample("generate")
         mine = [[int(t) for t in p] for p in prompts]
         group_prompts = self._gather(mine)
         start = sum(len(p) for p in group_prompts[: self.tp_rank])
@@ -346,6 +345,7 @@ class VLLMEngine:
         """fp32 log-prob of each token after the first of every sequence, from vLLM's raw logits (temperature
         1, no filters; `prompt_logprobs`, which skip the prefix cache). Every rank of a TP group must pass
         the same sequences."""
+        self._no_stream("score")
         if not self._weights_valid:
             raise RuntimeError("VLLMEngine.score before the weights were pushed")
         self._wake_kv_cache()
@@ -355,3 +355,48 @@ class VLLMEngine:
             outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         return [sampled_logprobs(seq[1:], out.prompt_logprobs[1:]) for seq, out in zip(sequences, outputs,
                                                                                        strict=True)]
+
+    def _ready_to_sample(self, call: str) -> None:
+        self._no_stream(call)
+        if self._weights_asleep:
+            raise RuntimeError(f"VLLMEngine.{call} while asleep: call wake(weights) first")
+        if not self._weights_valid:
+            raise RuntimeError("VLLMEngine holds dummy, discarded or partly pushed weights: push the policy "
+                               f"with wake(weights) before {call}")
+        self._wake_kv_cache()
+
+    # -- streaming (StreamingEngine; vllm_stream.py) ---------------------------------------------------
+
+    def open_stream(self, sampling: SamplingParams) -> None:
+        """Start a stream over vLLM's step-wise engine (`vllm_stream.VLLMStream`); one at a time, and no
+        generate, score or sleep until `abort` ends it."""
+        self._ready_to_sample("open_stream")
+        self._cache_used = True
+        self._stream = VLLMStream(self.llm.llm_engine, self._vllm, sampling, tp_rank=self.tp_rank,
+                                  gather=self._gather, threads=self._vllm_threads)
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests on this rank (`VLLMStream.submit`)."""
+        self._open_stream().submit(requests)
+
+    def step(self) -> list[Completion]:
+        """One vLLM step; this rank's requests that finished in it (`VLLMStream.step`)."""
+        return self._open_stream().step()
+
+    def abort(self) -> list[Completion]:
+        """End the stream; this rank's unfinished requests with what they sampled (`VLLMStream.abort`)."""
+        stream, self._stream = self._open_stream(), None
+        return stream.abort()
+
+    def pending(self) -> int:
+        """This rank's requests submitted to the open stream and not yet returned."""
+        return 0 if self._stream is None else self._stream.pending()
+
+    def _open_stream(self) -> VLLMStream:
+        if self._stream is None:
+            raise RuntimeError("VLLMEngine: no stream is open (open_stream first)")
+        return self._stream
+
+    def _no_stream(self, call: str) -> None:
+        if self._stream is not None:
+            raise RuntimeError(f"VLLMEngine.{call} while a stream is open: abort() it first")
