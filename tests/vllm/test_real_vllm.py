@@ -115,6 +115,23 @@ def test_one_rank_trains_exports_and_resumes_after_sigkill_as_if_uninterrupted(e
 
 
 @pytest.mark.slow
+def test_streaming_with_carried_responses_resumes_after_sigkill_as_if_uninterrupted(exports, tmp_path):
+    """rollout.streaming on vLLM: groups filtered as they finish, the stop at train_batch aborts the rest, which
+    are carried (prefix prefilled) into the next step; SIGKILL in step 3 + resume = the uninterrupted run."""
+    steps = ["--trainer.total-steps", "3", "--checkpoint.save-every", "1", "--rollout.streaming", "True",
+             "--algorithm.dynamic-sampling", "True", "--algorithm.max-gen-batches", "0", "--trainer.gen-batch", "8"]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    check_run(train(1, exports["tied"], straight, *steps), straight, 3, "float32")
+    rows = metrics(straight)
+    assert all(r["train/kept_groups"] == 4 for r in rows) and sum(r["stream/carried"] for r in rows) > 0, rows
+    killed = train(1, exports["tied"], crashed, *steps, script=[str(TRAINER_SCRIPTS / "kill_during_step.py"), "3"],
+                   expect_rc=None)
+    assert killed.returncode != 0 and [r["step"] for r in metrics(crashed)] == [1, 2], killed.stderr[-3000:]
+    train(1, exports["tied"], crashed, *steps, "--checkpoint.resume", "auto")
+    assert metrics(crashed) == metrics(straight)
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_untied_bf16(exports, tmp_path):
     proc = train(2, exports["untied"], tmp_path, "--trainer.total-steps", "2", "--model.dtype", "bfloat16")
