@@ -28,6 +28,7 @@ The choices, before the code:
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ from ..rollout import Completion, Request, Rollouts, SamplingParams, derive_seed
 from .batch import Group
 from .distributed import DistEnv
 from .metrics import StageTimer
-from .sampling import Collected, DynamicSamplingError, _deal_out, _is_informative, score_groups
+from .sampling import Collected, DynamicSamplingError, _deal_out, _is_informative, _report_round, score_groups
 
 
 @dataclass
@@ -137,7 +138,7 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     kept: list[Group] = list(state.ready)
     state.ready = []
     gen_sums = torch.zeros(4, dtype=torch.float64)  # correct, score, truncated, count over finished responses
-    pulls = 0
+    pulls, started = 0, time.perf_counter()
     with timer("gen"):
         engine.open_stream(sampling)
         engine.submit(_resubmissions(state, version, cfg, stats, env.rank, step))
@@ -151,6 +152,8 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
                 break
             can_pull = cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches
             if int(totals[2]) and can_pull:  # some rank is out of prompts: every rank pulls the next batch
+                if pulls and env.is_main:  # a progress line on long steps; a warning every 20 unbounded pulls
+                    _report_round(step, pulls, int(totals[0]), cfg, time.perf_counter() - started)
                 state.pulls += 1
                 state.queue += [((state.pulls, env.rank, i), p) for i, p in enumerate(sampler.next_batch())]
                 pulls += 1
@@ -328,8 +331,8 @@ def stream_metrics(stats: StreamStats, batch, step: int, env: DistEnv) -> dict[s
     sums = all_reduce(torch.tensor([flat.numel() * speaks, flat.sum().item() * speaks], dtype=torch.float64))
     peak = int(all_reduce(torch.tensor([int(flat.max()) if flat.numel() else 0]), "max").item())
     trained = sums[0].item()
-    return {**_per_lag(batch, flat, speaks), "stream/ticks": float(stats.ticks), "stream/generated_tokens": float(stats.generated_tokens),
-            "stream/trained_tokens": trained,
+    return {**_per_lag(batch, flat, speaks), "stream/ticks": float(stats.ticks),
+            "stream/generated_tokens": float(stats.generated_tokens), "stream/trained_tokens": trained,
             "stream/generated_per_trained": stats.generated_tokens / max(trained, 1.0),
             "stream/carried": float(stats.carried), "stream/restarted": float(stats.restarted),
             "stream/dropped_groups": float(stats.dropped), "stream/carried_age_max": float(stats.carried_age_max),
@@ -343,8 +346,10 @@ def _per_lag(batch, lags: torch.Tensor, speaks: float) -> dict[str, float]:
     sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
     if batch.old_logprobs is None or len(sampled) != len(batch.responses) or len(lags) != sum(map(len, sampled)):
         return {}
-    old, rollout = torch.cat(list(batch.old_logprobs)), torch.cat(sampled)
-    weights = torch.cat(list(batch.rollout_weights))
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:  # a rank may hold no response (a short batch)
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    old, rollout, weights = cat(list(batch.old_logprobs)), cat(sampled), cat(list(batch.rollout_weights))
     valid = torch.repeat_interleave(batch.loss_mask.bool(), batch.responses_lengths_tensor())
     out = {}
     for name, bucket in (("lag0", lags == 0), ("lag1plus", lags >= 1)):

@@ -116,17 +116,21 @@ def test_one_rank_trains_exports_and_resumes_after_sigkill_as_if_uninterrupted(e
 
 @pytest.mark.slow
 def test_streaming_with_carried_responses_resumes_after_sigkill_as_if_uninterrupted(exports, tmp_path):
-    """rollout.streaming on vLLM: groups filtered as they finish, the stop at train_batch aborts the rest, which
-    are carried (prefix prefilled) into the next step; SIGKILL in step 3 + resume = the uninterrupted run."""
-    steps = ["--trainer.total-steps", "3", "--checkpoint.save-every", "1", "--rollout.streaming", "True",
-             "--algorithm.dynamic-sampling", "True", "--algorithm.max-gen-batches", "0", "--trainer.gen-batch", "8"]
+    """rollout.streaming on vLLM: each group filtered as it finishes, the stop at train_batch aborts the rest,
+    which are carried (prefix prefilled) into the next step; SIGKILL in step 4 + resume = the uninterrupted run.
+    One response per group: this toy export's responses mostly run to the limit, so only single responses
+    finish at different times (and a group of one is always kept)."""
+    steps = ["--trainer.total-steps", "4", "--checkpoint.save-every", "1", "--rollout.streaming", "True",
+             "--rollout.n", "1", "--algorithm.dynamic-sampling", "True", "--trainer.gen-batch", "8"]
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    check_run(train(1, exports["tied"], straight, *steps), straight, 3, "float32")
+    check_run(train(1, exports["tied"], straight, *steps), straight, 4, "float32")
     rows = metrics(straight)
-    assert all(r["train/kept_groups"] == 4 for r in rows) and sum(r["stream/carried"] for r in rows) > 0, rows
-    killed = train(1, exports["tied"], crashed, *steps, script=[str(TRAINER_SCRIPTS / "kill_during_step.py"), "3"],
+    assert all(r["train/kept_groups"] == 4 for r in rows), rows
+    assert sum(r["stream/carried"] for r in rows[:3]) > 0, "the step-3 checkpoint holds carried responses"
+    assert max(r["stream/lag_max"] for r in rows) >= 1  # groups kept past a target train a step later
+    killed = train(1, exports["tied"], crashed, *steps, script=[str(TRAINER_SCRIPTS / "kill_during_step.py"), "4"],
                    expect_rc=None)
-    assert killed.returncode != 0 and [r["step"] for r in metrics(crashed)] == [1, 2], killed.stderr[-3000:]
+    assert killed.returncode != 0 and [r["step"] for r in metrics(crashed)] == [1, 2, 3], killed.stderr[-3000:]
     train(1, exports["tied"], crashed, *steps, "--checkpoint.resume", "auto")
     assert metrics(crashed) == metrics(straight)
 
