@@ -18,6 +18,7 @@ from ..config import Config, compact_summary
 from ..data import Prompt, PromptSampler
 from ..model_dir import check_model_dir
 from ..preflight import check_launch, check_model, resolve_auto
+from ..profiling import StepProfiler
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
@@ -77,6 +78,8 @@ class Run:
     """The settings that shape this run, recorded in its checkpoints (run_settings.py)."""
     resumed: Resumed | None = None
     """The checkpoint this process continued from, None for a fresh start."""
+    profiler: StepProfiler | None = None
+    """This rank's profiler of profile.steps; None when profiling is off here (no profiler object)."""
 
     def close(self, error: BaseException | None) -> None:
         """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
@@ -246,7 +249,8 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
                scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
                pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
-               settings=settings, resumed=resumed)
+               settings=settings, resumed=resumed,
+               profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device))
 
 
 def _checked_tokenizer(cfg: Config, log):
