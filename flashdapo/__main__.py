@@ -18,6 +18,7 @@ import tyro  # noqa: E402
 from . import __version__  # noqa: E402
 from .config import CLI_REGISTRY, DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
+from .warning_lines import showing_warnings  # noqa: E402
 
 USAGE = """usage: flashdapo {train,config,eval,ablate} [options]   (flashdapo --version)
 
@@ -41,7 +42,8 @@ def resolve_config(argv: list[str], prog: str) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a command; an error the user can fix prints one line (`flashdapo: error: ...`, status 1; config
-    errors: status 2) unless `--debug` or FLASHDAPO_DEBUG=1 asks for the traceback (flashdapo/errors.py)."""
+    errors: status 2) unless `--debug` or FLASHDAPO_DEBUG=1 asks for the traceback (flashdapo/errors.py).
+    flashdapo's warnings print one line each, `flashdapo: warning: ...` (flashdapo/warning_lines.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in argv:
         argv = [a for a in argv if a != "--debug"]
@@ -53,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashdapo {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
+    with showing_warnings():  # flashdapo's warnings as one line each (warning_lines.py)
+        return _run_command(command, rest)
+
+
+def _run_command(command: str, rest: list[str]) -> int:
     try:
         if command == "train":
             config = resolve_config(rest, "flashdapo train")
@@ -82,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         line = user_error_line(err)
         if line is None or debug_requested():
             raise
-        # Under torchrun an error every rank raises together is printed by rank 0 alone.
-        if os.environ.get("RANK", "0") == "0" or not getattr(err, "every_rank", True):
+        # Under torchrun an error every rank raises together is printed by rank 0 alone; a warning raised as
+        # an error (-W error) by the rank that warned.
+        if os.environ.get("RANK", "0") == "0" or not getattr(err, "every_rank", not isinstance(err, Warning)):
             print(line, file=sys.stderr, flush=True)
         return getattr(err, "exit_status", 1)
     return 0

@@ -26,6 +26,7 @@ from ..tasks import build_datasets, build_task_tokenizer
 from ..tasks.toy import build_toy_model
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
+from ..warning_lines import attach_run
 from .checkpoint import TrainerState, resume_candidates
 from .distributed import DistEnv, before_destroy, init_distributed, shutdown
 from .failfast import FailFast
@@ -177,6 +178,7 @@ def setup_run(cfg: Config) -> Run:
     claim = None
     try:
         claim = _claim_run_dir(cfg, env, run_dir, log)
+        attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
         run = _build_run(cfg, env, failfast, run_dir, log)
     except BaseException as err:
         if claim is not None:
