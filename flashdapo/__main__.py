@@ -1,4 +1,4 @@
-"""The flashdapo command line: `flashdapo train | config | eval | ablate`.
+"""The flashdapo command line: `flashdapo train | config | eval | generate | ablate`.
 
 `train` and `config` take `--preset NAME` and `--config FILE`, then overrides of any config field
 (`--trainer.total-steps 10`); tyro derives those flags and their help from `flashdapo.config`.
@@ -20,11 +20,12 @@ from .config import CLI_REGISTRY, DEFAULT_PRESET, PRESETS, Config, ConfigError, 
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
 from .warning_lines import showing_warnings  # noqa: E402
 
-USAGE = """usage: flashdapo {train,config,eval,ablate} [options]   (flashdapo --version)
+USAGE = """usage: flashdapo {train,config,eval,generate,ablate} [options]   (flashdapo --version)
 
   train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
   config   print the resolved config (YAML; reusable with --config)
   eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32] [--config FILE]
+  generate a saved model's answers: flashdapo generate --model DIR (--prompt TEXT ... | --data FILE [--limit N] | --examples) [--n 4] [--out FILE]
   ablate   the paper's ablation ladder: flashdapo ablate [--out DIR] [--seeds 3] [--arms NAME ...] [train options]
 
 presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field; " \
@@ -72,6 +73,10 @@ def _run_command(command: str, rest: list[str]) -> int:
             from .eval.command import eval_main
 
             eval_main(rest)
+        elif command == "generate":
+            from .eval.generate import generate_main
+
+            generate_main(rest)
         elif command == "ablate":
             from .ablation.command import ablate_main
 
