@@ -7,7 +7,7 @@ It goes the way of `flashdapo eval` (eval/command.py): the same model and tokeni
 sampling (`sample_prompts`: the model's chat template, one generate call per prompt with the torch engine,
 every response decoded and verified), with the evaluation's sampling fields of the config tree
 (rollout.val_temperature, val_top_p, max_response_length, from `--config`/`--preset` or the defaults).
-A `--prompt` is one user message as typed and has no ground truth; `--data` rows and `--examples` (a few
+A `--prompt` is one user message as typed (no template added) and has no ground truth; `--data` rows and `--examples` (a few
 DAPO-format math problems, eval/examples.py) have theirs, so each of their responses shows the verifier's
 verdict. `--out` writes one JSON object per prompt with its responses, as eval's samples.jsonl does.
 One process (a rank of its own); every option is checked before the model loads.
@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from ..config import Config, ConfigError, DataConfig, starting_point
 from ..config.checks import Check, Rule, Section, field_path, ge, register_tree
-from ..data import Record, prompts_from_records, read_records
+from ..data import DAPO_TEMPLATE, Record, prompts_from_records, read_records
 from ..model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from ..trainer.distributed import init_distributed, shutdown
@@ -137,12 +137,14 @@ def run_generate(args: Any) -> list[PromptResult]:
 
 
 def format_result(result: PromptResult, text: str, n: int) -> str:
-    """A prompt (shortened), its ground truth, then each response with its length, how it ended and, where
-    the ground truth is known, the verdict."""
-    shown = " ".join(_printable(text).split())
+    """A prompt (shortened; of a prompt in the DAPO template, the problem alone), its ground truth, then each
+    response with its length, how it ended and, where the ground truth is known, the verdict."""
+    head, _, tail = DAPO_TEMPLATE.partition("{problem}")
+    kind = "problem" if text.startswith(head) and text.endswith(tail) else "prompt"  # the template said once
+    shown = " ".join(_printable(text[len(head):len(text) - len(tail)] if kind == "problem" else text).split())
     shown = shown if len(shown) <= PROMPT_CHARS else shown[:PROMPT_CHARS - 3] + "..."
     truth = f"  ground truth: {result.ground_truth}" if result.ground_truth else ""
-    lines = ["", f"[{result.prompt_id + 1}] {result.source}{truth}", f"    prompt: {shown}"]
+    lines = ["", f"[{result.prompt_id + 1}] {result.source}{truth}", f"    {kind}: {shown}"]
     for i, s in enumerate(result.samples, start=1):
         verdict = ""
         if result.ground_truth:

@@ -19,7 +19,7 @@ import torch
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 MAX_HISTORY_ENTRIES = 100_000
-"""Allocator events a CUDA snapshot keeps (the newest; torch's own default)."""
+"""Allocator events a CUDA snapshot keeps (the newest): bounded, as a long step's history grows with it."""
 
 
 def _status_bytes(field: str) -> int | None:

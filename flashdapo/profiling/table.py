@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from .ranges import Recorder
 
+OP_CHARS = 64
+"""Op names are shown up to this many characters (a CUDA kernel's name can run to hundreds)."""
+
 
 @dataclass(frozen=True)
 class OpRow:
@@ -41,11 +44,13 @@ def format_table(title: str, recorder: Recorder, step_range: str, ops: list[OpRo
         lines.append(line + (f" {row.peak_rss / 2**20:>13.1f}" if rss else ""))
     if ops:
         kind = "device" if device else "CPU"
-        lines += ["", f"  top ops by self {kind} time", f"  {'op':<44} {'calls':>6} {'self ms':>9}"
+        width = min(max(len(op.name) for op in ops), OP_CHARS)
+        lines += ["", f"  top ops by self {kind} time", f"  {'op':<{width}} {'calls':>6} {'self ms':>9}"
                   + (f" {'CPU ms':>9}" if device else "")]
         for op in ops:
             ms = op.self_device_ms if device else op.self_ms
-            lines.append(f"  {op.name[:44]:<44} {op.calls:>6} {ms:>9.2f}" + (f" {op.self_ms:>9.2f}" if device else ""))
+            name = op.name if len(op.name) <= width else op.name[:width - 3] + "..."
+            lines.append(f"  {name:<{width}} {op.calls:>6} {ms:>9.2f}" + (f" {op.self_ms:>9.2f}" if device else ""))
     if trace_note:
         lines += ["", f"  {trace_note}"]
     return "\n".join(lines)

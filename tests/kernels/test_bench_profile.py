@@ -18,22 +18,23 @@ def trace_ranges(path: Path) -> list[str]:
 
 
 def test_profile_writes_one_trace_per_provider_with_the_trainers_range_names(tmp_path, capsys):
-    # The command line: each provider measured and profiled in a process of its own.
-    assert bench_kernels.main(["--device", "cpu", "--shapes", "smoke", "--providers", "naive,torch-fused",
+    # The command line: each provider measured, then profiled, in a process of its own.
+    assert bench_kernels.main(["--device", "cpu", "--shapes", "smoke", "--providers", "torch-fused",
                                "--profile", str(tmp_path / "prof"), "--out", str(tmp_path / "out")]) == 0
-    traces = sorted(p.name for p in (tmp_path / "prof" / "smoke").iterdir())
-    assert traces == ["naive.pt.trace.json", "torch-fused.pt.trace.json"]
+    assert [p.name for p in (tmp_path / "prof" / "smoke").iterdir()] == ["torch-fused.pt.trace.json"]
     (report,) = (tmp_path / "out").glob("*.md")
-    assert "| naive | " in report.read_text() and "| torch-fused | " in report.read_text()
-    for provider in ("naive", "torch-fused"):
-        assert trace_ranges(tmp_path / "prof" / "smoke" / f"{provider}.pt.trace.json") == \
-            sorted([provider, "lm_head.forward", "lm_head.backward"])
-    # The child's work in this process, for two more providers: gemm-floor is the sweep's GEMMs alone (no
-    # autograd), so a forward range only.
+    assert "| torch-fused | " in report.read_text()
+    assert trace_ranges(tmp_path / "prof" / "smoke" / "torch-fused.pt.trace.json") == \
+        sorted(["torch-fused", "lm_head.forward", "lm_head.backward"])
+    # A child's profiling in this process, for three more providers: gemm-floor is the sweep's GEMMs alone
+    # (no autograd), so a forward range only.
     _, n, hdim, vocab, dtype, _ = bench_kernels.SMOKE_SHAPE
-    for provider, expected in (("torch-50%", ["lm_head.forward", "lm_head.backward"]),
+    for provider, expected in (("naive", ["lm_head.forward", "lm_head.backward"]),
+                               ("torch-50%", ["lm_head.forward", "lm_head.backward"]),
                                ("gemm-floor", ["lm_head.forward"])):
         trace = bench_kernels.trace_path(str(tmp_path / "prof"), "smoke", provider)
         bench_kernels.profile_provider(provider, n, hdim, vocab, dtype, "cpu", str(trace))
         assert trace_ranges(trace) == sorted([provider, *expected]), provider
-    assert bench_kernels.trace_path("d", "CPU target, fp32", "torch-50%") == Path("d/CPU-target/torch-50pct.pt.trace.json")
+    assert sorted(p.name for p in (tmp_path / "prof" / "smoke").iterdir()) == \
+        ["gemm-floor.pt.trace.json", "naive.pt.trace.json", "torch-50pct.pt.trace.json", "torch-fused.pt.trace.json"]
+    assert bench_kernels.trace_path("d", "CPU target, fp32", "naive") == Path("d/CPU-target/naive.pt.trace.json")

@@ -1,5 +1,6 @@
 """profile.steps: a trace per rank and profiled step that holds every stage's named range, the table printed
-beside it (time per range, peak resident set, top ops), and nothing at all when profiling is off."""
+beside it (time per range, peak resident set, top ops), the same training as without it, and nothing at all
+when profiling is off."""
 
 import json
 import re
@@ -42,7 +43,7 @@ def table_rows(text: str) -> dict[tuple[str, ...], tuple[float, int, float]]:
 
 
 def test_profiled_step_writes_a_trace_holding_every_stage_and_prints_its_table(tmp_path, capsys):
-    run_dir = tmp_path / "run"
+    run_dir, plain_dir = tmp_path / "run", tmp_path / "plain"
     assert cli(["train", *TINY, *TWO_STEPS, "--logging.run-dir", str(run_dir), "--profile.steps", "1",
                 "--profile.memory", "true"]) == 0
     profile = run_dir / "profile"
@@ -68,6 +69,13 @@ def test_profiled_step_writes_a_trace_holding_every_stage_and_prints_its_table(t
     metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     for stage in ("gen", "old_log_prob", "update_actor"):
         assert metrics[f"timing_s/{stage}"] >= rows[("step", stage)][0] - 1e-3, stage
+    # Profiling off: no profile directory, and the profiled run trained exactly as this one does.
+    assert cli(["train", *TINY, *TWO_STEPS, "--logging.run-dir", str(plain_dir)]) == 0
+    assert sorted(p.name for p in plain_dir.iterdir()) == sorted(p.name for p in run_dir.iterdir() if p.name != "profile")
+    learned = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean", "response_length/mean")
+    for profiled, plain in zip(*((json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines())
+                                 for d in (run_dir, plain_dir)), strict=True):
+        assert [profiled[k] for k in learned] == [plain[k] for k in learned]
 
 
 @pytest.mark.distributed
