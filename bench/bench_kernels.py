@@ -26,6 +26,7 @@ rate plus the bytes of the separate kernels), and a second table the FLOPs, expo
 and workspace behind them.
 
   python -m bench.bench_kernels [--device cpu|cuda] [--out DIR]   # table -> DIR/<date>-<machine>-<commit>.md
+  python -m bench.bench_kernels --profile DIR                      # + a torch.profiler trace per provider
   pytest bench/bench_kernels.py                                    # the same steps under pytest-benchmark
 """
 
@@ -52,6 +53,8 @@ from bench import kernel_model  # noqa: E402
 from bench.kernel_model import SHAPES as MODEL_SHAPES  # noqa: E402
 from bench.kernel_model import predict  # noqa: E402
 from flashdapo.kernels import CHUNKED_IMPLS  # noqa: E402
+from flashdapo.profiling import ranges  # noqa: E402
+from flashdapo.profiling.ranges import traced  # noqa: E402
 
 PROVIDERS = ["naive", *(f"{impl}{suffix}" for impl in CHUNKED_IMPLS for suffix in ("", "-50%", "-fused")),
              "gemm-floor", "torch-lce", "liger-dapo", "liger-dapo-compiled"]
@@ -72,7 +75,9 @@ class Unavailable(Exception):
 
 # ------------------------------------------------------------------------------ providers
 def make_step(provider: str, h, w, y, g):
-    """A closure running one forward + backward of `provider`; raises Unavailable with a reason."""
+    """A closure running one forward + backward of `provider`; raises Unavailable with a reason. The call is
+    `traced` as the trainer's LM-head call is: named lm_head.forward / lm_head.backward under --profile (and
+    a direct call otherwise)."""
     from flashdapo.kernels import token_logprobs
     from flashdapo.kernels.fused import fused_token_loss
 
@@ -87,25 +92,32 @@ def make_step(provider: str, h, w, y, g):
             upstream[torch.rand(len(g), device=g.device) < 0.5] = 0
         if variant == "fused":
             loss_fn = lambda lp, rows: (lp * upstream[rows]).sum()  # noqa: E731 - dL/dlogp = upstream
-            return lambda: fused_token_loss(h, w, y, loss_fn, impl=impl)[0].backward()
+            return lambda: traced("lm_head", lambda h, w: fused_token_loss(h, w, y, loss_fn, impl=impl),
+                                  (h, w))[0].backward()
 
         def step():
-            logp = token_logprobs(h, w, y, impl=impl)
+            logp = traced("lm_head", lambda h, w: token_logprobs(h, w, y, impl=impl), (h, w))
             logp.backward(upstream)
 
         return step
     if provider == "gemm-floor":
-        return lambda: _gemm_floor(h, w)
+        return lambda: _named_call("lm_head.forward", _gemm_floor, h, w)
     if provider == "torch-lce":
         import torch.nn.functional as F
 
         if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
             raise Unavailable(f"torch {torch.__version__} has no F.linear_cross_entropy")
         options = torch.nn.LinearCrossEntropyOptions()
-        return lambda: F.linear_cross_entropy(h, w, y, reduction="sum", options=options).backward()
+        return lambda: traced("lm_head", lambda h, w: F.linear_cross_entropy(h, w, y, reduction="sum",
+                                                                               options=options), (h, w)).backward()
     if provider in ("liger-dapo", "liger-dapo-compiled"):
         return _liger_step(h, w, y, g, compiled=provider.endswith("-compiled"))
     raise ValueError(provider)
+
+
+def _named_call(name: str, fn, *args):
+    with ranges.named(name):
+        return fn(*args)
 
 
 def _gemm_floor(h, w):
@@ -138,7 +150,7 @@ def _liger_step(h, w, y, g, compiled=False):
     adv = g.view(-1, seq)[:, 0].float()
 
     def step():
-        out = loss_fn(h.view(-1, seq, h.shape[1]), w, ids, mask, adv)
+        out = traced("lm_head", lambda h, w: loss_fn(h.view(-1, seq, h.shape[1]), w, ids, mask, adv), (h, w))
         (out[0] if isinstance(out, tuple) else out).backward()
 
     return step
@@ -214,6 +226,32 @@ def measure(provider, n, hdim, vocab, dtype, device, reps) -> dict:
     return {"status": "ok", "ms": ms, "tflops": 8 * n * hdim * vocab / (ms * 1e-3) / 1e12, "peak_mb": peak / 2**20}
 
 
+def profile_provider(provider, n, hdim, vocab, dtype, device, trace: str) -> None:
+    """One warm step of `provider` under torch.profiler, with the trainer's range names (the provider's name
+    around the step, lm_head.forward and lm_head.backward inside), written to `trace` (Chrome trace JSON)."""
+    from flashdapo.profiling import Recorder
+
+    device = torch.device(device)
+    h, w, y, g = make_inputs(n, hdim, vocab, getattr(torch, dtype), device)
+    step = make_step(provider, h, w, y, g)
+    step()  # warm-up: compiles, first-touch page faults
+    h.grad = w.grad = None
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                           if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof, ranges.recording(Recorder(device)):
+        with ranges.named(provider):
+            step()
+    Path(trace).parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(trace)
+
+
+def trace_path(profile_dir: str, label: str, provider: str) -> Path:
+    """PROFILE_DIR/<shape>/<provider>.pt.trace.json: `tensorboard --logdir PROFILE_DIR` (torch-tb-profiler)
+    shows each shape as a run and each provider as a worker; chrome://tracing and Perfetto open any one."""
+    shape = label.split(",")[0].strip().replace(" ", "-")
+    return Path(profile_dir) / shape / f"{provider.replace('%', 'pct')}.pt.trace.json"
+
+
 def matmul_ceiling_tflops(size: int = 8192, reps: int = 20) -> float:
     """Dense bf16 matmul TFLOP/s on this GPU now (random data): the roofline the kernels are held to."""
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -231,9 +269,12 @@ def matmul_ceiling_tflops(size: int = 8192, reps: int = 20) -> float:
 
 
 # ------------------------------------------------------------------------------ table
-def _run_child(provider, shape, device, timeout) -> dict:
+def _run_child(provider, shape, device, timeout, profile_dir: str = "") -> dict:
     label, n, hdim, vocab, dtype, reps = shape
-    spec = json.dumps(dict(provider=provider, n=n, hdim=hdim, vocab=vocab, dtype=dtype, device=device, reps=reps))
+    spec = dict(provider=provider, n=n, hdim=hdim, vocab=vocab, dtype=dtype, device=device, reps=reps)
+    if profile_dir:
+        spec["trace"] = str(trace_path(profile_dir, label, provider))
+    spec = json.dumps(spec)
     try:
         proc = subprocess.run([sys.executable, "-m", "bench.bench_kernels", "--child", spec], cwd=REPO,
                               capture_output=True, text=True, timeout=timeout)
@@ -272,7 +313,7 @@ def model_table() -> list[str]:
     return kernel_model.table()
 
 
-def build_table(device: str, providers, shapes, timeout: int, commit: str) -> str:
+def build_table(device: str, providers, shapes, timeout: int, commit: str, profile_dir: str = "") -> str:
     """Run every provider at every shape (fresh process each) and return the Markdown report."""
     ceiling = matmul_ceiling_tflops() if device == "cuda" else None
     where = f"matmul ceiling (bf16, 8192^3): {ceiling:.0f} TFLOP/s" if ceiling else (
@@ -288,7 +329,7 @@ def build_table(device: str, providers, shapes, timeout: int, commit: str) -> st
         lines += [f"## {label}: N={n} H={hdim} V={vocab} {dtype}, median of {reps}", "",
                   f"| provider | time (ms) | vs naive | TFLOP/s | % ceiling | peak extra (MB) | vs naive | {model_head} |",
                   "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(MODEL_SHAPES)]
-        results = {p: _run_child(p, shape, device, timeout) for p in providers}
+        results = {p: _run_child(p, shape, device, timeout, profile_dir) for p in providers}
         naive = results.get("naive", {})
         for p, r in results.items():
             model = " | ".join(_model_cells(p))
@@ -311,18 +352,30 @@ def main(argv=None) -> int:
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--shapes", default="all", help="comma-separated shape labels' first words, or 'all'")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per provider and shape")
+    parser.add_argument("--profile", default="", metavar="DIR",
+                        help="also write one torch.profiler trace per provider and shape, "
+                             "DIR/<shape>/<provider>.pt.trace.json, with the trainer's range names")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
-        print("RESULT " + json.dumps(measure(**spec)), flush=True)
+        trace = spec.pop("trace", "")
+        result = measure(**spec)
+        if trace and result["status"] == "ok":
+            spec.pop("reps")
+            profile_provider(**spec, trace=trace)
+            result["trace"] = trace
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     shapes = (GPU_SHAPES if args.device == "cuda" else CPU_SHAPES) + [SMOKE_SHAPE]
     keep = args.shapes.split(",")
     shapes = [s for s in shapes if (args.shapes == "all" and s is not SMOKE_SHAPE) or s[0].split(",")[0] in keep]
     commit = git_commit()  # once: the tree may be committed to while the benchmark runs
-    write_report(build_table(args.device, args.providers.split(","), shapes, args.timeout, commit), args.out,
-                 args.device, commit)
+    write_report(build_table(args.device, args.providers.split(","), shapes, args.timeout, commit, args.profile),
+                 args.out, args.device, commit)
+    if args.profile:
+        print(f"traces (one per provider and shape) under {args.profile}/; `tensorboard --logdir {args.profile}` "
+              "with torch-tb-profiler, or open one in https://ui.perfetto.dev")
     return 0
 
 

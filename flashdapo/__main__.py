@@ -1,4 +1,4 @@
-"""The flashdapo command line: `flashdapo train | config | plan | eval | ablate`.
+"""The flashdapo command line: `flashdapo train | config | plan | eval | generate | ablate`.
 
 `train` and `config` take `--preset NAME` and `--config FILE`, then overrides of any config field
 (`--trainer.total-steps 10`); tyro derives those flags and their help from `flashdapo.config`.
@@ -18,13 +18,15 @@ import tyro  # noqa: E402
 from . import __version__  # noqa: E402
 from .config import CLI_REGISTRY, DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
+from .warning_lines import showing_warnings  # noqa: E402
 
-USAGE = """usage: flashdapo {train,config,plan,eval,ablate} [options]   (flashdapo --version)
+USAGE = """usage: flashdapo {train,config,plan,eval,generate,ablate} [options]   (flashdapo --version)
 
   train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
   config   print the resolved config (YAML; reusable with --config)
   plan     will a launch start and fit: flashdapo plan [--preset NAME] [--nodes N] [--gpus-per-node G] [--gpu h20] [train options]
   eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32] [--config FILE]
+  generate a saved model's answers: flashdapo generate --model DIR (--prompt TEXT ... | --data FILE [--limit N] | --examples) [--n 4] [--out FILE]
   ablate   the paper's ablation ladder: flashdapo ablate [--out DIR] [--seeds 3] [--arms NAME ...] [train options]
 
 presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field; " \
@@ -42,7 +44,8 @@ def resolve_config(argv: list[str], prog: str) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a command; an error the user can fix prints one line (`flashdapo: error: ...`, status 1; config
-    errors: status 2) unless `--debug` or FLASHDAPO_DEBUG=1 asks for the traceback (flashdapo/errors.py)."""
+    errors: status 2) unless `--debug` or FLASHDAPO_DEBUG=1 asks for the traceback (flashdapo/errors.py).
+    flashdapo's warnings print one line each, `flashdapo: warning: ...` (flashdapo/warning_lines.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in argv:
         argv = [a for a in argv if a != "--debug"]
@@ -54,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashdapo {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
+    with showing_warnings():  # flashdapo's warnings as one line each (warning_lines.py)
+        return _run_command(command, rest)
+
+
+def _run_command(command: str, rest: list[str]) -> int:
     try:
         if command == "train":
             config = resolve_config(rest, "flashdapo train")
@@ -70,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             from .eval.command import eval_main
 
             eval_main(rest)
+        elif command == "generate":
+            from .eval.generate import generate_main
+
+            generate_main(rest)
         elif command == "ablate":
             from .ablation.command import ablate_main
 
@@ -87,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         line = user_error_line(err)
         if line is None or debug_requested():
             raise
-        # Under torchrun an error every rank raises together is printed by rank 0 alone.
-        if os.environ.get("RANK", "0") == "0" or not getattr(err, "every_rank", True):
+        # Under torchrun an error every rank raises together is printed by rank 0 alone; a warning raised as
+        # an error (-W error) by the rank that warned.
+        if os.environ.get("RANK", "0") == "0" or not getattr(err, "every_rank", not isinstance(err, Warning)):
             print(line, file=sys.stderr, flush=True)
         return getattr(err, "exit_status", 1)
     return 0

@@ -79,11 +79,15 @@ def check_machine(cfg: Config) -> None:
 def check_layout(cfg: Config, world_size: int) -> None:
     """What a launch of `world_size` ranks needs of `cfg`, on any machine (`flashdapo plan` runs this for a
     cluster it is not on): batch sizes the ranks and data-parallel slots can share, a tensor-parallel size
-    the ranks divide into, data for a model of one's own."""
+    the ranks divide into, profiled ranks that exist, data for a model of one's own."""
     check_batch_layout(cfg, world_size)
     if cfg.rollout.engine == "vllm" and world_size % cfg.rollout.tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
                           f"world size {world_size}; use a divisor of it")
+    outside = [r for r in cfg.profile.ranks if r >= world_size]
+    if outside:
+        raise ConfigError(f"profile.ranks: rank {outside[0]} is not in a launch of {world_size} ranks (0.."
+                          f"{world_size - 1}); leave it empty to profile every rank")
     if cfg.model.path and not cfg.data.train_files:
         raise ConfigError(f"data.train_files: empty with model.path={cfg.model.path}; the built-in toy task is for "
                           "the toy model: give --data.train-files FILE [FILE ...] (.parquet or .jsonl)")

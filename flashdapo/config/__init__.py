@@ -1,4 +1,4 @@
-"""The config tree (tree.py, its sections in inputs.py, sampling.py and training.py), its declarative checks
+"""The config tree (tree.py, its sections in inputs.py, sampling.py, training.py and profiling.py), its declarative checks
 (checks.py), overrides and files (io.py), presets."""
 
 from .checks import ConfigError, field_path
@@ -22,6 +22,7 @@ from .tree import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    ProfileConfig,
     RolloutConfig,
     ScratchpadTaskConfig,
     ToyModelConfig,
@@ -31,7 +32,7 @@ from .tree import (
 
 __all__ = [
     "CLI_REGISTRY", "DEFAULT_PRESET", "PRESETS", "PRESET_CLUSTERS", "Cluster", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "LoggingConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
+    "LoggingConfig", "ModelConfig", "OptimConfig", "ProfileConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
     "TrainerConfig", "compact_summary", "differences", "field_path", "load_file", "merge", "preset",
     "starting_point", "toy",
 ]

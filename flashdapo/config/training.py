@@ -141,4 +141,9 @@ class LoggingConfig(Section):
     move_old_run: bool = False
     """A fresh run whose run_dir holds a previous run's checkpoints, metrics or export: move those files to
     `<run_dir>.old-<UTC time>/` (nothing is deleted) and start. Off: refuse, naming the choices."""
+    warnings_as_errors: bool = False
+    """Stop the run at the first warning flashdapo raises, as one error line (for CI; `python -W error`
+    does the same for every warning, other packages' too). Off: each warning prints one line,
+    `flashdapo: warning: ...`, also written to RUN_DIR/warnings.log; one that recurs every step prints
+    once, with a count at the end of the run."""
 

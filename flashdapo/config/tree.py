@@ -1,7 +1,8 @@
 """THE config tree of flashdapo: one set of dataclasses; the CLI, the YAML files and the presets derive from it.
 
 This module is the root, `Config`; its sections live by theme: inputs.py (`model`, `data`), sampling.py
-(`rollout`, `algorithm`), training.py (`optim`, `trainer`, `checkpoint`, `logging`). Every field has its
+(`rollout`, `algorithm`), training.py (`optim`, `trainer`, `checkpoint`, `logging`), profiling.py
+(`profile`). Every field has its
 default in its section's class and nowhere else, and states what it accepts in its type
 (`Annotated[int, ge(1)]`; see checks.py); building a section checks it. The CLI
 (`flashdapo train --help`) is generated from these dataclasses and their field docstrings by tyro.
@@ -17,6 +18,7 @@ import yaml
 
 from .checks import Rule, Section, register_tree
 from .inputs import DataConfig, ModelConfig, ScratchpadTaskConfig, ToyModelConfig, ToyTaskConfig
+from .profiling import ProfileConfig
 from .sampling import AlgorithmConfig, RolloutConfig
 from .training import CheckpointConfig, LoggingConfig, OptimConfig, TrainerConfig
 
@@ -33,6 +35,7 @@ class Config(Section):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     RULES = (
         Rule("algorithm.overlong_buffer_len",
@@ -47,6 +50,8 @@ class Config(Section):
         # Without dynamic sampling every generated group trains: generating more would be thrown away.
         Rule("trainer.gen_batch", lambda c: c.algorithm.dynamic_sampling or c.trainer.gen_batch == c.trainer.train_batch,
              lambda c: f"trainer.train_batch ({c.trainer.train_batch}) when algorithm.dynamic_sampling is false"),
+        Rule("profile.steps", lambda c: all(s <= c.trainer.total_steps for s in c.profile.steps),
+             lambda c: f"steps of the run, 1..trainer.total_steps ({c.trainer.total_steps})"),
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -70,5 +75,5 @@ register_tree(Config)
 
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig",
-           "ModelConfig", "OptimConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
+           "ModelConfig", "OptimConfig", "ProfileConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
            "TrainerConfig"]

@@ -66,6 +66,22 @@ def _are_files(paths: list[str]) -> bool:
     return bool(paths) and all(p.endswith((".parquet", ".jsonl")) and Path(p).is_file() for p in paths)
 
 
+def tree_options(base: Config, options: dict[str, str]) -> list[tuple[str, Any, Any]]:
+    """(name, annotated type, field) of each option standing for a config field (`options`: name -> field
+    path): the field's type, checks and help, `base`'s value as the default."""
+    import tyro
+
+    fields = []
+    for name, path in options.items():
+        section_path, _, leaf = path.rpartition(".")
+        section = operator.attrgetter(section_path)(base)
+        tp, checks = field_spec(type(section), leaf)
+        help_text = " ".join(field_docs(type(section))[leaf].split()) + f" (config field {path})"
+        fields.append((name, Annotated[(tp, *checks, tyro.conf.arg(help=help_text))],
+                       dataclasses.field(default=getattr(section, leaf))))
+    return fields
+
+
 def eval_args_class(base: Config) -> type:
     """The dataclass tyro parses `flashdapo eval` into: --model, --data, then the OPTIONS with `base`'s values
     as defaults. Building it checks every option (types and ranges of the tree, files, CUDA)."""
@@ -93,13 +109,7 @@ def eval_args_class(base: Config) -> type:
                  "or 'file', the file name (the public AIME-2024 parquet says math_dapo, as the training set "
                  "does).")], "column"),
     ]
-    for name, path in OPTIONS.items():
-        section_path, _, leaf = path.rpartition(".")
-        section = operator.attrgetter(section_path)(base)
-        tp, checks = field_spec(type(section), leaf)
-        help_text = " ".join(field_docs(type(section))[leaf].split()) + f" (config field {path})"
-        fields.append((name, Annotated[(tp, *checks, tyro.conf.arg(help=help_text))],
-                       dataclasses.field(default=getattr(section, leaf))))
+    fields += tree_options(base, OPTIONS)
     fields = [(n, t) if d is ... else (n, t, dataclasses.field(default=d) if not isinstance(d, dataclasses.Field)
               else d) for n, t, d in fields]
     cls = dataclasses.make_dataclass("EvalArgs", fields, bases=(Section,))
@@ -148,7 +158,7 @@ def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
     from ..rollout.torch_engine import TorchEngine
 
     on_gpu = env.device.type == "cuda"
-    if args.fsdp:
+    if getattr(args, "fsdp", False):  # `flashdapo generate` has no --fsdp
         from ..trainer.loading import load_sharded_policy
 
         cfg = Config(model=ModelConfig(path=args.model, dtype="bfloat16" if on_gpu else "float32"),

@@ -10,12 +10,14 @@ One step (docs/architecture.md), each stage timed:
                    weights                                                           (batch.py)
     update_actor   mini-batches x micro-batches, global token-mean, clip, AdamW      (update.py)
 
-then validation, metrics, plot and checkpoint on their intervals, and an HF export at the end.
+then validation, metrics, plot and checkpoint on their intervals, and an HF export at the end. The steps of
+profile.steps run under the profiler (flashdapo/profiling/), each stage a named range.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -95,7 +97,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     timer = StageTimer(env.device)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    with timer("step"), heartbeat(step, timer, cfg.logging.heartbeat_s, env.is_main and cfg.logging.progress):
+    profiling = run.profiler.step(step) if run.profiler is not None else nullcontext()  # profile.steps
+    beating = heartbeat(step, timer, cfg.logging.heartbeat_s, env.is_main and cfg.logging.progress)
+    with profiling, timer("step"), beating:
         with timer("weight_sync"):
             run.engine.wake(run.policy_weights, run.policy_version)
         dump = dumping(cfg.logging.dump_rollouts_every, step)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FlashdapoError
+from ..profiling import ranges
 
 REQUIRED_KEYS = (
     "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
@@ -34,7 +35,8 @@ REQUIRED_KEYS = (
 
 
 class StageTimer:
-    """Wall time per named stage, accumulated over a step (a stage may run several times: refills)."""
+    """Wall time per named stage, accumulated over a step (a stage may run several times: refills). In a
+    profiled step each stage is also a named range (flashdapo/profiling/ranges.py: torch.profiler, NVTX)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -47,7 +49,8 @@ class StageTimer:
         start = time.perf_counter()
         self.running.append((name, start))
         try:
-            yield
+            with ranges.named(name):
+                yield
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # deliberate: stage times must include queued GPU work

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import (
 
 from ..config import ModelConfig, TrainerConfig
 from ..kernels import fused_token_loss, token_logprobs
+from ..profiling.ranges import traced
 from ..rollout.torch_engine import cache_argument
 from .distributed import DistEnv
 from .lm_head_choice import use_fused_loss
@@ -162,16 +163,22 @@ class PolicyModel(nn.Module):
         hidden = self._hidden_states(batch)
         if batch.held is not None and not len(batch.targets):
             return self._nothing_held(hidden, with_entropy or keep is not None, loss_fn is not None)
+        # One named range per LM-head call, forward and backward, in profiled steps (flashdapo/profiling).
+        return traced("lm_head", self._lm_head, (hidden, self.lm_head_weight()), batch, with_entropy, loss_fn, keep)
+
+    def _lm_head(self, hidden: torch.Tensor, weight: torch.Tensor, batch: TokenBatch, with_entropy: bool, loss_fn,
+                 keep: torch.Tensor | None):
+        """The LM-head kernels on the predicting hidden states: see `forward`."""
         if loss_fn is not None:
-            return fused_token_loss(hidden, self.lm_head_weight(), batch.targets, loss_fn, keep=keep,
-                                    temperature=self.temperature, impl=self.kernel_impl)
+            return fused_token_loss(hidden, weight, batch.targets, loss_fn, keep=keep, temperature=self.temperature,
+                                    impl=self.kernel_impl)
         if keep is not None:  # rows outside the loss mask cost no LM-head work; their outputs are 0
             rows = torch.nonzero(keep).squeeze(1)
-            logp, entropy = token_logprobs(hidden[rows], self.lm_head_weight(), batch.targets[rows],
-                                           temperature=self.temperature, with_entropy=True, impl=self.kernel_impl)
+            logp, entropy = token_logprobs(hidden[rows], weight, batch.targets[rows], temperature=self.temperature,
+                                           with_entropy=True, impl=self.kernel_impl)
             zeros = logp.new_zeros(keep.shape)
             return zeros.index_put((rows,), logp), zeros.index_put((rows,), entropy)
-        out = token_logprobs(hidden, self.lm_head_weight(), batch.targets, temperature=self.temperature,
+        out = token_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
                              with_entropy=with_entropy, impl=self.kernel_impl)
         return out if with_entropy else (out, None)
 

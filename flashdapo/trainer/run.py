@@ -18,6 +18,7 @@ from ..config import Config, compact_summary
 from ..data import Prompt, PromptSampler
 from ..model_dir import check_model_dir
 from ..preflight import check_launch, check_model, resolve_auto
+from ..profiling import StepProfiler
 from ..reward import Verifier, get_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
@@ -25,6 +26,7 @@ from ..tasks import build_datasets, build_task_tokenizer
 from ..tasks.toy import build_toy_model
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
+from ..warning_lines import attach_run
 from .checkpoint import TrainerState, load_rank_state, resume_candidates
 from .distributed import DistEnv, before_destroy, init_distributed, shutdown
 from .failfast import FailFast
@@ -80,6 +82,8 @@ class Run:
     """The checkpoint this process continued from, None for a fresh start."""
     stream: StreamState = field(default_factory=StreamState)
     """This rank's streaming sampler state between steps (rollout.streaming), saved with every checkpoint."""
+    profiler: StepProfiler | None = None
+    """This rank's profiler of profile.steps; None when profiling is off here (no profiler object)."""
 
     def close(self, error: BaseException | None) -> None:
         """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
@@ -181,6 +185,7 @@ def setup_run(cfg: Config) -> Run:
     claim = None
     try:
         claim = _claim_run_dir(cfg, env, run_dir, log)
+        attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
         run = _build_run(cfg, env, failfast, run_dir, log)
     except BaseException as err:
         if claim is not None:
@@ -253,7 +258,8 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
                scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
                pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
-               settings=settings, resumed=resumed, stream=_resumed_stream(resumed, cfg, env, log))
+               settings=settings, resumed=resumed, stream=_resumed_stream(resumed, cfg, env, log),
+               profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device))
 
 
 def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:

@@ -101,6 +101,7 @@ def test_train_cli_path_runs_validation_checkpoint_plot_and_eval(tmp_path, capsy
     assert (run_dir / "config.yaml").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
     assert (run_dir / "export" / "model.safetensors").is_file()
+    assert not (run_dir / "profile").exists()  # profiling off (no profile.steps): no trace, no directory
 
     # `flashdapo eval` on the export, with an AIME-schema parquet (each problem twice: deduplicated).
     records = toy_records(ToyTaskConfig(num_val=5), "val")

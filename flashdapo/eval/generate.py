@@ -1,0 +1,175 @@
+"""`flashdapo generate`: a saved model's answers to a few prompts, judged where the answer is known.
+
+    flashdapo generate --model DIR (--prompt TEXT [TEXT ...] | --data FILE [--limit N] | --examples)
+                       [--n 4] [--engine torch|vllm] [--out FILE.jsonl] [--config FILE | --preset NAME]
+
+It goes the way of `flashdapo eval` (eval/command.py): the same model and tokenizer checks, engine and
+sampling (`sample_prompts`: the model's chat template, one generate call per prompt with the torch engine,
+every response decoded and verified), with the evaluation's sampling fields of the config tree
+(rollout.val_temperature, val_top_p, max_response_length, from `--config`/`--preset` or the defaults).
+A `--prompt` is one user message as typed (no template added) and has no ground truth; `--data` rows and `--examples` (a few
+DAPO-format math problems, eval/examples.py) have theirs, so each of their responses shows the verifier's
+verdict. `--out` writes one JSON object per prompt with its responses, as eval's samples.jsonl does.
+One process (a rank of its own); every option is checked before the model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from ..config import Config, ConfigError, DataConfig, starting_point
+from ..config.checks import Check, Rule, Section, field_path, ge, register_tree
+from ..data import DAPO_TEMPLATE, Record, prompts_from_records, read_records
+from ..model_dir import check_model_dir
+from ..preflight import check_engine, check_model
+from ..trainer.distributed import init_distributed, shutdown
+from .command import OPTIONS, VLLM_PROMPTS_PER_CALL, build_engine, tree_options
+from .examples import example_records
+from .results import PromptResult
+from .sampling import EvalSampling, sample_prompts
+
+GENERATE_OPTIONS = {name: path for name, path in OPTIONS.items() if name != "k"}
+"""The options of `flashdapo eval` that `generate` shares (its --n stands for eval's --k)."""
+PROMPT_CHARS = 240
+"""A prompt is printed up to this many characters (its responses in full)."""
+
+
+def _data_file(path: str) -> bool:
+    return not path or (path.endswith((".parquet", ".jsonl")) and Path(path).is_file())
+
+
+def generate_args_class(base: Config) -> type:
+    """The dataclass tyro parses `flashdapo generate` into; building it checks every option."""
+    import tyro
+
+    def opt(tp, help_text: str, *checks):
+        return Annotated[(tp, *checks, tyro.conf.arg(help=help_text))]
+
+    fields: list[tuple[str, Any, Any]] = [
+        ("model", opt(str, "Local HF model directory (e.g. a run's export/ folder).",
+                      Check(lambda p: bool(p) and Path(p).is_dir(), "an existing model directory (e.g. runs/toy/export)")),
+         ""),
+        ("prompt", opt(list[str], "Prompts, each one user message of the chat template, as typed (no ground truth).",
+                       Check(lambda ps: all(p.strip() for p in ps), "prompts with text")), dataclasses.field(
+            default_factory=list)),
+        ("data", opt(str, "A .parquet or .jsonl file in the DAPO-Math-17k schema (or {problem, answer} rows).",
+                     Check(_data_file, "an existing .parquet or .jsonl file")), ""),
+        ("limit", opt(int, "With --data: its first N prompts (0: all).", ge(0)), 0),
+        ("examples", opt(bool, "A few math problems in the DAPO format, with their answers (eval/examples.py)."),
+         False),
+        ("n", opt(int, "Responses per prompt.", ge(1)), 4),
+        ("out", opt(str, "Also write the responses to this .jsonl file (one prompt per line, as eval's "
+                         "samples.jsonl)."), ""),
+        *tree_options(base, GENERATE_OPTIONS),
+    ]
+    fields = [(n, t, d if isinstance(d, dataclasses.Field) else dataclasses.field(default=d)) for n, t, d in fields]
+    cls = dataclasses.make_dataclass("GenerateArgs", fields, bases=(Section,))
+    cls.__doc__ = "Sample a saved model's responses to a few prompts; judge them where the answer is known."
+    cls.RULES = (Rule("prompt", lambda a: bool(a.prompt) + bool(a.data) + a.examples == 1,
+                      lambda a: "exactly one source of prompts: --prompt TEXT [TEXT ...], --data FILE or --examples"),)
+    register_tree(cls, "generate.")
+    return cls
+
+
+def generate_main(argv: list[str]) -> list[PromptResult]:
+    """`flashdapo generate`: check the options, then sample, print and write (`run_generate`)."""
+    import tyro
+
+    base, rest, start = starting_point(argv, None)
+    cls = generate_args_class(base)
+    args = tyro.cli(cls, args=rest, prog="flashdapo generate",
+                    description=f"{cls.__doc__}\n\nDefaults: {start} (--preset NAME, --config FILE).")
+    try:
+        from ..reward import get_verifier
+
+        get_verifier(args.verifier)
+    except ImportError as err:
+        raise ConfigError(f"{field_path(cls, 'verifier')}: {err}") from err
+    check_engine(args.engine, field_path(cls, "engine"))
+    return run_generate(args)
+
+
+def _records(args: Any) -> list[Record]:
+    if args.examples:
+        return example_records()
+    if args.data:
+        records = read_records(args.data)
+        return records[:args.limit] if args.limit else records
+    return [Record([{"role": "user", "content": text}], "", f"--prompt {i}") for i, text in enumerate(args.prompt)]
+
+
+def run_generate(args: Any) -> list[PromptResult]:
+    """Sample `args.n` responses per prompt from `args.model`, print them with their verdicts, write `args.out`."""
+    from ..reward import get_verifier
+
+    check_model_dir(args.model, "--model")
+    checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
+                          "--max-prompt-length + --max-new-tokens", "error" if args.engine == "vllm" else "note")
+    env = init_distributed(args.device)
+    try:
+        tokenizer = checked.tokenizer
+        for note in checked.notes:
+            print(f"flashdapo generate: {note}", flush=True)
+        records = _records(args)
+        # Each record a prompt of its own (no dedup), truncated on the left as training does.
+        prompts = prompts_from_records(records, tokenizer, DataConfig(max_prompt_length=args.max_prompt_length,
+                                                                      dedup=False)).prompts
+        engine = build_engine(args, env, tokenizer)
+        sampling = EvalSampling(k=args.n, temperature=args.temperature, top_p=args.top_p,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                prompts_per_call=VLLM_PROMPTS_PER_CALL if args.engine == "vllm" else 1)
+        print(f"flashdapo generate: {len(prompts)} prompt(s) x {args.n} responses, {args.engine} engine on "
+              f"{env.device} (temperature {args.temperature}, top_p {args.top_p}, up to {args.max_new_tokens} new "
+              "tokens)", flush=True)
+        results = sample_prompts(engine, prompts, tokenizer, get_verifier(args.verifier), sampling)
+    finally:
+        shutdown()
+    texts = {r.source: r.messages[-1]["content"] for r in records}
+    for result in results:
+        print(format_result(result, texts.get(result.source, result.prompt), args.n), flush=True)
+    print(summary_line(results, args.out), flush=True)
+    if args.out:
+        write_jsonl(results, Path(args.out))
+    return results
+
+
+def format_result(result: PromptResult, text: str, n: int) -> str:
+    """A prompt (shortened; of a prompt in the DAPO template, the problem alone), its ground truth, then each
+    response with its length, how it ended and, where the ground truth is known, the verdict."""
+    head, _, tail = DAPO_TEMPLATE.partition("{problem}")
+    kind = "problem" if text.startswith(head) and text.endswith(tail) else "prompt"  # the template said once
+    shown = " ".join(_printable(text[len(head):len(text) - len(tail)] if kind == "problem" else text).split())
+    shown = shown if len(shown) <= PROMPT_CHARS else shown[:PROMPT_CHARS - 3] + "..."
+    truth = f"  ground truth: {result.ground_truth}" if result.ground_truth else ""
+    lines = ["", f"[{result.prompt_id + 1}] {result.source}{truth}", f"    {kind}: {shown}"]
+    for i, s in enumerate(result.samples, start=1):
+        verdict = ""
+        if result.ground_truth:
+            verdict = ": " + ("correct" if s.acc else "wrong") + (f" (answer {s.pred})" if s.pred else " (no answer)")
+        lines.append(f"  response {i}/{n} ({s.length} tokens, {s.finish_reason}){verdict}")
+        lines += ["    " + line for line in (_printable(s.response).strip() or "(empty)").splitlines()]
+    return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    """`text` with control characters (an untrained model samples any byte) shown as U+FFFD."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
+def summary_line(results: list[PromptResult], out: str) -> str:
+    judged = [s for r in results if r.ground_truth for s in r.samples]
+    correct = f"{sum(s.acc for s in judged)} of {len(judged)} responses correct" if judged else \
+        "no ground truth, no verdicts"
+    return f"\nflashdapo generate: {correct}" + (f"; written to {out}" if out else "")
+
+
+def write_jsonl(results: list[PromptResult], path: Path) -> None:
+    """One JSON object per prompt (PromptResult.to_dict: prompt, ground truth, each response judged)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in results), encoding="utf-8")
+
+
+__all__ = ["generate_args_class", "generate_main", "run_generate"]
