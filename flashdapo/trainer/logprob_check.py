@@ -59,13 +59,17 @@ def warn_logprob_mismatch(mean: float, worst: float, threshold: float) -> None:
 
 
 def logprob_agreement(step: int, batch: TrainBatch, rollout: RolloutConfig, warn: bool) -> dict[str, float]:
-    """Mean / max |logp_engine - logp_old| over every rank's kept tokens, when scheduled at `step` (the first
-    step is 1) and the engine reported log-probs; warns (when `warn`, e.g. on the main rank) above the
-    threshold. All ranks must call it together. Empty when not scheduled or without engine log-probs."""
+    """Mean / max |logp_engine - logp_old| over every rank's kept tokens sampled by this step's weights
+    (streaming's versions say which), when scheduled at `step` (the first step is 1) and the engine reported
+    log-probs; warns (when `warn`, e.g. on the main rank) above the threshold. All ranks must call it together. Empty when not scheduled or without engine log-probs."""
     sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
     if len(sampled) != len(batch.old_logprobs) or not should_check_logprobs(step, rollout.logprob_check_every, 1):
         return {}
-    local = torch.cat([(s.float() - o.float()).abs() for s, o in zip(sampled, batch.old_logprobs)] or
+    # Streaming may train tokens sampled by older weights (carried or rolled over): those differ by design
+    # (the rollout correction handles them); the check compares the tokens this step's weights sampled.
+    current = [v == step if g.versions is not None else torch.ones(len(r), dtype=torch.bool)
+               for g in batch.groups for v, r in zip(g.versions or [None] * g.size, g.responses)]
+    local = torch.cat([(s.float() - o.float()).abs()[m] for s, o, m in zip(sampled, batch.old_logprobs, current)] or
                       [torch.zeros(0)])
     stats = all_reduce(torch.tensor([local.sum().item(), float(local.numel())], dtype=torch.float64))
     peak = all_reduce(torch.tensor([local.max().item() if local.numel() else 0.0]), "max").item()

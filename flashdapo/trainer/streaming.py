@@ -131,37 +131,62 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     """Stream until train_batch informative groups are kept (globally), then deal them out; `state` carries
     what is left into the next step. `version`: the policy version sampling this step."""
     rc, tc = cfg.rollout, cfg.trainer
-    per_rank = max(1, (rc.max_in_flight or tc.gen_batch) // env.world_size)
     stats = StreamStats()
     sampling = SamplingParams(n=1, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                               max_new_tokens=rc.max_response_length, seed=derive_seed(tc.seed, step, 1))
-    kept: list[Group] = list(state.ready)
+    kept: list[Group] = list(state.ready)  # kept past the last step's target: first in line
     state.ready = []
     gen_sums = torch.zeros(4, dtype=torch.float64)  # correct, score, truncated, count over finished responses
-    pulls, started = 0, time.perf_counter()
     with timer("gen"):
         engine.open_stream(sampling)
         engine.submit(_resubmissions(state, version, cfg, stats, env.rank, step))
-        totals = None
-        while True:
+    pulls = _until_enough(step, state, sampler, engine, kept, gen_sums, stats, tokenizer, verifier, cfg, env, timer,
+                          version)
+    with timer("gen"):
+        _carry(state, engine.abort(), cfg, stats, version)
+    _check_bound(step, len(kept), cfg, env)
+    mini_batches, leftover = _deal_out([kept], cfg, env, with_leftover=True)
+    if cfg.algorithm.dynamic_sampling:  # past the target: first in line next step, in order
+        state.ready = leftover
+    _reduce(stats)
+    totals = all_reduce(gen_sums)
+    count = max(totals[3].item(), 1.0)
+    collected = Collected(mini_batches=mini_batches, num_gen_batches=pulls, groups_generated=stats.finished_groups,
+                          groups_informative=stats.finished_groups - stats.all_equal_groups
+                          if cfg.algorithm.dynamic_sampling else stats.finished_groups,
+                          gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
+                          gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups)
+    return collected, stats
+
+
+def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine, kept: list[Group],
+                  gen_sums: torch.Tensor, stats: StreamStats, tokenizer, verifier: Verifier, cfg: Config,
+                  env: DistEnv, timer: StageTimer, version: int) -> int:
+    """Top up, step the engine, score and filter finished groups into `kept`, until train_batch are kept on
+    all ranks together or nothing is left to run; the sampler batches pulled. One all-reduce per tick: every
+    rank takes every branch together."""
+    per_rank = max(1, (cfg.rollout.max_in_flight or cfg.trainer.gen_batch) // env.world_size)
+    pulls, started, totals = 0, time.perf_counter(), None
+    while True:
+        with timer("gen"):
             more = _wants_more(totals, cfg)
             submitted = _top_up(state, engine, per_rank, cfg, env.rank, step) if more else 0
             need_pull = more and not state.queue and len(state.pending) < per_rank
             totals = all_reduce(torch.tensor([len(kept), engine.pending(), int(need_pull), len(state.pending)]))
-            if int(totals[0]) >= tc.train_batch:
-                break
-            can_pull = cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches
-            if int(totals[2]) and can_pull:  # some rank is out of prompts: every rank pulls the next batch
+            if int(totals[0]) >= cfg.trainer.train_batch:
+                return pulls
+            if int(totals[2]) and (cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches):
                 if pulls and env.is_main:  # a progress line on long steps; a warning every 20 unbounded pulls
                     _report_round(step, pulls, int(totals[0]), cfg, time.perf_counter() - started)
-                state.pulls += 1
+                state.pulls += 1  # some rank is out of prompts: every rank pulls the next batch
                 state.queue += [((state.pulls, env.rank, i), p) for i, p in enumerate(sampler.next_batch())]
                 pulls += 1
                 continue
             if int(totals[1]) == 0 and not submitted:  # nothing in flight anywhere, nothing left to submit
-                break
+                return pulls
             stats.ticks += 1
             finished = engine.step()
+        if finished:
             with timer("reward"):
                 for group in _finish(state, finished, version, tokenizer, verifier, cfg, gen_sums, stats):
                     stats.finished_groups += 1
@@ -169,25 +194,15 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
                     stats.all_equal_groups += not informative  # counted with or without the filter
                     if informative or not cfg.algorithm.dynamic_sampling:
                         kept.append(group)
-        _carry(state, engine.abort(), cfg, stats, version)
-    _check_bound(step, len(kept), cfg, env)
-    mini_batches, leftover = _deal_out([kept], cfg, env, with_leftover=True)
-    if cfg.algorithm.dynamic_sampling:  # past the target: first in line next step, in order
-        state.ready = leftover
-    global_stats = all_reduce(torch.tensor([stats.finished_groups, stats.all_equal_groups, stats.carried,
-                                            stats.restarted, stats.dropped, int(gen_sums[3].item())]))
-    totals = all_reduce(gen_sums)
-    count = max(totals[3].item(), 1.0)
+
+
+def _reduce(stats: StreamStats) -> None:
+    """The step's stream figures summed (the carried age: the max) over ranks, in place."""
+    summed = all_reduce(torch.tensor([stats.finished_groups, stats.all_equal_groups, stats.carried, stats.restarted,
+                                      stats.dropped, stats.generated_tokens]))
     (stats.finished_groups, stats.all_equal_groups, stats.carried, stats.restarted, stats.dropped,
-     _) = (int(v) for v in global_stats.tolist())
-    stats.generated_tokens = int(all_reduce(torch.tensor([stats.generated_tokens])).item())
+     stats.generated_tokens) = (int(v) for v in summed.tolist())
     stats.carried_age_max = int(all_reduce(torch.tensor([stats.carried_age_max]), "max").item())
-    collected = Collected(mini_batches=mini_batches, num_gen_batches=pulls, groups_generated=stats.finished_groups,
-                          groups_informative=stats.finished_groups - stats.all_equal_groups
-                          if cfg.algorithm.dynamic_sampling else stats.finished_groups,
-                          gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
-                          gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups)
-    return collected, stats
 
 
 def _wants_more(totals: torch.Tensor | None, cfg: Config) -> bool:
