@@ -158,12 +158,12 @@ class ModelCheck:
     notes: list[str] = field(default_factory=list)
 
 
-def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str,
-                positions: str = "error") -> ModelCheck:
+def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str) -> ModelCheck:
     """Check the model at `path` against its tokenizer and the run's token budget, from config.json and the
     tokenizer files only: a supported architecture; the tokenizer's vocabulary, pad and eos ids inside the
-    model's embedding; `max_tokens` (prompt + response, named by `tokens_field`) within its positions
-    (`positions`: 'error' refuses, 'note' reports it); a chat template (else the plain one, noted)."""
+    model's embedding; `max_tokens` (prompt + response, named by `tokens_field`) within its positions (a
+    sample past them is out of the model's range: refused, for training and evaluation alike); a chat
+    template (else the plain one, noted)."""
     where = f"{field_name}={path}"
     config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     model_type = config.get("model_type")
@@ -176,11 +176,8 @@ def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str,
     notes = []
     limit = config.get("max_position_embeddings")
     if isinstance(limit, int) and max_tokens > limit:
-        message = (f"{tokens_field} = {max_tokens} tokens > max_position_embeddings={limit} of {path}/config.json "
-                   "(the model has no positions beyond)")
-        if positions == "error":
-            raise ModelDirError(f"{message}; lower them to fit")
-        notes.append(f"warning: {message}; a sample that long is out of the model's range")
+        raise ModelDirError(f"{tokens_field} = {max_tokens} tokens > max_position_embeddings={limit} of "
+                            f"{path}/config.json (the model has no positions beyond); lower them to fit")
     if not tokenizer.chat_template:
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
         notes.append(f"{path}: the tokenizer has no chat template; prompts use the plain one "
