@@ -4,9 +4,9 @@ Every such error (data, model directory, checkpoint, run directory, verifier out
 dynamic sampling) derives from `FlashdapoError`; its message alone says what went wrong, where, and what to
 do. The CLI prints it as one line, `flashdapo: error: <message>`, and exits with status 1 (config errors,
 `ConfigError`, with 2); `--debug` or `FLASHDAPO_DEBUG=1` shows the traceback instead. A full or read-only
-disk (OSError with a file name) is reported the same way, and so is a warning raised as an error (`python -W
-error`, or flashdapo's own under logging.warnings_as_errors: flashdapo/warning_lines.py). Anything else is a
-bug: its traceback is shown.
+disk, or a file the user may not access (OSError with a file name), is reported the same way, a denied
+permission named as such, and so is a warning raised as an error (`python -W error`, or flashdapo's own
+under logging.warnings_as_errors: flashdapo/warning_lines.py). Anything else is a bug: its traceback is shown.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def user_error_line(err: BaseException) -> str | None:
             return "flashdapo: " + " ".join(message.split())
     elif isinstance(err, Warning):  # python -W error: the warning's own line, as an error
         message = f"warning treated as an error: {err}"
+    elif isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM) and err.filename:
+        message = (f"{err.filename}: permission denied ({err.strerror}): the user running flashdapo may not "
+                   "access it; fix its permissions or ownership, or choose another path")
     elif isinstance(err, OSError) and err.errno in _DISK_ERRORS and err.filename:
         message = f"{err.filename}: {err.strerror}; free disk space or fix the permissions, then resume with " \
                   "--checkpoint.resume auto"

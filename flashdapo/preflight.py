@@ -165,8 +165,11 @@ class ModelCheck:
 def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str,
                 positions: str = "error") -> ModelCheck:
     """Check the model at `path` against its tokenizer and the run's token budget, from config.json and the
-    tokenizer files only: what `check_model_config` checks; the tokenizer's vocabulary, pad and eos ids
-    inside the model's embedding; a chat template (else the plain one, noted)."""
+    tokenizer files only: what `check_model_config` checks (a supported architecture; `max_tokens`, prompt +
+    response, named by `tokens_field`, within its positions: a sample past them is out of the model's range,
+    refused for training and evaluation alike); the tokenizer's vocabulary, pad and eos ids inside the
+    model's embedding; a chat template (else the plain one, noted). `positions`='note' only notes a budget past
+    the positions (`flashdapo generate` with the torch engine: a look at a model's answers)."""
     where = f"{field_name}={path}"
     config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     notes = check_model_config(config, where, max_tokens, tokens_field, positions, f"{path}/config.json")

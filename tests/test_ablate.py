@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -74,6 +75,13 @@ def test_smoke_two_arms_one_seed(tmp_path, capsys):
     assert all(r.skipped for r in again) and [r.history for r in again] == [r.history for r in runs]
     assert "reusing" in capsys.readouterr().out
     assert metrics == {n: (tmp_path / "arms" / n / "seed0" / "metrics.jsonl").read_text() for n in ARMS_RUN}
+
+    # A rerun of one arm keeps the other's finished row in the report.
+    report = (tmp_path / "ablation.md").read_text()
+    one = run_ablation(base, dataclasses.replace(opts, arms=ARMS_RUN[:1]))
+    assert [r.arm.name for r in one] == ARMS_RUN[:1] and one[0].skipped
+    assert "the report keeps 1 finished run(s) of other arms" in capsys.readouterr().out
+    assert (tmp_path / "ablation.md").read_text() == report
 
     # A different ladder in the same OUT is refused, not mixed in.
     with pytest.raises(AblationError, match="different config"):

@@ -139,3 +139,46 @@ def test_a_disk_error_is_one_line_naming_the_file_and_a_bug_is_not_hidden():
     assert user_error_line(full) == ("flashdapo: error: /runs/a/metrics.jsonl: No space left on device; free disk "
                                      "space or fix the permissions, then resume with --checkpoint.resume auto")
     assert user_error_line(KeyError("x")) is None and user_error_line(OSError(errno.ENOSPC, "no file")) is None
+
+
+def test_a_denied_permission_is_named_as_such():
+    from flashdapo.errors import user_error_line
+
+    denied = PermissionError(errno.EACCES, "Permission denied", "/data/train.parquet")
+    line = user_error_line(denied)
+    assert line.startswith("flashdapo: error: /data/train.parquet: permission denied (Permission denied): the user "
+                           "running flashdapo may not access it; fix its permissions") and "disk space" not in line
+
+
+def _without_read_permission(cmd: list[str]) -> list[str]:
+    """`cmd` run so that a file without read permission cannot be read: as is for a normal user; for root
+    (whom permissions do not stop) with the capabilities that override them dropped; skipped if neither."""
+    if os.geteuid() != 0:
+        return cmd
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: cannot make a file unreadable")
+    drop = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *cmd]
+
+
+def test_unreadable_weights_are_a_denied_permission_not_a_missing_file(tmp_path):
+    """safetensors reports a weight file it may not read as 'No such file or directory': the model check
+    names the denied permission instead."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (model / "tokenizer.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + b" " * 14)
+    weights.chmod(0)
+    (tmp_path / "d.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    cmd = _without_read_permission([sys.executable, "-m", "flashdapo", "eval", "--model", str(model), "--data",
+                                    str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLASHDAPO_DEBUG": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("flashdapo:")]
+    assert proc.returncode == 1 and lines == [f"flashdapo: error: {weights}: permission denied: the user running "
+                                              "flashdapo may not read it; fix its permissions (e.g. chmod a+r, a+x "
+                                              "for a directory) or ownership"], proc.stderr[-3000:]

@@ -179,12 +179,21 @@ def test_a_tokenizer_without_chat_template_gets_the_plain_one(tmp_path):
     assert kept.tokenizer.chat_template != PLAIN_CHAT_TEMPLATE and not kept.notes
 
 
-def test_eval_with_the_torch_engine_notes_a_budget_past_the_positions(tmp_path):
-    checked = check_model(str(model_dir(tmp_path / "m", positions=32)), "--model", 40, "--max-prompt-length + "
-                          "--max-new-tokens", positions="note")
-    assert checked.notes == [f"warning: --max-prompt-length + --max-new-tokens = 40 tokens > max_position_embeddings"
-                             f"=32 of {tmp_path / 'm'}/config.json (the model has no positions beyond); a sample "
-                             "that long is out of the model's range"]
+@pytest.mark.parametrize("engine", ["torch", "vllm"])
+def test_eval_refuses_a_budget_past_the_positions_as_train_does(tmp_path, capsys, monkeypatch, engine):
+    monkeypatch.setenv("FLASHDAPO_DEBUG", "0")
+    model = model_dir(tmp_path / "m", positions=32)
+    capsys.readouterr()
+    argv = ["eval", "--model", str(model), "--data", str(train_file(tmp_path / "d.jsonl")), "--out",
+            str(tmp_path / "o"), "--max-new-tokens", "8", "--max-prompt-length", "32", "--engine", engine,
+            "--no-progress"]
+    if engine == "vllm" and not installed("vllm"):
+        pytest.skip("vLLM is not installed")
+    assert main(argv) == 1
+    assert _error_line(capsys).strip() == (f"flashdapo: error: --max-prompt-length + --max-new-tokens = 40 tokens > "
+                                   f"max_position_embeddings=32 of {model}/config.json (the model has no positions "
+                                   "beyond); lower them to fit")
+    assert not (tmp_path / "o" / "samples.jsonl").exists()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ with `checkpoint.resume auto`: a rerun of the ladder skips every run whose
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -81,9 +82,33 @@ def run_ablation(base: Config, opts: AblateOptions, log: Callable[[str], None] =
         run = _run_arm(arm, seed, cfg)
         runs.append(run)
         log(progress_line(number, len(plan), run, time.perf_counter() - started))
-    md, png = write_report(out, runs, stats, base)
+    kept = finished_elsewhere(base, opts, base_dir, plan)
+    if kept:
+        names = ", ".join(dict.fromkeys(f"{r.arm.name}" for r in kept))
+        log(f"ablation: the report keeps {len(kept)} finished run(s) of other arms in {out} ({names})")
+    md, png = write_report(out, runs + kept, stats, base)
     log(f"ablation: wrote {md} and {png}")
     return runs
+
+
+def finished_elsewhere(base: Config, opts: AblateOptions, base_dir: Path,
+                       plan: list[tuple[Arm, int, Config]]) -> list[ArmRun]:
+    """Runs of arms this call does not run that an earlier `flashdapo ablate` finished in the same OUT with
+    the config this ladder gives them (their arm.json): a rerun of some arms keeps the others' rows in the
+    report. A run finished with another config (another ladder) is left out."""
+    out, asked = Path(opts.out), {arm.name for arm, _, _ in plan}
+    seeds = {a.name: [int(p.name[4:]) for p in (out / "arms" / a.name).glob("seed*") if p.name[4:].isdigit()]
+             for a in ARMS if a.name not in asked}
+    others = [name for name, found in seeds.items() if found]
+    if not others:
+        return []
+    wider = dataclasses.replace(opts, arms=others, seeds=max(max(seeds[n]) for n in others) + 1)
+    kept = []
+    for arm, seed, cfg in planned_runs(base, wider, base_dir):
+        marker = Path(cfg.logging.run_dir) / DONE_MARKER
+        if marker.is_file() and json.loads(marker.read_text()).get("config") == cfg.to_dict():
+            kept.append(_run_arm(arm, seed, cfg))  # finished: read back, nothing rerun
+    return kept
 
 
 def _base_stats(base: Config, base_dir: Path, opts: AblateOptions, out: Path, log) -> BaseStatistics:

@@ -10,6 +10,9 @@ from typing import Annotated, Literal
 from ..kernels import KernelImpl
 from .checks import Check, NonNegative, Positive, PositiveFloat, Rule, Section, ge
 
+HEARTBEAT_MIN_S = 1.0
+"""The shortest logging.heartbeat_s: a line per second at most."""
+
 
 @dataclass
 class OptimConfig(Section):
@@ -76,6 +79,10 @@ class TrainerConfig(Section):
     collective_timeout_s: Positive = 1800
     """Seconds a collective may wait for the other ranks before it fails: a backstop for a rank that
     hangs without raising (a rank that raises ends the job at once)."""
+    setup_timeout_s: Positive = 120
+    """Seconds a collective of the start-up checks (the run directory every rank must see, the checkpoint
+    rank 0 resumes from) may wait for the other ranks: ranks that disagree at start fail within this,
+    not after collective_timeout_s. Loading the model and later collectives use collective_timeout_s."""
     max_skipped_steps: Positive = 5
     """Consecutive optimizer steps skipped for a non-finite loss or gradient norm before the run stops
     (naming the step and the newest good checkpoint)."""
@@ -131,9 +138,11 @@ class LoggingConfig(Section):
     disabled."""
     progress: bool = True
     """Print one line per step (rank 0)."""
-    heartbeat_s: Annotated[float, ge(0)] = 60.0
+    heartbeat_s: Annotated[float, Check(lambda s, low=HEARTBEAT_MIN_S: s == 0 or s >= low,
+                                        f"0 (never) or at least {HEARTBEAT_MIN_S:g} seconds")] = 60.0
     """A step still running after this many seconds prints a line naming the stage it is in and how long it
-    has run, and again every as many seconds (rank 0; 0: never)."""
+    has run, and again every as many seconds (rank 0; 0: never; at least 1 s: shorter would flood the log
+    with lines that say nothing new)."""
     dump_rollouts_every: NonNegative = 0
     """Every N steps write the step's rollouts (prompt, responses, scores, advantages, trained / filtered /
     unused) and, at validations on such steps, the validation generations as jsonl under RUN_DIR/rollouts/

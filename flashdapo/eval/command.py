@@ -147,10 +147,12 @@ def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
 
         rollout = RolloutConfig(engine="vllm", tensor_parallel_size=args.tensor_parallel_size,
                                 kv_cache_gib=getattr(args, "kv_cache_gib", 0.0))
+        out = getattr(args, "out", None)
         engine = VLLMEngine(rollout, args.model, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                             dtype="bfloat16" if env.device.type == "cuda" else "float32",
                             max_model_len=args.max_prompt_length + args.max_new_tokens,
-                            seed=args.seed, dummy_weights=False, vllm_module=vllm_module)
+                            seed=args.seed, dummy_weights=False, vllm_module=vllm_module,
+                            error_log=Path(out) / f"vllm-error.rank{env.rank}.log" if out else None)
         before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
         return engine
     from transformers import AutoModelForCausalLM
@@ -191,9 +193,10 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     from ..reward import get_verifier
 
     check_model_dir(args.model, "--model")
-    # vLLM refuses a model length over the model's positions; the torch engine samples on, out of its range.
+    # As train does: a sample past the model's positions is out of its range (vLLM refuses it; the torch
+    # engine would sample on, silently).
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
-                          "--max-prompt-length + --max-new-tokens", "error" if args.engine == "vllm" else "note")
+                          "--max-prompt-length + --max-new-tokens")
     env = init_distributed(args.device)
     failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
     failfast.watch()

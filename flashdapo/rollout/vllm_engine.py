@@ -34,8 +34,9 @@ The choices, before the code:
   CUDA (vLLM 0.33.0): sleep mode exists only where vLLM's platform has it (`platforms/interface.py`
   `is_sleep_mode_available`: CUDA, ROCm, XPU; vLLM refuses `enable_sleep_mode` elsewhere), otherwise
   `sleep` is a no-op (logged once) and weights and KV cache stay resident. On CPU the KV cache gets an
-  explicit budget (`vllm_process.cpu_kv_cache_bytes`) and the model runs eagerly. The start-up line
-  names the vLLM version, platform, sleep mode and KV budget.
+  explicit budget (`vllm_process.cpu_kv_cache_bytes`), the model runs eagerly and chunked prefill is off
+  (a split prompt crashes the seeded CPU sampler). Budgets are checked before start (`vllm_bounds.py`).
+  The start-up line names the vLLM version, platform, sleep mode and KV budget.
 - **Memory.** `sleep(level)` after generating: 2 (the default) discards the weights, 1 offloads them to
   pinned CPU memory and copies them back at wake, wasted work when every weight is pushed anyway; both
   free the KV cache. `sleep` is called whenever the weights are awake, also when the KV cache still
@@ -73,12 +74,14 @@ import importlib
 import time
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import RolloutConfig
 from .base import Completion, Request, Rollouts, SamplingParams, WeightSource, derive_seed
+from .vllm_bounds import bound_engine, reported
 from .vllm_outputs import sampled_logprobs, to_rollouts
 from .vllm_platform import (
     VLLM_VERSION_READ,
@@ -88,7 +91,6 @@ from .vllm_platform import (
     warn_if_untested,
 )
 from .vllm_process import (
-    cpu_kv_cache_bytes,
     gpu_memory,
     keep_trainer_state,
     local_world_size,
@@ -99,7 +101,6 @@ from .vllm_stream import VLLMStream
 from .vllm_weights import push_weights, vllm_target
 
 __all__ = ["VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "VLLMEngine", "tp_layout", "to_rollouts", "vllm_target"]
-
 
 
 def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, list[int]]:
@@ -157,12 +158,13 @@ class VLLMEngine:
                  local_rank: int | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  seed: int = 0, dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
                  vllm_module: Any = None, verify_push: Callable[[VLLMEngine], None] | None = None,
-                 **llm_kwargs: Any) -> None:
+                 error_log: Path | None = None, **llm_kwargs: Any) -> None:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
         the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
-        (trainer/logprob_check.py `PushCheck`); `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is
-        merged into the fp32 head override)."""
+        (trainer/logprob_check.py `PushCheck`); `error_log` receives the traceback of an engine failure (which
+        ends in one line, vllm_bounds.py); `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged
+        into the fp32 head override)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
@@ -179,13 +181,10 @@ class VLLMEngine:
                       logprobs_mode="processed_logprobs", dtype=dtype, enable_prefix_caching=True,
                       seed=derive_seed(seed, self.dp_group) % 2**31,  # same in a TP group; < 2**31 for NumPy
                       hf_overrides={"head_dtype": "float32", **llm_kwargs.pop("hf_overrides", {})})
-        if config.kv_cache_gib > 0:
-            kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * 2**30)
-        if platform.is_cpu():  # host RAM is shared by every rank of the node; no graphs to compile for
+        if platform.is_cpu():
             check_head_dim(model_path, self._vllm)
-            kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(config.gpu_memory_utilization,
-                                                                          local_world_size(world_size)))
-            kwargs["enforce_eager"] = True
+        notes = bound_engine(kwargs, config, model_path, dtype, max_model_len, platform.is_cpu(),
+                             local_world_size(world_size))  # KV cache, token budget: vllm_bounds.py
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if dummy_weights:
@@ -193,8 +192,11 @@ class VLLMEngine:
         kwargs.update(llm_kwargs)
         warn_if_untested(self._vllm)
         set_launcher_env(rank, rank if local_rank is None else local_rank)
+        for note in notes if rank == 0 else []:
+            print(f"flashdapo: {note}", flush=True)
         start = time.perf_counter()
-        with keep_trainer_state() as kept:
+        self.rank, self.error_log = rank, error_log
+        with reported("starting", rank, error_log), keep_trainer_state() as kept:
             self.llm = self._vllm.LLM(model=model_path, **kwargs)
         self.start_s = time.perf_counter() - start
         self._vllm_threads = kept.vllm_threads
@@ -337,7 +339,7 @@ class VLLMEngine:
         everyone = [p for part in group_prompts for p in part]
         params = [self._sampling_params(sampling, i) for i in range(len(everyone))]
         self._cache_used = True
-        with torch_threads(self._vllm_threads):
+        with reported("generating", self.rank, self.error_log), torch_threads(self._vllm_threads):
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], params, use_tqdm=False)
         return to_rollouts(outputs[start: start + len(mine)], mine, sampling.n)
 
@@ -351,7 +353,7 @@ class VLLMEngine:
         self._wake_kv_cache()
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         self._cache_used = True
-        with torch_threads(self._vllm_threads):
+        with reported("scoring", self.rank, self.error_log), torch_threads(self._vllm_threads):
             outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         return [sampled_logprobs(seq[1:], out.prompt_logprobs[1:]) for seq, out in zip(sequences, outputs,
                                                                                        strict=True)]
@@ -380,8 +382,9 @@ class VLLMEngine:
         self._open_stream().submit(requests)
 
     def step(self) -> list[Completion]:
-        """One vLLM step; this rank's requests that finished in it (`VLLMStream.step`)."""
-        return self._open_stream().step()
+        """One vLLM step; this rank's requests that finished in it (`VLLMStream.step`); a failure is one line."""
+        with reported("generating", self.rank, self.error_log):
+            return self._open_stream().step()
 
     def abort(self) -> list[Completion]:
         """End the stream; this rank's unfinished requests with what they sampled (`VLLMStream.abort`)."""

@@ -3,10 +3,11 @@
 A checkpoint is a directory `checkpoints/step_XXXXXXXX/` holding a `torch.distributed.checkpoint`
 (DCP) save of model + optimizer (sharded, so it reloads at any world size), `trainer_state.pt` (step,
 run id, LR schedule, data position, the run's settings: run_settings.py), one `rng_rank{r}.pt` per rank
-(torch, CUDA, numpy, python), and a `COMPLETE` marker (JSON: step, world size, run id). It is written under `step_XXXXXXXX.tmp/` and renamed
-into place only once every rank has finished, so a crash mid-save never leaves a directory that
-`--resume auto` would pick; a failed save (a full disk) removes its temporary directory and leaves every
-older checkpoint as it was.
+(torch, CUDA, numpy, python), and a `COMPLETE` marker (JSON: step, world size, run id). It is written
+under `step_XXXXXXXX.tmp/` and renamed into place only once every rank has finished and rank 0 sees every
+rank's files (where nodes do not share the run directory, a rank's shards land on its own disk: refused),
+so a crash mid-save never leaves a directory that `--resume auto` would pick; a failed save (a full disk)
+removes its temporary directory and leaves every older checkpoint as it was.
 
 `trainer_state.pt` and the RNG files hold only tensors, numbers, strings, lists and dicts, and are read
 with `torch.load(weights_only=True)`: loading a checkpoint never unpickles arbitrary objects (a crafted
@@ -41,7 +42,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..collectives import all_reduce, barrier
+from ..collectives import all_gather_objects, all_reduce, barrier
 from ..errors import FlashdapoError
 from .distributed import DistEnv
 
@@ -167,6 +168,12 @@ def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: to
             torch.save(dataclasses.asdict(state), tmp / "trainer_state.pt")
 
     def publish() -> None:
+        unseen = unseen_shards(tmp, env.world_size)
+        if unseen:
+            raise CheckpointError(f"rank 0 does not see every rank's files in {tmp} (missing: {', '.join(unseen[:4])}"
+                                  f"{', ...' if len(unseen) > 4 else ''}): each rank wrote its shard into a directory "
+                                  "of the same name on its own disk; the run directory must be one storage every "
+                                  "rank sees (a filesystem all nodes share, an absolute logging.run_dir)")
         marker = {"step": state.step, "world_size": env.world_size, "run_id": state.run_id, "time": time.time()}
         _write_synced(tmp / MARKER, json.dumps(marker))
         if final.exists():  # this run's own checkpoint of the same step (resumed from an older one)
@@ -183,22 +190,40 @@ def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: to
 
 def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path, tmp: Path) -> None:
     """Run this rank's part of a save; if any rank failed, remove the temporary directory and raise one
-    CheckpointError on every rank (no rank is left waiting in a collective)."""
+    CheckpointError on every rank, with the first failed rank's reason (no rank is left waiting in a
+    collective, and whichever rank reports it names the real cause)."""
     error: BaseException | None = None
     try:
         if action is not None:
             action()
     except (OSError, RuntimeError, ValueError, CheckpointException) as err:
         error = err
-    failed = all_reduce(torch.tensor([float(error is not None)]), "max").item() > 0
+    reasons = all_gather_objects("" if error is None else
+                                 str(error) if isinstance(error, CheckpointError) else write_failure(error))
+    failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason]
     if not failed:
         return
     barrier()
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    reason = write_failure(error) if error is not None else "a write failed on another rank"
-    raise CheckpointError(f"cannot write checkpoint {final}: {reason}. Older checkpoints are intact; free disk "
-                          f"space (or fix the error), then continue with --checkpoint.resume auto") from error
+    rank, reason = failed[0]
+    where = f" (rank {rank})" if env.world_size > 1 else ""
+    raise CheckpointError(f"cannot write checkpoint {final}{where}: {reason}. Older checkpoints are intact; free "
+                          f"disk space (or fix the error), then continue with --checkpoint.resume auto") from error
+
+
+def unseen_shards(path: Path, world_size: int) -> list[str]:
+    """The files of a checkpoint being written that rank 0 cannot see: a rank's RNG state, or a data file the
+    DCP metadata (written by rank 0 from every rank's report) names, missing or shorter than recorded."""
+    unseen = [f"rng_rank{r}.pt" for r in range(world_size) if not (path / f"rng_rank{r}.pt").is_file()]
+    sizes: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(sizes.items()):
+        file = path / name
+        if not file.is_file() or file.stat().st_size < size:
+            unseen.append(name)
+    return unseen
 
 
 def all_finite(model: nn.Module) -> bool:

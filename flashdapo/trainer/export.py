@@ -22,11 +22,12 @@ EXPORT_MANIFEST = ".flashdapo-export.json"
 
 
 def export_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config, tokenizer, out_dir: Path,
-              is_main: bool, shard_bytes: int = 2 << 30) -> None:
+              is_main: bool, shard_bytes: int = 2 << 30, step: int | None = None) -> None:
     """Write an HF-format model directory (sharded safetensors + index, config, tokenizer).
 
     `named_tensors` yields full tensors one at a time on every rank (gathered from FSDP2 shards);
     rank 0 buffers at most `shard_bytes` on CPU before writing a file, never a whole second copy.
+    `step`, the training step of the weights, is recorded in the manifest (`exported_step`).
     """
     from safetensors.torch import save_file
 
@@ -47,8 +48,17 @@ def export_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config, toke
         weight_map[name] = len(files) - 1
         buffered += tensor.numel() * tensor.element_size()
     if is_main:
-        _finish_export(files, weight_map, tmp, out_dir, hf_config, tokenizer, save_file)
+        _finish_export(files, weight_map, tmp, out_dir, hf_config, tokenizer, save_file, step)
     barrier()
+
+
+def exported_step(out_dir: Path) -> int | None:
+    """The training step of the complete export in `out_dir` (its manifest's), None without one."""
+    try:
+        step = json.loads((out_dir / EXPORT_MANIFEST).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def _shard_name(index: int, total: int) -> str:
@@ -61,7 +71,8 @@ def _flush(files: list[dict[str, torch.Tensor]], tmp: Path, save_file) -> None:
     files.append({})
 
 
-def _finish_export(files, weight_map, tmp: Path, out_dir: Path, hf_config, tokenizer, save_file) -> None:
+def _finish_export(files, weight_map, tmp: Path, out_dir: Path, hf_config, tokenizer, save_file,
+                   step: int | None) -> None:
     if files[-1]:
         save_file(files[-1], str(tmp / f"part-{len(files) - 1:05d}.safetensors"), metadata={"format": "pt"})
     else:
@@ -78,17 +89,17 @@ def _finish_export(files, weight_map, tmp: Path, out_dir: Path, hf_config, token
         hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    _publish_export(tmp, out_dir)
+    _publish_export(tmp, out_dir, step)
 
 
-def _publish_export(tmp: Path, out_dir: Path) -> None:
+def _publish_export(tmp: Path, out_dir: Path, step: int | None = None) -> None:
     """Move a finished export from `tmp` into `out_dir`, replacing the previous export's files and nothing else.
 
     The previous export's files are those its manifest (EXPORT_MANIFEST) lists; an export without one (an older
     flashdapo's) counts its weight files, model*.safetensors and their index. A user's own files stay. The
     manifest is removed first and written last, so an interrupted publish never claims a mixed directory."""
     written = sorted(p.name for p in tmp.iterdir())
-    (tmp / EXPORT_MANIFEST).write_text(json.dumps({"files": written}, indent=1) + "\n")
+    (tmp / EXPORT_MANIFEST).write_text(json.dumps({"files": written, "step": step}, indent=1) + "\n")
     if not out_dir.exists():
         os.replace(tmp, out_dir)
         return

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..errors import debug_requested, user_error_line
+from ..errors import FlashdapoError, debug_requested, user_error_line
 
 _EXIT_STATUS = 1
 
@@ -90,10 +90,10 @@ class FailFast:
             elif first:
                 print(f"flashdapo: rank {self.rank} failed; stopping every rank", file=sys.stderr, flush=True)
                 traceback.print_exception(err, file=sys.stderr)
-            else:
+            elif not (isinstance(err, FlashdapoError) and err.every_rank):  # raised together: said once above
                 print(f"flashdapo: rank {self.rank} stops ({type(err).__name__}) after rank "
                       f"{self._first_rank()} failed (its error is above)", file=sys.stderr, flush=True)
-            _exit()
+            _exit(getattr(err, "exit_status", _EXIT_STATUS) if isinstance(err, FlashdapoError) else _EXIT_STATUS)
 
     def _count_in(self) -> bool:
         try:
@@ -142,10 +142,10 @@ def lost_peer_line(err: BaseException) -> str | None:
             "code); resume with --checkpoint.resume auto")
 
 
-def _exit() -> None:
+def _exit(status: int = _EXIT_STATUS) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(_EXIT_STATUS)
+    os._exit(status)
 
 
 __all__ = ["FailFast"]

@@ -16,7 +16,10 @@ failure is the one line reported (failfast.py), not a launcher's bare kill.
 
 Under torchrun the launcher forwards SIGINT to every worker; at each step's end the ranks agree on stopping
 (a max all-reduce of one flag), so every rank stops after the same step and the save is collective as usual.
-A signal during setup or the final export stops at once (no step to finish).
+A signal during setup stops at the end of setup's current stage (there is no step to finish or save; a
+rank that stops there ends the others, failfast.py); one during the validation before step 1 or the final
+export, once it is done. The signal handler only sets a flag, checked at those safe points: an exception
+raised from a handler can land in a finalizer, which swallows it (`StopOnInterrupt`).
 """
 
 from __future__ import annotations
@@ -55,12 +58,18 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopOnInterrupt:
-    """SIGINT and SIGTERM handling around a run (main thread only; elsewhere Python delivers no signals)."""
+    """SIGINT and SIGTERM handling around a run (main thread only; elsewhere Python delivers no signals).
+
+    The first signal only sets a flag (and prints a notice): the run checks it at its safe points, the end of
+    each step (`agreed`) and between the stages of setup, the validation before step 1 and after the export
+    (`check`). A handler that raised could raise inside whatever runs at that moment, a finalizer included,
+    where Python prints "Exception ignored in ..." and goes on: the stop would be lost. A second signal
+    raises at once; should that exception be swallowed, the flag still stops the run at the next safe point."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        self.is_main = False
-        """Whether this rank prints the notice of a first signal (rank 0, once the run is set up)."""
+        self.is_main = os.environ.get("RANK", "0") == "0"
+        """Whether this rank prints the notice of a first signal (rank 0)."""
         self.phase = "setup"
         """What runs now: 'setup', 'step N' (a signal then waits for the step's end) or 'the export'."""
         self.requested = False
@@ -79,15 +88,31 @@ class StopOnInterrupt:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.phase.startswith("step") and not self.requested:
+        if not self.requested:
             self.requested, self.signum = True, signum
             if self.is_main:
-                _notice(f"flashdapo: {_signal_name(signum)}: stopping after {self.phase} (its checkpoint is saved "
-                        "then); Ctrl-C again stops at once, without it\n")
+                step = self.phase.startswith("step")
+                then = f"after {self.phase} (its checkpoint is saved then)" if step else \
+                    f"at the next safe point of {self.phase}"
+                _notice(f"flashdapo: {_signal_name(signum)}: stopping {then}; Ctrl-C again stops at once"
+                        f"{', without it' if step else ''}\n")
             return
-        newest = latest_checkpoint(self.run_dir)
-        raise Interrupted(f"stopped by {_signal_name(signum)} during {self.phase}, without a checkpoint of it; the "
-                          f"newest checkpoint is {newest or 'none'}; resume with --checkpoint.resume auto", signum)
+        raise self.interrupted(finished=False)
+
+    def interrupted(self, finished: bool) -> Interrupted:
+        """The error of a stop outside a step's end, where no checkpoint is taken. `finished`: the phase
+        completed (a safe point after it), else it was cut short (a second signal)."""
+        name, newest = _signal_name(self.signum), latest_checkpoint(self.run_dir)
+        if finished and self.phase == "the export":
+            return Interrupted(f"stopped by {name} during the export, once it was written: the run is complete "
+                               f"(its newest checkpoint is {newest or 'none'})", self.signum)
+        return Interrupted(f"stopped by {name} during {self.phase}, without a checkpoint of it; the newest "
+                           f"checkpoint is {newest or 'none'}; resume with --checkpoint.resume auto", self.signum)
+
+    def check(self) -> None:
+        """A safe point outside a step: raise Interrupted if a stop was asked for (on this rank)."""
+        if self.requested:
+            raise self.interrupted(finished=True)
 
     def agreed(self) -> bool:
         """Whether any rank was asked to stop (every rank calls this at the same point of each step); every

@@ -46,15 +46,17 @@ def train(cfg) -> Run:
     """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks.
     Ctrl-C stops after the running step and its checkpoint, raising Interrupted (interrupt.py)."""
     with StopOnInterrupt(Path(cfg.logging.run_dir)) as stop:
-        run = setup_run(cfg)
+        run = setup_run(cfg, stop.check)  # a stop asked for during setup raises at its next stage
         stop.is_main = run.env.is_main
         try:
             stopped_at = train_steps(run, stop)
-            if stopped_at is None and cfg.checkpoint.export_hf:
+            if stopped_at is None and cfg.checkpoint.export_hf and run.needs_export():
                 stop.phase = "the export"
                 export_hf(run.full_state_dict(), run.export_config(), run.tokenizer, run.run_dir / "export",
-                          run.env.is_main)
+                          run.env.is_main, step=run.final_step)
                 run.log(f"exported the final policy to {run.run_dir / 'export'}")
+            if stopped_at is None:
+                stop.check()
         except BaseException as err:
             run.close(err)
             raise
@@ -71,6 +73,7 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
     if run.start_step == 0 and cfg.trainer.val_before_train:
         stop.phase = "the validation before step 1"
         run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0)})
+        stop.check()
     for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
         stop.phase = f"step {step}"
         metrics = train_step(run, step)

@@ -1,13 +1,17 @@
 """Resuming a run honestly: only this run's checkpoints, only with the settings it was trained with.
 
-- **Which checkpoint.** A run directory holds one run, named by the id in its `run.json` (rundir.py).
-  `--checkpoint.resume auto` takes the newest complete checkpoint: if its COMPLETE marker names another run
-  (a checkpoint copied into checkpoints/) the resume is refused with one line; another run's checkpoints older
-  than this run's newest are skipped with a warning. A damaged checkpoint is not another run's: a marker
-  that does not parse names no run, so it is not judged here, and loading skips it (checkpoint.py) for the
-  newest one of this run that loads. A directory without run.json (a new one, or one written by an older
-  flashdapo) adopts the run of the newest readable marker. `--checkpoint.resume PATH` of another run than
-  the directory's is refused too: resume it in a run directory of its own.
+- **Which checkpoint.** A run directory holds one run, named by the id in its `run.json` (rundir.py) and in
+  each checkpoint's COMPLETE marker. `--checkpoint.resume auto` takes the newest complete checkpoint, once
+  the markers agree: checkpoints of two runs in checkpoints/ (one copied in, or run.json lost), or of
+  another run than run.json's, are refused in one line naming each run and its checkpoints, with or without
+  run.json, since nothing could tell which of them to continue. A damaged checkpoint is not another
+  run's: a marker that does not parse names no run, so it is not judged here, and loading skips it
+  (checkpoint.py) for the newest one of this run that loads. A directory without run.json (a new one, or one
+  written by an older flashdapo) adopts the one run its markers name. `--checkpoint.resume PATH` of
+  another run than the directory's is refused too: resume it in a run directory of its own.
+- **Which prompts next.** The checkpoint's position in the prompt order continues, unless an accepted change
+  gave the run other data or another order (data.train_files, trainer.seed, data.shuffle, ...): the order
+  then restarts over this run's data, said in one line.
 - **Same settings.** Each checkpoint records the settings that shape the run (run_settings.py); a resume
   with other settings is refused naming each `old -> new`, unless `checkpoint.allow_changes` accepts them.
 - **Optimizer settings are this run's.** The restored optimizer and LR schedule take this run's `optim`
@@ -25,9 +29,13 @@ from typing import Any
 import torch
 
 from ..config import Config, OptimConfig
+from ..data import PromptSampler
 from .checkpoint import TrainerState, load_first_loadable, marker_run_id
 from .distributed import DistEnv
 from .run_settings import ResumeRefused, compare_settings, describe_changes
+
+_ORDER_KEYS = ("num_prompts", "seed", "shuffle")
+"""What fixes the prompt order besides the data (PromptSampler.state_dict)."""
 
 
 @dataclass
@@ -40,30 +48,49 @@ class Resumed:
     """Settings changed from the checkpoint's, accepted by checkpoint.allow_changes: (field, old, new)."""
 
 
-def own_checkpoints(candidates: list[Path], dir_run_id: str | None, explicit: bool,
-                    warn: Callable[[str], None]) -> list[Path]:
-    """The candidates (newest first) this run may resume from (module docstring); ResumeRefused if the one
-    it would take belongs to another run. Damaged ones (their marker names no run) are kept for loading to
-    skip, with a line saying what is wrong."""
+def own_checkpoints(candidates: list[Path], dir_run_id: str | None, explicit: bool) -> list[Path]:
+    """The candidates (newest first) this run may resume from (module docstring): ResumeRefused when the
+    readable markers name more than one run, or another run than the directory's run.json. Damaged ones
+    (their marker names no run) are kept for loading to skip, with a line saying what is wrong."""
     ids = {path: marker_run_id(path) for path in candidates}
-    readable = [path for path in candidates if ids[path] is not None]
-    if not readable:
+    runs: dict[str, list[str]] = {}
+    for path in candidates:
+        if ids[path] is not None:
+            runs.setdefault(ids[path], []).append(path.name)
+    if not runs:
         return candidates
-    newest, newest_id = readable[0], ids[readable[0]]
-    owner = dir_run_id if dir_run_id is not None else newest_id
-    if newest_id != owner:
-        which = "newest checkpoint" if newest is candidates[0] else "newest checkpoint with a readable marker"
-        what = f"checkpoint {newest}" if explicit else f"the {which}, {newest},"
-        fix = ("resume it in a run directory of its own (an empty --logging.run-dir)" if explicit else
-               "move it out of checkpoints/ (or resume it in a run directory of its own, with "
-               "--checkpoint.resume PATH)")
-        raise ResumeRefused(f"{what} belongs to run {newest_id or '(unrecorded)'}, but this run directory holds run "
-                            f"{owner} (its run.json); resuming it would splice two runs: {fix}")
-    foreign = [path for path in readable if ids[path] != owner]
-    if foreign:
-        warn(f"warning: skipping {len(foreign)} checkpoint(s) of another run in checkpoints/ "
-             f"({', '.join(p.name for p in foreign)}): resume auto only continues this run ({owner})")
-    return [path for path in candidates if path not in foreign]
+    if explicit:
+        (path,), (run,) = candidates, runs
+        if dir_run_id is not None and run != dir_run_id:
+            raise ResumeRefused(f"checkpoint {path} belongs to run {run or '(unrecorded)'}, but this run directory "
+                                f"holds run {dir_run_id} (its run.json); resuming it would splice two runs: resume it "
+                                "in a run directory of its own (an empty --logging.run-dir)")
+        return candidates
+    if len(runs) > 1 or (dir_run_id is not None and dir_run_id not in runs):
+        named = "; ".join(f"run {run or '(unrecorded)'}: {', '.join(names)}" for run, names in runs.items())
+        record = (f"its run.json records run {dir_run_id}" if dir_run_id is not None else
+                  "no run.json says which run this directory holds")
+        raise ResumeRefused(f"{candidates[0].parent} holds checkpoints of {len(runs)} run(s) ({named}) and {record}; "
+                            "resuming would splice two runs: move the other run's checkpoints out of checkpoints/ (or "
+                            "resume one of them with --checkpoint.resume PATH in a run directory of its own)")
+    return candidates
+
+
+def restore_sampler(sampler: PromptSampler, resumed: Resumed, log: Callable[[str], None]) -> None:
+    """Continue the checkpoint's position in the prompt order, unless an accepted change (data.*,
+    trainer.seed) gave this run other data or another order: the order then restarts at the first prompt of
+    this run's data, said in one line. Without such a change a different order is refused (DataError)."""
+    state, mine = resumed.state.sampler, sampler.state_dict()
+    differ = [key for key in _ORDER_KEYS if key in state and state[key] != mine[key]]
+    new_data = [p for p, _, _ in resumed.changes if p in ("data.train_files", "data.task") or p.count(".") >= 2 and
+                p.startswith("data.")]
+    accepted = [p for p, _, _ in resumed.changes if p.startswith("data.") or p == "trainer.seed"]
+    if not accepted or not (differ or new_data):
+        sampler.load_state_dict(state)
+        return
+    log(f"{', '.join(accepted)} changed (checkpoint.allow_changes): the prompt order restarts at the first prompt of "
+        f"this run's data ({mine['num_prompts']} prompts) instead of the checkpoint's position (epoch "
+        f"{state.get('epoch')}, prompt {state.get('position')} of {state.get('num_prompts', '?')})")
 
 
 def load_resume(candidates: list[Path], cfg: Config, settings: dict[str, Any], env: DistEnv, model,
@@ -109,4 +136,5 @@ def describe_resume(resumed: Resumed, lr: float, allowed: list[str]) -> str:
     return line
 
 
-__all__ = ["Resumed", "ResumeRefused", "apply_optim_config", "describe_resume", "load_resume", "own_checkpoints"]
+__all__ = ["Resumed", "ResumeRefused", "apply_optim_config", "describe_resume", "load_resume", "own_checkpoints",
+           "restore_sampler"]

@@ -5,7 +5,7 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,23 +27,17 @@ from ..tasks.toy import build_toy_model
 from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
 from ..warning_lines import attach_run
-from .checkpoint import TrainerState, load_rank_state, resume_candidates
+from .checkpoint import TrainerState, load_rank_state
 from .distributed import DistEnv, before_destroy, init_distributed, shutdown
+from .export import exported_step
 from .failfast import FailFast
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, WandbRun
 from .policy import PolicyModel, parallelize
-from .resume import Resumed, apply_optim_config, describe_resume, load_resume, own_checkpoints
+from .resume import Resumed, apply_optim_config, describe_resume, load_resume, restore_sampler
 from .run_settings import run_settings
-from .rundir import (
-    RunDirClaim,
-    RunDirError,
-    claim_run_dir,
-    new_run_id,
-    record_start,
-    recorded_run_id,
-    stop_if_launcher_dies,
-)
+from .rundir import RunDirClaim, new_run_id, record_start
+from .startup import StartPlan, agree_on_start, set_collective_timeout
 from .streaming import StreamState
 from .warmup import warm_up_built_in
 from .weight_sync import iter_full_state_dict
@@ -98,6 +92,20 @@ class Run:
             self.failfast.close()
             shutdown()
 
+    @property
+    def final_step(self) -> int:
+        """The step the weights are at once the loop ends: trainer.total_steps, or a later resumed one."""
+        return max(self.start_step, self.cfg.trainer.total_steps)
+
+    def needs_export(self) -> bool:
+        """Whether the final export is still to write: False when a resume had nothing to train and export/
+        already holds this step's weights (kept, said in one line, not rewritten)."""
+        export = self.run_dir / "export"
+        if self.start_step < self.cfg.trainer.total_steps or exported_step(export) != self.start_step:
+            return True
+        self.log(f"the export in {export} already holds step {self.start_step}: kept, not rewritten")
+        return False
+
     def log(self, message: str) -> None:
         if self.env.is_main:
             print(f"flashdapo: {message}", flush=True)
@@ -142,7 +150,7 @@ def _build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> 
     return parallelize(policy, env, cfg.model, cfg.trainer)
 
 
-def _build_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer) -> RolloutEngine:
+def _build_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer, run_dir: Path) -> RolloutEngine:
     if cfg.rollout.engine == "vllm":
         from ..rollout.vllm_engine import VLLMEngine
         from .logprob_check import PushCheck
@@ -151,7 +159,8 @@ def _build_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer) -> 
         engine = VLLMEngine(cfg.rollout, cfg.model.path, rank=env.rank, world_size=env.world_size,
                             local_rank=env.local_rank, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
                             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-                            verify_push=PushCheck(policy, env.device, policy.config.vocab_size, log))
+                            verify_push=PushCheck(policy, env.device, policy.config.vocab_size, log),
+                            error_log=run_dir / f"vllm-error.rank{env.rank}.log")
         before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
         return engine
     from ..rollout.torch_engine import TorchEngine
@@ -172,58 +181,46 @@ def _optimizer(cfg: Config, policy: PolicyModel):
     return optimizer, scheduler
 
 
-def setup_run(cfg: Config) -> Run:
+def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run:
     """Build every piece of a run; resume from a checkpoint when configured. From the process group on, a
-    failure on any rank ends every rank (`failfast.py`)."""
+    failure on any rank ends every rank (`failfast.py`). `checkpoint()` runs between the stages: a safe
+    point where a stop asked for meanwhile (Ctrl-C, SIGTERM: interrupt.py) raises."""
     check_launch(cfg)  # before the process group: a config this launch cannot run is one line
-    env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s, cfg.trainer.sequence_parallel)
+    # The start-up checks wait at most setup_timeout_s for the other ranks (startup.py), the rest longer.
+    env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, cfg.trainer.sequence_parallel)
     cfg = resolve_auto(cfg, env.device.type == "cuda")
     failfast = FailFast.connect(env.rank, env.world_size)
     failfast.watch()
     run_dir = Path(cfg.logging.run_dir)
     log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
-    claim = None
+    plan, run = None, None
     try:
-        claim = _claim_run_dir(cfg, env, run_dir, log)
+        checkpoint()
+        plan = agree_on_start(cfg, env, run_dir, log)
         attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
-        run = _build_run(cfg, env, failfast, run_dir, log)
+        set_collective_timeout(cfg.trainer.collective_timeout_s)
+        run = _build_run(cfg, env, failfast, run_dir, log, plan, checkpoint)
+        if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's files alone
+            record_start(run_dir, run.run_id, run.start_step, cfg.to_yaml(), run.resumed and run.resumed.path,
+                         run.resumed.changes if run.resumed else [], fresh=not cfg.checkpoint.resume)
+        checkpoint()
     except BaseException as err:
-        if claim is not None:
-            claim.release()
+        if run is not None:
+            run.logger.close()
+        if plan is not None and plan.claim is not None:
+            plan.claim.release()
         failfast.fail(err)  # with peers: reports and ends this process (and, through the store, the others)
         shutdown(synchronize=False)
         raise
-    run.claim = claim
-    if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's files alone
-        record_start(run_dir, run.run_id, run.start_step, cfg.to_yaml(), run.resumed and run.resumed.path,
-                     run.resumed.changes if run.resumed else [], fresh=not cfg.checkpoint.resume)
+    run.claim = plan.claim
     return run
 
 
-def _claim_run_dir(cfg: Config, env: DistEnv, run_dir: Path, log) -> RunDirClaim | None:
-    """Rank 0 locks the run directory and checks it may start here; every rank raises if it may not."""
-    stop_if_launcher_dies(env.rank)
-    claim, error = None, ""
-    if env.is_main:
-        try:
-            claim = claim_run_dir(run_dir, cfg.checkpoint.resume, cfg.logging.move_old_run)
-        except RunDirError as err:
-            error = str(err)
-    error = all_gather_objects(error)[0]
-    if error:
-        raise RunDirError(error)
-    if claim is not None and claim.moved_to is not None:
-        log(f"moved the previous run's files from {run_dir} to {claim.moved_to} (logging.move_old_run)")
-    return claim
-
-
-def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log) -> Run:
+def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log, plan: StartPlan,
+               checkpoint: Callable[[], None]) -> Run:
     for line in compact_summary(cfg):
         log(f"config {line}")
     tokenizer = _checked_tokenizer(cfg, log)
-    dir_run_id = recorded_run_id(run_dir) if cfg.checkpoint.resume else None  # a fresh run is a new run
-    candidates = own_checkpoints(resume_candidates(cfg.checkpoint.resume, run_dir, log), dir_run_id,
-                                 cfg.checkpoint.resume != "auto", log)
     torch.manual_seed(cfg.trainer.seed + env.rank)
     train_set, val_set = build_datasets(cfg.data, tokenizer)
     log(f"train data: {train_set.report.summary()}")
@@ -231,27 +228,34 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
         log(f"val data: {val_set.report.summary()}")
     for warning in train_set.report.warnings + (val_set.report.warnings if val_set is not None else []):
         log(f"warning: {warning}")
-    policy = _build_policy(cfg, env, tokenizer, bool(candidates), log)
+    checkpoint()
+    policy = _build_policy(cfg, env, tokenizer, bool(plan.candidates), log)
     optimizer, scheduler = _optimizer(cfg, policy)
     sampler = PromptSampler(train_set, cfg.trainer.gen_batch, cfg.trainer.seed, cfg.data.shuffle, env.rank,
                             env.world_size)
     logger = MetricsLogger(run_dir, env.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
                            cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict(),
                            WandbRun.from_config(cfg.logging))
-    start_step, run_id = 0, dir_run_id or all_gather_objects(new_run_id())[0]
+    start_step, run_id = 0, plan.dir_run_id or all_gather_objects(new_run_id())[0]
     settings = run_settings(cfg, policy.hf, tokenizer)
-    resumed = load_resume(candidates, cfg, settings, env, policy, optimizer, log)
+    checkpoint()
+    resumed = load_resume(plan.candidates, cfg, settings, env, policy, optimizer, log)
     if resumed is not None:
         scheduler.load_state_dict(resumed.state.scheduler)
-        sampler.load_state_dict(resumed.state.sampler)
+        restore_sampler(sampler, resumed, log)
         lr = apply_optim_config(optimizer, scheduler, cfg.optim)
         start_step, run_id = resumed.state.step, resumed.state.run_id or run_id
         log(describe_resume(resumed, lr, cfg.checkpoint.allow_changes))
+        if start_step >= cfg.trainer.total_steps:
+            log(f"step {start_step} is {'past' if start_step > cfg.trainer.total_steps else 'at'} "
+                f"trainer.total_steps={cfg.trainer.total_steps}: nothing to train (raise --trainer.total-steps to "
+                "train on)")
     dropped = logger.truncate_after(start_step if resumed is not None else -1)
     if dropped:
         log(f"dropped {dropped} metrics records after step {max(start_step, 0)}: they are recomputed from "
             f"{'the checkpoint' if resumed is not None else 'the start (no checkpoint to resume from)'}")
-    engine = _build_engine(cfg, env, policy, tokenizer)
+    checkpoint()
+    engine = _build_engine(cfg, env, policy, tokenizer, run_dir)
     log(f"world size {env.world_size} on {env.device}; {_parameter_counts(policy)}; run dir {run_dir}; "
         f"{library_versions()}")
     return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,

@@ -126,12 +126,17 @@ def compare_settings(old: dict[str, Any], new: dict[str, Any], allowed: Sequence
     changes = [(path, old[path], value) for path, value in new.items() if path in old and old[path] != value]
     refused = [c for c in changes if not any(_allows(entry, c[0]) for entry in allowed)]
     if refused:
-        listed = describe_changes(refused)
-        fields = " ".join(path for path, _, _ in refused)
+        fixed = [path for path, _, _ in refused if path.startswith(FIXED_PREFIXES)]
+        allowable = [path for path, _, _ in refused if path not in fixed]
+        # Only suggest what checkpoint.allow_changes would accept: never a fixed field.
+        accept = (f", or accept the change with --checkpoint.allow-changes {' '.join(allowable)}" if allowable and
+                  not fixed else "")
+        cannot = (f" ({', '.join(fixed)} cannot be allowed: the checkpoint's weights only fit the model "
+                  "architecture and shapes they were trained in)" if fixed else "")
         raise ResumeRefused(
             f"cannot resume from {where}: this run's settings differ from the checkpoint's, and resuming would "
-            f"splice two runs: {listed}. Restore them, start a fresh run (another --logging.run-dir, or "
-            f"--logging.move-old-run true), or accept the change with --checkpoint.allow-changes {fields}")
+            f"splice two runs: {describe_changes(refused)}{cannot}. Restore them, or start a fresh run (another "
+            f"--logging.run-dir, or --logging.move-old-run true){accept}")
     return changes
 
 

@@ -22,7 +22,7 @@ from .toy_export import toy_export, two_source_parquet, write_parquet
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
-EVAL_ARGS = ["--k", "4", "--max-new-tokens", "6", "--no-progress"]
+EVAL_ARGS = ["--k", "4", "--max-new-tokens", "6", "--max-prompt-length", "256", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +92,13 @@ def test_table_per_source_files_and_resume_after_a_torn_line(export, two_sources
 
     # Other settings into the same OUT: one line naming the setting, before the model loads.
     assert cli(["eval", "--model", str(export), "--data", str(two_sources), "--out", str(out), "--k", "2",
-                "--max-new-tokens", "6", "--no-progress"]) == 1
+                "--max-new-tokens", "6", "--max-prompt-length", "256", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "eval_settings.json: k was 4, this evaluation has 2" in err and "Traceback" not in err, err
     monkeypatch.setenv("FLASHDAPO_DEBUG", "0")  # --debug sets it for the process: restored after the test
     with pytest.raises(EvalStoreError, match="k was 4"):  # the traceback on request
         cli(["--debug", "eval", "--model", str(export), "--data", str(two_sources), "--out", str(out), "--k", "2",
-             "--max-new-tokens", "6", "--no-progress"])
+             "--max-new-tokens", "6", "--max-prompt-length", "256", "--no-progress"])
 
 
 def test_out_that_is_a_file_or_in_use_is_refused_in_one_line(export, two_sources, tmp_path, capsys):

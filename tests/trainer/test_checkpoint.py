@@ -199,3 +199,22 @@ def test_a_re_export_replaces_only_the_exports_own_files(tmp_path):
     assert not (tmp_path / "export.tmp").exists()
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(loaded.model.norm.weight, model.model.norm.weight)
+
+
+def test_a_checkpoint_is_published_only_when_rank0_sees_every_ranks_files(tmp_path, monkeypatch):
+    """Where nodes do not share the run directory, another rank's shard files are not where rank 0 looks: the
+    save is refused and nothing is marked complete."""
+    model, optimizer = _model_and_optimizer()
+    path = save_checkpoint(tmp_path, ENV, model, optimizer, _state(1), keep_last=3)
+    assert ckpt.unseen_shards(path, 1) == []
+    assert ckpt.unseen_shards(path, 2) == ["rng_rank1.pt"]  # a second rank's RNG state
+    data = next(path.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:8])  # shorter than the metadata records
+    assert ckpt.unseen_shards(path, 1) == [data.name]
+    real = ckpt.unseen_shards
+    monkeypatch.setattr(ckpt, "unseen_shards", lambda p, n: real(p, 2))  # as if saved by 2 ranks, one unseen
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint \S+step_00000002: rank 0 does not see every "
+                                              r"rank's files in \S+step_00000002.tmp \(missing: rng_rank1.pt\).*one "
+                                              r"storage every rank sees"):
+        save_checkpoint(tmp_path, ENV, model, optimizer, _state(2), keep_last=3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]

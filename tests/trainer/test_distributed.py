@@ -4,6 +4,7 @@ exact resume, resharding a checkpoint, and which checkpoint directories `--resum
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,7 +129,8 @@ def test_checkpoint_saved_by_two_ranks_resumes_on_one(tmp_path):
                    re.search(r"([\d,]+) parameters \(([\d,]+) in this rank's shards\)", started.stdout).groups())
     assert full / 2 <= local < full
     saved = load_file(run_dir / "export" / "model.safetensors")
-    # Resume at 1 rank with nothing left to do: the export is rewritten from the resharded checkpoint.
+    # Resume at 1 rank with nothing left to train and no export: it is written from the resharded checkpoint.
+    shutil.rmtree(run_dir / "export")
     torchrun(1, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--checkpoint.resume", "auto")
     resharded = load_file(run_dir / "export" / "model.safetensors")
     assert all(torch.equal(saved[k], resharded[k]) for k in saved)

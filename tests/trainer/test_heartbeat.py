@@ -34,3 +34,16 @@ def test_heartbeat_prints_during_a_long_block_and_not_after_a_short_one(capsys):
     with heartbeat(5, timer, every_s=0.01, enabled=False), timer("step"):
         time.sleep(0.1)
     assert capsys.readouterr().out == ""
+
+
+def test_a_heartbeat_interval_below_a_second_is_refused_in_one_line():
+    """0.001 s printed ~1,900 lines in two steps; the bound is 1 s (0 still turns it off)."""
+    import pytest
+
+    from flashdapo.config import ConfigError, merge, preset
+
+    with pytest.raises(ConfigError, match=r"^logging.heartbeat_s: expected 0 \(never\) or at least 1 seconds, got "
+                                          r"0.001$"):
+        merge(preset("toy"), {"logging": {"heartbeat_s": 0.001}})
+    for allowed in (0.0, 1.0, 60.0):
+        assert merge(preset("toy"), {"logging": {"heartbeat_s": allowed}}).logging.heartbeat_s == allowed

@@ -1,6 +1,6 @@
 """Ctrl-C: the first stops after the running step with its checkpoint, in one line, and the resumed run equals
 the uninterrupted one bit for bit; a second stops at once without a checkpoint; under torchrun every rank
-stops after the same step."""
+stops after the same step. SIGTERM at any point of setup, a finalizer included, stops before the first step."""
 
 import os
 import re
@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from flashdapo.__main__ import main as cli
 from flashdapo.trainer import loop
 from flashdapo.trainer.interrupt import Interrupted
 from flashdapo.trainer.loop import train
+from flashdapo.trainer.rundir import claim_run_dir
 
 from .test_distributed import ROOT, TINY, _env
 from .test_resume import _config, _metrics, _resume
@@ -96,3 +98,80 @@ def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step(tmp_path):
     assert "failed" not in out  # no rank reported an error of its own (failfast)
     # The only traceback is torchrun's own (its launcher re-raises the SIGINT it forwarded), none of a rank.
     assert out.count("Traceback") <= 1 and ("Traceback" not in out or "SignalException" in out), out
+
+
+def _sigterm_at_call(monkeypatch, target: int | None) -> list[int]:
+    """Count the calls of flashdapo's own functions while `setup_run` runs; at call number `target` (None:
+    never) send this process SIGTERM. Returns [calls counted]."""
+    from flashdapo.trainer import run as run_module
+
+    package = str(Path(run_module.__file__).parents[1])
+    calls = [0]
+    real = run_module.setup_run
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls[0] += 1
+            if calls[0] == target:
+                sys.setprofile(None)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def setup_with_profile(*args, **kwargs):
+        sys.setprofile(profile)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+
+    monkeypatch.setattr(loop, "setup_run", setup_with_profile)
+    return calls
+
+
+def _assert_stopped_in_setup(run_dir, info) -> None:
+    assert info.value.exit_status == 143 and "stopped by SIGTERM during setup" in str(info.value), info.value
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text()  # not one step trained
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
+    claim_run_dir(run_dir, resume="auto", move_old_run=False).release()  # the lock was released
+
+
+def test_sigterm_at_any_point_of_setup_stops_before_the_first_step(tmp_path, monkeypatch):
+    """SIGTERM at 12 points spread over the whole setup (the k-th call of a flashdapo function, from the
+    process group to the rollout engine and the run record): every time the run stops with Interrupted
+    before its first step, never trains on."""
+    quick = {"trainer": {"total_steps": 1, "val_before_train": False}, "checkpoint": {"export_hf": False}}
+    calls = _sigterm_at_call(monkeypatch, None)
+    train(_config(tmp_path / "count", **quick))
+    total = calls[0]
+    assert total > 100, total
+    for k in sorted({1, 2, 3, *(total * i // 10 for i in range(1, 10)), total}):
+        run_dir = tmp_path / f"at-{k}"
+        _sigterm_at_call(monkeypatch, k)
+        with pytest.raises(Interrupted) as info:
+            train(_config(run_dir, **quick))
+        _assert_stopped_in_setup(run_dir, info)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+class _SignalsWhenCollected:
+    """An object whose finalizer receives SIGTERM, as a process-group object being collected during setup
+    did: a handler that raised would raise inside __del__, where Python prints 'Exception ignored' and goes on."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_inside_a_finalizer_during_setup_still_stops(tmp_path, monkeypatch, capsys):
+    from flashdapo.trainer import run as run_module
+
+    real = run_module.build_datasets
+
+    def datasets_then_collect(*args, **kwargs):
+        _SignalsWhenCollected()  # collected at once: the signal arrives inside its __del__
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "build_datasets", datasets_then_collect)
+    with pytest.raises(Interrupted) as info:
+        train(_config(tmp_path, trainer={"total_steps": 1, "val_before_train": False}))
+    _assert_stopped_in_setup(tmp_path, info)
+    assert "Exception ignored" not in capsys.readouterr().err

@@ -15,7 +15,7 @@ from flashdapo.config import ToyTaskConfig, merge, toy
 from flashdapo.data import PromptSampler
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.tasks.toy import toy_records
-from flashdapo.trainer import sampling
+from flashdapo.trainer import loop, sampling
 from flashdapo.trainer.distributed import DistEnv, shutdown
 from flashdapo.trainer.export import export_hf
 from flashdapo.trainer.loop import train, train_step
@@ -85,11 +85,15 @@ def _write_aime_style_parquet(path, records):
     pq.write_table(table, path)
 
 
-def test_train_cli_path_runs_validation_checkpoint_plot_and_eval(tmp_path, capsys):
+def test_train_cli_path_runs_validation_checkpoint_plot_and_eval(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
+    # The loop's heartbeat at logging.heartbeat_s / 100 (the field allows 1 s at least; a tiny step is shorter).
+    real_heartbeat = loop.heartbeat
+    monkeypatch.setattr(loop, "heartbeat", lambda step, timer, every_s, enabled: real_heartbeat(step, timer,
+                                                                                                every_s / 100, enabled))
     # Activation checkpointing on: same loop, recomputed blocks.
     train(tiny_config(run_dir, model={"gradient_checkpointing": True},
-                      checkpoint={"save_every": 1, "keep_last": 1}, logging={"progress": True, "heartbeat_s": 0.01}))
+                      checkpoint={"save_every": 1, "keep_last": 1}, logging={"progress": True, "heartbeat_s": 1.0}))
     assert "flashdapo: step 1: in " in capsys.readouterr().out  # a step longer than heartbeat_s says where it is
     records = _read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]

@@ -178,30 +178,126 @@ def test_a_resume_with_another_architecture_is_refused(tmp_path):
                       checkpoint={"allow_changes": ["model.architecture"]}))
 
 
-def test_another_runs_checkpoint_is_never_adopted(tmp_path, capsys):
+@pytest.mark.parametrize("with_run_json", [True, False], ids=["run-json", "no-run-json"])
+def test_checkpoints_of_two_runs_in_one_directory_are_refused_naming_them(tmp_path, with_run_json):
+    """Another run's checkpoint copied into checkpoints/, older or newer than this run's, with or without
+    run.json: refused in one line naming both runs, nothing touched (no splice of two runs' metrics)."""
     mine, other = tmp_path / "mine", tmp_path / "other"
     first = train(_config(mine, checkpoint={"save_every": 2}))  # checkpoint at step 2 only
     second = train(_config(other, trainer={"total_steps": 3, "seed": 1}))  # steps 1, 2, 3
+    if not with_run_json:
+        (mine / "run.json").unlink()
     before = (mine / "metrics.jsonl").read_text()
-    # Older than this run's newest: skipped with a warning; this run resumes.
-    shutil.copytree(other / "checkpoints" / "step_00000001", mine / "checkpoints" / "step_00000001")
-    run = train(_resume(mine))
-    assert run.run_id == first.run_id and run.start_step == 2
-    assert "skipping 1 checkpoint(s) of another run in checkpoints/ (step_00000001)" in capsys.readouterr().out
-    # Newer: refused in one line, nothing touched.
-    shutil.copytree(other / "checkpoints" / "step_00000003", mine / "checkpoints" / "step_00000003")
-    with pytest.raises(ResumeRefused) as info:
-        train(_resume(mine, trainer={"total_steps": 4}))
-    message = str(info.value)
-    assert "\n" not in message and f"belongs to run {second.run_id}" in message and first.run_id in message
-    assert (mine / "metrics.jsonl").read_text() == before
-    # Named by path from another run's directory: refused as well.
-    with pytest.raises(ResumeRefused, match=f"belongs to run {second.run_id}"):
+    for step in (1, 3):  # older than this run's newest, then newer
+        shutil.copytree(other / "checkpoints" / f"step_{step:08d}", mine / "checkpoints" / f"step_{step:08d}")
+        with pytest.raises(ResumeRefused) as info:
+            train(_resume(mine, trainer={"total_steps": 4}))
+        message = str(info.value)
+        assert "\n" not in message and "holds checkpoints of 2 run(s)" in message, message
+        assert f"run {first.run_id}: step_00000002" in message and f"run {second.run_id}: " in message, message
+        assert ("its run.json records run " + first.run_id if with_run_json else "no run.json says") in message
+        assert (mine / "metrics.jsonl").read_text() == before
+        assert sorted(p.name for p in (mine / "checkpoints").iterdir())[-1] == f"step_{max(step, 2):08d}"
+    # Only the other run's checkpoints: with run.json naming this run, refused; without, that run is adopted.
+    shutil.rmtree(mine / "checkpoints" / "step_00000002")
+    if with_run_json:
+        with pytest.raises(ResumeRefused, match=f"holds checkpoints of 1 run\\(s\\) \\(run {second.run_id}: "
+                                                f"step_00000003, step_00000001\\) and its run.json records run "
+                                                f"{first.run_id}"):
+            train(_resume(mine, trainer={"total_steps": 4}))
+
+
+def test_another_runs_checkpoint_by_path_or_behind_a_damaged_one_is_refused(tmp_path):
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    first = train(_config(mine, checkpoint={"save_every": 2}))
+    second = train(_config(other, trainer={"total_steps": 3, "seed": 1}))
+    before = (mine / "metrics.jsonl").read_text()
+    # Named by path from another run's directory.
+    with pytest.raises(ResumeRefused, match=f"belongs to run {second.run_id}, but this run directory holds run "
+                                            f"{first.run_id}"):
         train(_resume(mine, checkpoint={"resume": str(other / "checkpoints" / "step_00000002")}))
-    # Behind a damaged newest checkpoint, the newest readable one is another run's: still refused.
+    # Behind a damaged newest checkpoint (its marker names no run), another run's readable one.
     shutil.copytree(other / "checkpoints" / "step_00000003", mine / "checkpoints" / "step_00000004")
+    shutil.copytree(other / "checkpoints" / "step_00000001", mine / "checkpoints" / "step_00000003")
     (mine / "checkpoints" / "step_00000004" / "COMPLETE").write_text("{not json")
-    with pytest.raises(ResumeRefused, match=f"newest checkpoint with a readable marker, .*step_00000003, belongs "
-                                            f"to run {second.run_id}"):
+    with pytest.raises(ResumeRefused, match=f"run {second.run_id}: step_00000003"):
         train(_resume(mine, trainer={"total_steps": 5}))
     assert (mine / "metrics.jsonl").read_text() == before
+
+
+def _merged(*trees: dict) -> dict:
+    out: dict = {}
+    for tree in trees:
+        for key, value in tree.items():
+            out[key] = _merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+@pytest.mark.parametrize("overrides, allow, restarts", [
+    ({"trainer": {"seed": 7}}, ["trainer.seed"], True),
+    ({"data": {"shuffle": False}}, ["data.shuffle"], True),
+    ({"data": {"toy": {"num_train": 40}}}, ["data.toy"], True),
+    ({"data": {"max_prompt_length": 40}}, ["data.max_prompt_length"], False),
+    ({"trainer": {"train_batch": 8, "gen_batch": 8, "mini_batch": 4, "ppo_epochs": 2}}, ["trainer"], False),
+    ({"rollout": {"n": 2, "max_response_length": 12, "temperature": 0.9}}, ["rollout"], False),
+    ({"algorithm": {"clip_high": 0.3, "loss_agg_mode": "seq-mean-token-mean"}}, ["algorithm"], False),
+    ({"optim": {"lr": 1e-3, "betas": [0.8, 0.99]}}, ["optim"], False),
+    ({"model": {"dtype": "bfloat16"}}, ["model.dtype"], False),
+], ids=["seed", "shuffle", "toy-data", "prompt-length", "batch", "rollout", "algorithm", "optim", "dtype"])
+def test_every_change_allow_changes_accepts_really_resumes(run_dir, capsys, overrides, allow, restarts):
+    run = train(_resume(run_dir, **_merged(overrides, {"trainer": {"total_steps": 3},
+                                                       "checkpoint": {"allow_changes": allow}})))
+    out = capsys.readouterr().out
+    assert run.start_step == 2 and [r["step"] for r in _metrics(run_dir)] == [1, 2, 3], out
+    assert "settings changed from the checkpoint's" in out
+    restarted = [line for line in out.splitlines() if "the prompt order restarts" in line]
+    assert len(restarted) == (1 if restarts else 0), out
+
+
+def test_an_accepted_train_file_change_restarts_the_prompt_order_over_the_new_data(tmp_path, capsys):
+    data = tmp_path / "train.parquet"
+    _write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24, seed=3), "train"))
+    run_dir = tmp_path / "run"
+    train(_config(run_dir, data={"train_files": [str(data)]}, trainer={"total_steps": 2}))
+    _write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=30, seed=4), "train"))
+    capsys.readouterr()
+    run = train(_resume(run_dir, data={"train_files": [str(data)]}, trainer={"total_steps": 3},
+                        checkpoint={"allow_changes": ["data.train_files"]}))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "the prompt order restarts" in line]
+    assert lines == ["flashdapo: data.train_files changed (checkpoint.allow_changes): the prompt order restarts at "
+                     "the first prompt of this run's data (30 prompts) instead of the checkpoint's position (epoch 0, "
+                     "prompt 8 of 24)"]
+    assert run.start_step == 2 and [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+    assert run.sampler.state_dict()["position"] == 4  # step 3 drew the first gen_batch of the new order
+
+
+def test_a_refusal_never_suggests_an_allowance_that_is_refused(tmp_path):
+    """A changed architecture: the refusal names it as impossible and suggests no --checkpoint.allow-changes
+    (which would be refused too)."""
+    tokenizer = build_toy_tokenizer(ToyTaskConfig())
+    qwen = _model_dir(tmp_path / "qwen", Qwen2ForCausalLM, Qwen2Config, tokenizer)
+    llama = _model_dir(tmp_path / "llama", LlamaForCausalLM, LlamaConfig, tokenizer)
+    data = tmp_path / "train.parquet"
+    _write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
+    files = {"train_files": [str(data)]}
+    train(_config(tmp_path / "run", model={"path": str(qwen)}, data=files, trainer={"total_steps": 1}))
+    with pytest.raises(ResumeRefused) as info:
+        train(_resume(tmp_path / "run", model={"path": str(llama)}, data=files, optim={"lr": 1e-3}))
+    message = str(info.value)
+    assert "optim.lr 0.0005 -> 0.001" in message and "model.architecture, model.config.model_type" in message
+    assert "cannot be allowed" in message and "--checkpoint.allow-changes" not in message, message
+
+
+@pytest.mark.parametrize("total", [2, 1], ids=["at", "past"])
+def test_a_resume_with_nothing_to_train_says_so_and_keeps_the_export(run_dir, capsys, total):
+    export = run_dir / "export" / "model.safetensors"
+    before, metrics = export.stat().st_mtime_ns, _metrics(run_dir)
+    run = train(_resume(run_dir, trainer={"total_steps": total}))
+    out = capsys.readouterr().out
+    where = "at" if total == 2 else "past"
+    assert f"step 2 is {where} trainer.total_steps={total}: nothing to train (raise --trainer.total-steps" in out
+    assert f"the export in {run_dir / 'export'} already holds step 2: kept, not rewritten" in out
+    assert run.start_step == 2 and export.stat().st_mtime_ns == before and _metrics(run_dir) == metrics
+    shutil.rmtree(run_dir / "export")  # an export that is missing (a crash during it) is written
+    train(_resume(run_dir, trainer={"total_steps": total}))
+    assert "exported the final policy" in capsys.readouterr().out and export.is_file()

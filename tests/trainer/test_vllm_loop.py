@@ -34,7 +34,7 @@ class RecordingEngine(TorchEngine):
 def test_validation_leaves_the_weights_for_the_next_step(tmp_path, monkeypatch):
     engines = []
 
-    def build(cfg, env, policy, tokenizer):
+    def build(cfg, env, policy, tokenizer, run_dir):
         engines.append(RecordingEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device,
                                        max_batch=cfg.rollout.max_num_seqs))
         return engines[0]

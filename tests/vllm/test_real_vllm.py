@@ -211,3 +211,12 @@ def test_a_head_size_vllms_cpu_attention_lacks_is_refused_with_one_line(tmp_path
     errors = [line for line in proc.stderr.splitlines() if line.startswith("flashdapo: config error:")]
     assert len(errors) == 1 and "model.path:" in errors[0] and "attention head size 16" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr and "Starting to load model" not in proc.stderr + proc.stdout
+
+
+def test_a_round_larger_than_one_engine_step_samples_on_vllms_cpu_platform(exports, tmp_path):
+    """128 sequences of a 78-token prompt exceed the default step budget (8192 tokens): with chunked prefill
+    vLLM's CPU platform split a prompt and crashed on its seeded generator ('CPU Generator does not use
+    offset'); the engine runs without it there, and the round samples."""
+    proc = _run([sys.executable, "-m", "tests.vllm.many_long_prompts", str(exports["tied"])], expect_rc=None)
+    assert proc.returncode == 0 and "sampled 128 responses" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "CPU Generator does not use offset" not in proc.stdout + proc.stderr
