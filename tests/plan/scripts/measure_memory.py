@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 from flashdapo.config import merge, toy
 from flashdapo.plan.shapes import builtin_shape
 from flashdapo.tasks.toy import build_toy_model
-from flashdapo.trainer.batch import Group, build_train_batch, mini_batch_layout
+from flashdapo.trainer.batch import Group, build_train_batch
+from flashdapo.trainer.dealing import deal_to_slots
 from flashdapo.trainer.distributed import init_distributed, shutdown
 from flashdapo.trainer.policy import PolicyModel, parallelize
 from flashdapo.trainer.update import update_actor
@@ -61,9 +62,10 @@ def toy_batch(env):
         responses = [torch.randint(3, TOY_VOCAB, (int(torch.randint(100, 300, (1,), generator=g)),), generator=g)
                      for _ in range(N)]
         acc = torch.arange(N) % 2 == 0
-        groups.append(Group(prompt, responses, torch.where(acc, 1.0, -1.0), acc, torch.zeros(N, dtype=torch.bool)))
-    layout = mini_batch_layout(GROUPS, GROUPS, env.world_size, env.rank)
-    return build_train_batch([[groups[i] for i in part] for part in layout], None, toy().algorithm)
+        groups.append(Group(prompt, responses, torch.where(acc, 1.0, -1.0), acc, torch.zeros(N, dtype=torch.bool),
+                            origin=(1, 0, len(groups))))
+    dealt = deal_to_slots(groups, GROUPS, env.world_size, env.rank, toy().algorithm.advantage_eps)
+    return build_train_batch(dealt, None, toy().algorithm)
 
 
 def run(case: str, env, out: Path) -> None:
