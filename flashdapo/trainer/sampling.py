@@ -47,6 +47,8 @@ class Collected:
     gen_score: float
     gen_truncated: float
     """Fraction of all generated responses that hit the max length."""
+    generated_tokens: int = 0
+    """Response tokens the engine sampled for this step, kept or not, over all ranks."""
     generated: list[tuple[Group, bool]] = field(default_factory=list)
     """With keep_generated: every group this rank generated, and whether the filter kept it (for dumps)."""
 
@@ -93,8 +95,8 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     generated: list[tuple[Group, bool]] = []
     total_kept = rounds = 0
     started = time.perf_counter()
-    # Sums over all generated responses (this rank): correct, score, truncated, count.
-    gen_sums = torch.zeros(4, dtype=torch.float64)
+    # Sums over all generated responses (this rank): correct, score, truncated, count, tokens.
+    gen_sums = torch.zeros(5, dtype=torch.float64)
     while True:
         rounds += 1
         prompts = sampler.next_batch()
@@ -106,8 +108,8 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         with timer("reward"):
             groups = score_groups(rollouts, prompts, tokenizer, verifier, cfg)
         for g in groups:
-            gen_sums += torch.tensor([g.acc.sum().item(), g.scores.sum().item(), g.truncated.sum().item(), g.size],
-                                     dtype=torch.float64)
+            gen_sums += torch.tensor([g.acc.sum().item(), g.scores.sum().item(), g.truncated.sum().item(), g.size,
+                                      sum(len(r) for r in g.responses)], dtype=torch.float64)
         for i, g in enumerate(groups):
             g.origin = (rounds, env.rank, i)
         kept = [g for g in groups if _is_informative(g, algo.filter_metric)] if algo.dynamic_sampling else groups
@@ -141,6 +143,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         gen_acc=totals[0].item() / count,
         gen_score=totals[1].item() / count,
         gen_truncated=totals[2].item() / count,
+        generated_tokens=int(totals[4].item()),
         generated=generated,
     )
 

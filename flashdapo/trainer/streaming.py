@@ -181,7 +181,7 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     collected = Collected(mini_batches=mini_batches, num_gen_batches=pulls, groups_generated=stats.finished_groups,
                           groups_informative=stats.finished_groups - stats.all_equal_groups,
                           gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
-                          gen_truncated=totals[2].item() / count)
+                          gen_truncated=totals[2].item() / count, generated_tokens=stats.generated_tokens)
     return collected, stats
 
 
