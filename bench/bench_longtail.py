@@ -246,11 +246,11 @@ def main(argv=None) -> int:
         args.steps, args.repeats = 2, 1
     from flashdapo.config import merge
 
+    commit = git_commit()  # of the code that runs (edits made while it runs do not count)
     work = Path(args.work)
     cfg = merge(workload(args.smoke, args.engine), {"trainer": {"total_steps": args.steps}})
     base = prepare(cfg, work)
     results = run_all(base, ranks, arms, args.repeats, work, in_process=args.smoke, timeout=args.timeout)
-    commit = git_commit()
     text = report(results, ranks, arms, cfg, args, commit)
     print(text)
     out = Path(args.out)
