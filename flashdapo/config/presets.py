@@ -41,6 +41,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "checkpoint": {"save_every": 20, "keep_last": 1},
         "logging": {"run_dir": "runs/scratchpad"},
     },
+    # CPU: the toy task with heavy-tailed response lengths (bench/bench_longtail.py, docs/algorithm.md
+    # "Streaming"): warm-up answers open with a lognormal number of filler tokens (median 8, capped at 160);
+    # with the answer line and EOS the longest demonstration is 174 tokens, under the limit of 192. A round
+    # (48 prompts x 8) is decoded as one batch.
+    "longtail": {
+        "data": {"toy": {"filler_median": 8.0, "filler_sigma": 1.0}},
+        "rollout": {"n": 8, "max_response_length": 192, "val_n": 4, "max_num_seqs": 384},
+        "algorithm": {"overlong_buffer_len": 16, "max_gen_batches": 4, "on_max_gen_batches": "continue"},
+        "optim": {"lr": 5e-4, "weight_decay": 0.0, "warmup_steps": 2},
+        "trainer": {"total_steps": 40, "train_batch": 32, "gen_batch": 48, "mini_batch": 4,
+                    "micro_batch_tokens": 4096, "val_every": 20},
+        "checkpoint": {"save_every": 20, "keep_last": 1},
+        "logging": {"run_dir": "runs/longtail"},
+    },
     # Qwen2.5-7B (base) on DAPO-Math-17k, one 8-GPU node (80 GB each), co-located vLLM; memory reasoning
     # in docs/vllm.md. Qwen2.5-Math-7B would need max_response_length <= 2048: its config allows 4096
     # positions, which vLLM enforces.
@@ -86,6 +100,7 @@ class Cluster:
 PRESET_CLUSTERS: dict[str, tuple[Cluster, ...]] = {
     "toy": (Cluster(1, 1), Cluster(1, 2)),
     "scratchpad": (Cluster(1, 1), Cluster(1, 2)),
+    "longtail": (Cluster(1, 1), Cluster(1, 2)),
     "qwen2.5-7b-math": (Cluster(1, 8),),
     "qwen2.5-32b-dapo": (Cluster(16, 8), Cluster(8, 8)),  # the released recipe: 16 nodes x 8 GPUs
 }

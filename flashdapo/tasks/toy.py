@@ -13,11 +13,15 @@ Choices, stated first:
   the task's prompts and responses, deterministically.
 - The warm-up is deliberately brief and partly wrong (`wrong_fraction`, `verbose_fraction`): DAPO then
   starts from a policy that knows the answer format but is often wrong, which is what RL sharpens.
+- The long-tail variant (`filler_median` > 0, the `longtail` preset) opens each demonstration with a
+  lognormal number of filler tokens: the warmed-up model's response lengths are heavy-tailed (a few very
+  long responses per batch), the workload on which a round waits for its longest response.
 Real runs load an HF checkpoint (`model.path`) and data files instead, and use none of this.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Literal
 
@@ -80,7 +84,8 @@ def toy_records(cfg: ToyTaskConfig, split: Literal["train", "val"]) -> list[Reco
 def toy_sft_examples(cfg: ToyTaskConfig, n: int, rng: random.Random) -> list[tuple[Record, str]]:
     """`n` (prompt record, response) pairs drawn from the train split: 'Answer: 19', or with probability
     cfg.verbose_fraction the verbose '7+12=19' newline 'Answer: 19'; with probability cfg.wrong_fraction
-    the answer is a near miss."""
+    the answer is a near miss. With cfg.filler_median > 0 a line of filler tokens opens each response
+    (`filler_count` of them; the long-tail variant)."""
     train, _ = toy_problems(cfg)
     picks = [train[rng.randrange(len(train))] for _ in range(n)]
     out = []
@@ -94,8 +99,25 @@ def toy_sft_examples(cfg: ToyTaskConfig, n: int, rng: random.Random) -> list[tup
         if rng.random() < cfg.verbose_fraction:
             a, op, b = problem
             answer = f"{a}{op}{b}={value}\n{answer}"
+        if cfg.filler_median > 0:  # drawn only then: the default examples stay those of the plain toy
+            count = filler_count(cfg, rng)
+            answer = f"{FILLER * count}\n{answer}" if count else answer
         out.append((record, answer))
     return out
+
+
+FILLER = "."
+"""The filler token of the long-tail variant: one token each in the toy tokenizer (never merged: no run of
+them is in the tokenizer's corpus)."""
+FILLER_CAP = 20
+"""Filler counts are capped at FILLER_CAP x data.toy.filler_median."""
+
+
+def filler_count(cfg: ToyTaskConfig, rng: random.Random) -> int:
+    """Filler tokens opening one warm-up response: lognormal with median cfg.filler_median and log-sd
+    cfg.filler_sigma, rounded, capped at FILLER_CAP x the median."""
+    draw = rng.lognormvariate(math.log(cfg.filler_median), cfg.filler_sigma)
+    return min(round(draw), int(FILLER_CAP * cfg.filler_median))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -203,6 +203,7 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "train/mini_batches": float(len(batch.mini_batches)),
          "train/gen_acc": collected.gen_acc, "train/gen_score": collected.gen_score,
          "train/gen_truncated": collected.gen_truncated,
+         "train/generated_tokens": float(collected.generated_tokens),
          **timer.metrics(),
          "perf/throughput": tokens / max(seconds, 1e-9) / env.world_size,
          "perf/max_memory_allocated_gb": (torch.cuda.max_memory_allocated(env.device) / 2**30

@@ -49,6 +49,8 @@ class Collected:
     """Fraction of all generated responses that hit the max length."""
     groups_all_equal: int = 0
     """Finished groups whose filter values were all equal (dynamic sampling drops them; counted without it too)."""
+    generated_tokens: int = 0
+    """Response tokens the engine sampled for this step, kept or not, over all ranks."""
     generated: list[tuple[Group, bool]] = field(default_factory=list)
     """With keep_generated: every group this rank generated, and whether the filter kept it (for dumps)."""
 
@@ -95,8 +97,8 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     generated: list[tuple[Group, bool]] = []
     total_kept = rounds = all_equal = 0
     started = time.perf_counter()
-    # Sums over all generated responses (this rank): correct, score, truncated, count.
-    gen_sums = torch.zeros(4, dtype=torch.float64)
+    # Sums over all generated responses (this rank): correct, score, truncated, count, tokens.
+    gen_sums = torch.zeros(5, dtype=torch.float64)
     while True:
         rounds += 1
         prompts = sampler.next_batch()
@@ -108,8 +110,8 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         with timer("reward"):
             groups = score_groups(rollouts, prompts, tokenizer, verifier, cfg)
         for g in groups:
-            gen_sums += torch.tensor([g.acc.sum().item(), g.scores.sum().item(), g.truncated.sum().item(), g.size],
-                                     dtype=torch.float64)
+            gen_sums += torch.tensor([g.acc.sum().item(), g.scores.sum().item(), g.truncated.sum().item(), g.size,
+                                      sum(len(r) for r in g.responses)], dtype=torch.float64)
         for i, g in enumerate(groups):
             g.origin = (rounds, env.rank, i)
         informative = [g for g in groups if _is_informative(g, algo.filter_metric)]
@@ -147,6 +149,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         gen_score=totals[1].item() / count,
         gen_truncated=totals[2].item() / count,
         groups_all_equal=all_equal,
+        generated_tokens=int(totals[4].item()),
         generated=generated,
     )
 

@@ -155,7 +155,8 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
                           groups_informative=stats.finished_groups - stats.all_equal_groups
                           if cfg.algorithm.dynamic_sampling else stats.finished_groups,
                           gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
-                          gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups)
+                          gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups,
+                          generated_tokens=stats.generated_tokens)
     return collected, stats
 
 

@@ -151,6 +151,9 @@ def test_partly_informative_refills_to_exactly_train_batch_whole_groups():
     assert [int(g.prompt[0]) for g in collected.groups] == [1, 2, 5, 8]
     assert all(g.size == 4 for g in collected.groups)
     assert collected.groups_informative == 6 and collected.groups_generated == 12
+    # Every response sampled counts, kept or not (train/generated_tokens): 3 rounds of 4 prompts x 4.
+    every = _collect(set(range(12)), trainer={"train_batch": 12, "gen_batch": 12})
+    assert collected.generated_tokens == sum(len(r) for g in every.groups for r in g.responses) > 0
 
 
 def test_no_informative_group_raises_with_counts():
