@@ -49,8 +49,9 @@ def test_data_prompts_print_with_verdicts_write_jsonl_and_sample_as_eval_does(ex
     assert verdicts(printed) == ["correct" if s["acc"] else "wrong" for s in samples]
     assert f"ground truth: {records[0].ground_truth}" in printed and f"written to {out}" in printed
     # eval's path with the same sampling draws the same responses.
+    # eval refuses a budget past the model's 2048 positions (the default prompt budget is 2048).
     assert cli(["eval", "--model", str(export), "--data", str(data), "--out", str(tmp_path / "eval"), "--k", "3",
-                "--max-new-tokens", "6", "--seed", "5", "--no-progress"]) == 0
+                "--max-new-tokens", "6", "--seed", "5", "--no-progress", "--max-prompt-length", "256"]) == 0
     evaluated = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert [s["response"] for r in evaluated[:2] for s in r["samples"]] == [s["response"] for s in samples]
 
