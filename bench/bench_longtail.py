@@ -58,6 +58,8 @@ SMOKE = {
     "trainer": {"total_steps": 2, "train_batch": 4, "gen_batch": 8, "mini_batch": 2},
 }
 """--smoke: a tiny model briefly warmed up, short responses, two steps."""
+FROZEN_LR = 1e-12
+"""--frozen: a learning rate whose AdamW steps (~lr per weight) are far below the fp32 spacing of the weights."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,10 @@ def report(results, ranks: list[int], arms: list[str], cfg, args, commit: str) -
         f"Workload: preset `longtail` (filler median {cfg.data.toy.filler_median:g}, sigma "
         f"{cfg.data.toy.filler_sigma:g}), n {rc.n}, max_response_length {rc.max_response_length}, "
         f"train_batch {tc.train_batch}, gen_batch {tc.gen_batch} (= max_in_flight), max_num_seqs {rc.max_num_seqs}; "
-        f"{args.steps} steps per run, {args.repeats} repeats, seed = repeat.", "",
+        f"{args.steps} steps per run, {args.repeats} repeats, seed = repeat"
+        + (f"; **frozen policy** (optim.lr {FROZEN_LR:g}, updates below the weights' fp32 resolution: every run "
+           "samples the base model, so the trained-length ratios measure the collection's length bias alone)."
+           if args.frozen else f"; optim.lr {cfg.optim.lr:g}."), "",
         "Measured. Each cell: median over repeats [min, max]; ratios are to the same repeat's `rounds` run. "
         "s/step: mean `timing_s/step` over steps 2.. of a run; mean trained length: `response_length/mean` over "
         "every step; token lag: mean policy versions between a trained token's sampling and the update.", "",
@@ -230,6 +235,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="training steps per run")
     parser.add_argument("--engine", choices=("torch", "vllm"), default="torch")
+    parser.add_argument("--frozen", action="store_true",
+                        help="optim.lr 1e-12 (updates below the weights' fp32 resolution): the runs keep sampling "
+                             "the base model, so the trained-length ratios measure the collection's length bias "
+                             "alone, without the runs' diverging training")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 steps, 1 rank, in this process")
     parser.add_argument("--work", default=str(REPO / "runs" / "bench-longtail"), help="base model and runs")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
@@ -249,13 +258,15 @@ def main(argv=None) -> int:
     commit = git_commit()  # of the code that runs (edits made while it runs do not count)
     work = Path(args.work)
     cfg = merge(workload(args.smoke, args.engine), {"trainer": {"total_steps": args.steps}})
+    cfg = merge(cfg, {"optim": {"lr": FROZEN_LR}}) if args.frozen else cfg
     base = prepare(cfg, work)
     results = run_all(base, ranks, arms, args.repeats, work, in_process=args.smoke, timeout=args.timeout)
     text = report(results, ranks, arms, cfg, args, commit)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{datetime.date.today()}-{machine_tag('cpu')}-{commit}-longtail{'-smoke' if args.smoke else ''}.md"
+    suffix = "-frozen" * args.frozen + "-smoke" * args.smoke
+    path = out / f"{datetime.date.today()}-{machine_tag('cpu')}-{commit}-longtail{suffix}.md"
     path.write_text(text + "\n")
     print(f"written to {path}")
     return 0

@@ -1,13 +1,14 @@
 """The torch engine's continuous batching (rollout/torch_stream.py) over a scripted model: every request's
-tokens follow its own context across pack rebuilds (carried prefixes included), and queued requests join
-once half of the pack's rows finished."""
+tokens follow its own context across pack rebuilds (carried prefixes included), queued requests join once
+half of the pack's rows finished, and a pack's cache holds at most max(horizon, context) tokens past its
+context (rows that outlive it move to a new pack)."""
 
 from __future__ import annotations
 
 import torch
 from transformers import Qwen2Config
 
-from flashdapo.rollout import Request, SamplingParams
+from flashdapo.rollout import Request, SamplingParams, torch_stream
 from flashdapo.rollout.torch_engine import left_pad, sample
 from flashdapo.rollout.torch_stream import TorchStream
 
@@ -60,3 +61,20 @@ def test_a_carried_prefix_is_continued_not_resampled():
     s.submit([Request(0, (1, 10), prefix=(9, 8), max_new_tokens=62), Request(1, (1, 4), max_new_tokens=64)])
     done = run(s)
     assert done[0][1] == [7, 6, 5, 4, 3, EOS] and done[1][1] == [3, EOS]
+
+
+def test_rows_outliving_a_short_cache_move_to_a_new_pack(monkeypatch):
+    monkeypatch.setattr(torch_stream, "PACK_HORIZON", 4)
+    calls = []
+
+    def recording(input_ids, attention_mask, position_ids, cache):
+        calls.append((input_ids.shape[1], cache.max_cache_len))
+        return countdown(input_ids, attention_mask, position_ids, cache)
+
+    s = stream(max_batch=None)
+    s.forward = recording
+    s.submit([Request(0, (1, 11), max_new_tokens=64)])  # 9 tokens: 10, 9, ..., 3, EOS
+    assert run(s)[0] == (9, [*range(10, 2, -1), EOS])
+    prefills = [(width, slots) for width, slots in calls if width > 1]
+    # The prompt (2 tokens) with room for 4; after those 4, the 6-token context with room for 6 more.
+    assert prefills == [(2, 2 + 4), (6, 6 + 6)]
