@@ -46,7 +46,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # with the answer line and EOS the longest demonstration is 174 tokens, under the limit of 192. A round
     # (48 prompts x 8) is decoded as one batch.
     "longtail": {
-        "data": {"toy": {"filler_median": 8.0, "filler_sigma": 1.0}},
+        "data": {"toy": {"filler_median": 8.0}},  # filler_sigma: its default, 1.0
         "rollout": {"n": 8, "max_response_length": 192, "val_n": 4, "max_num_seqs": 384},
         "algorithm": {"overlong_buffer_len": 16, "max_gen_batches": 4, "on_max_gen_batches": "continue"},
         "optim": {"lr": 5e-4, "weight_decay": 0.0, "warmup_steps": 2},
