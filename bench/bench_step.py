@@ -175,7 +175,7 @@ def flashdapo_config(w: Workload, root: Path, run_dir: Path):
 
 
 def run_flashdapo(w: Workload, root: Path, seed: int) -> dict:
-    from flashdapo.trainer.distributed import shutdown
+    from flashdapo.distributed.mesh import shutdown
     from flashdapo.trainer.loop import train_step
     from flashdapo.trainer.run import setup_run
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_objects
+from .distributed.collectives import all_gather_objects
 from .config import AlgorithmConfig
 
 LOG_RATIO_CLAMP = 20.0

@@ -13,7 +13,7 @@ from flashdapo.algorithm import (
     token_loss,
 )
 from flashdapo.config import AlgorithmConfig, Config, ConfigError, merge
-from flashdapo.trainer.distributed import shutdown
+from flashdapo.distributed.mesh import shutdown
 from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.run import setup_run
 from flashdapo.trainer.update import on_policy

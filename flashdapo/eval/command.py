@@ -35,8 +35,8 @@ from ..data import load_eval_prompts
 from ..model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from ..tokenizer import eos_token_ids
-from ..trainer.distributed import DistEnv, before_destroy, init_distributed, shutdown
-from ..trainer.failfast import FailFast
+from ..distributed.mesh import DistEnv, before_destroy, init_distributed, shutdown
+from ..distributed.failfast import FailFast
 from .results import EvalReport, format_report
 from .sampling import EvalSampling, Shard, evaluate_to_dir
 from .store import SampleLog

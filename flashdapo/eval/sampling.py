@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ..collectives import all_gather_objects, broadcast_object
+from ..distributed.collectives import all_gather_objects, broadcast_object
 from ..data import Prompt
 from ..reward import Verifier, verify_responses
 from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed

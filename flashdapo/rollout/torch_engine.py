@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import StaticCache
 
-from ..collectives import all_reduce, world_size
+from ..distributed.collectives import all_reduce, world_size
 from .base import Completion, Request, Rollouts, SamplingParams, WeightSource, derive_seed
 from .torch_stream import TorchStream
 

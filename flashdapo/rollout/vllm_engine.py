@@ -224,7 +224,7 @@ class VLLMEngine:
     def shutdown(self) -> None:
         """Stop the engine (its worker, its process groups: vLLM destroys the default group with them,
         `v1/engine/core.py` `shutdown`). Call it before the trainer destroys the group, on every rank
-        (`trainer.distributed.before_destroy`); otherwise vLLM's finalizer runs at exit on a destroyed group."""
+        (`distributed.mesh.before_destroy`); otherwise vLLM's finalizer runs at exit on a destroyed group."""
         client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if client is not None:
             client.shutdown()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..algorithm import group_advantages, response_loss_mask, rollout_correction_weights
-from ..collectives import all_reduce
+from ..distributed.collectives import all_reduce
 from ..config import AlgorithmConfig
 
 

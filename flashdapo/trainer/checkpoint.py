@@ -42,9 +42,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..collectives import all_gather_objects, all_reduce, barrier
+from ..distributed.collectives import all_gather_objects, all_reduce, barrier
 from ..errors import FlashdapoError
-from .distributed import DistEnv
+from ..distributed.mesh import DistEnv
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")

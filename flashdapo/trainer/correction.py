@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..algorithm import rollout_correction_sums
-from ..collectives import all_reduce
+from ..distributed.collectives import all_reduce
 from .batch import TrainBatch
 
 

@@ -20,10 +20,10 @@ import contextlib
 import json
 from pathlib import Path
 
-from ..collectives import all_gather_objects
+from ..distributed.collectives import all_gather_objects
 from ..eval.results import PromptResult
 from .batch import Group, TrainBatch
-from .distributed import DistEnv
+from ..distributed.mesh import DistEnv
 
 DUMP_DIR = "rollouts"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..collectives import barrier
+from ..distributed.collectives import barrier
 
 EXPORT_MANIFEST = ".flashdapo-export.json"
 """In export/: the files the export wrote (a re-export replaces these and leaves every other file)."""

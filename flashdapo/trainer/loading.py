@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config import Config
-from .distributed import DistEnv
+from ..distributed.mesh import DistEnv
 from .policy import PolicyModel, parallelize
 
 

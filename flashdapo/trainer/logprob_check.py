@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..collectives import all_reduce
+from ..distributed.collectives import all_reduce
 from ..config import RolloutConfig
 from ..errors import FlashdapoError
 from ..rollout.vllm_probe import group_modules, stream_of, vllm_group_outputs

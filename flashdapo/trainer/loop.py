@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..algorithm import resolved_rollout_correction
-from ..collectives import all_gather_objects
+from ..distributed.collectives import all_gather_objects
 from ..eval.results import summarize
 from ..eval.sampling import EvalSampling, Shard, sample_prompts
 from ..rollout import derive_seed
@@ -32,8 +32,8 @@ from .checkpoint import latest_checkpoint, save_checkpoint
 from .correction import rollout_correction_metrics
 from .dumps import dump_train_rollouts, dump_validation, dumping
 from .export import export_hf
-from .heartbeat import heartbeat
-from .interrupt import StopOnInterrupt
+from ..distributed.heartbeat import heartbeat
+from ..distributed.interrupt import StopOnInterrupt
 from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe
 from .run import Run, setup_run
@@ -45,7 +45,7 @@ from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
 def train(cfg) -> Run:
     """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks.
     Ctrl-C stops after the running step and its checkpoint, raising Interrupted (interrupt.py)."""
-    with StopOnInterrupt(Path(cfg.logging.run_dir)) as stop:
+    with StopOnInterrupt(lambda: latest_checkpoint(Path(cfg.logging.run_dir))) as stop:
         run = setup_run(cfg, stop.check)  # a stop asked for during setup raises at its next stage
         stop.is_main = run.env.is_main
         try:

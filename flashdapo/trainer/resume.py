@@ -31,7 +31,7 @@ import torch
 from ..config import Config, OptimConfig
 from ..data import PromptSampler
 from .checkpoint import TrainerState, load_first_loadable, marker_run_id
-from .distributed import DistEnv
+from ..distributed.mesh import DistEnv
 from .run_settings import ResumeRefused, compare_settings, describe_changes
 
 _ORDER_KEYS = ("num_prompts", "seed", "shuffle")

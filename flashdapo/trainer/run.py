@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather_objects
+from ..distributed.collectives import all_gather_objects
 from ..config import Config, compact_summary
 from ..data import Prompt, PromptSampler
 from ..model_dir import check_model_dir
@@ -28,9 +28,9 @@ from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
 from ..warning_lines import attach_run
 from .checkpoint import TrainerState, load_rank_state
-from .distributed import DistEnv, before_destroy, init_distributed, shutdown
+from ..distributed.mesh import DistEnv, before_destroy, init_distributed, shutdown
 from .export import exported_step
-from .failfast import FailFast
+from ..distributed.failfast import FailFast
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, WandbRun
 from .policy import PolicyModel, parallelize

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithm import informative_groups, shaped_scores
-from ..collectives import all_gather_objects, all_reduce
+from ..distributed.collectives import all_gather_objects, all_reduce
 from ..config import Config
 from ..data import Prompt, PromptSampler
 from ..errors import FlashdapoError
@@ -26,7 +26,7 @@ from ..reward import Verifier, check_reward, verify_responses
 from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
 from .batch import Group
 from .dealing import deal_to_slots
-from .distributed import DistEnv
+from ..distributed.mesh import DistEnv
 from .metrics import StageTimer
 
 

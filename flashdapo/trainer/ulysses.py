@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-from .distributed import SequenceParallelError
+from ..distributed.mesh import SequenceParallelError
 
 
 def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -690,7 +690,7 @@ def test_thread_count_restored_under_vllms_cpu_stub(monkeypatch):
 def test_engine_shuts_down_before_the_process_group_is_destroyed():
     import torch.distributed as dist
 
-    from flashdapo.trainer.distributed import before_destroy, shutdown
+    from flashdapo.distributed.mesh import before_destroy, shutdown
 
     seen = []
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -20,7 +20,7 @@ from flashdapo.trainer.checkpoint import (
     resume_candidates,
     save_checkpoint,
 )
-from flashdapo.trainer.distributed import DistEnv
+from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer.export import export_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -9,7 +9,7 @@ import torch
 
 from flashdapo.config import toy
 from flashdapo.trainer.batch import build_train_batch
-from flashdapo.trainer.distributed import DistEnv
+from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer.dumps import dump_train_rollouts
 from flashdapo.trainer.loop import train
 

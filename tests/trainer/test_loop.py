@@ -16,7 +16,7 @@ from flashdapo.data import PromptSampler
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.tasks.toy import toy_records
 from flashdapo.trainer import loop, sampling
-from flashdapo.trainer.distributed import DistEnv, shutdown
+from flashdapo.distributed.mesh import DistEnv, shutdown
 from flashdapo.trainer.export import export_hf
 from flashdapo.trainer.loop import train, train_step
 from flashdapo.trainer.metrics import REQUIRED_KEYS, StageTimer, format_line

@@ -8,7 +8,7 @@ from flashdapo.config import AlgorithmConfig
 from flashdapo.kernels import token_logprobs
 from flashdapo.trainer import update
 from flashdapo.trainer.batch import Group
-from flashdapo.trainer.distributed import shutdown
+from flashdapo.distributed.mesh import shutdown
 from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.run import setup_run
 

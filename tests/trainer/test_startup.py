@@ -9,7 +9,7 @@ import torch
 
 from flashdapo.trainer import startup
 from flashdapo.trainer.checkpoint import CheckpointError
-from flashdapo.trainer.distributed import DistEnv
+from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer.run_settings import ResumeRefused
 
 from .test_resume import _config

@@ -14,7 +14,7 @@ import torch
 
 from flashdapo.config import merge, toy
 from flashdapo.reward import Verdict
-from flashdapo.trainer.distributed import DistEnv
+from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer.metrics import StageTimer
 from flashdapo.trainer.streaming import StreamState, stream_groups
 

@@ -9,7 +9,7 @@ from flashdapo.config import RolloutConfig
 from flashdapo.errors import user_error_line
 from flashdapo.rollout.base import SamplingParams
 from flashdapo.rollout.vllm_engine import VLLMEngine
-from flashdapo.trainer.distributed import init_distributed, shutdown
+from flashdapo.distributed.mesh import init_distributed, shutdown
 from tests.vllm.toy import KV_GIB
 
 model = Path(sys.argv[1])

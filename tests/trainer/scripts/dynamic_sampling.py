@@ -10,7 +10,7 @@ from scripted import PlainTokenizer, ScriptedEngine, numbered_prompts, scripted_
 
 from flashdapo.config import merge, toy  # noqa: E402
 from flashdapo.data import PromptSampler  # noqa: E402
-from flashdapo.trainer.distributed import init_distributed, shutdown  # noqa: E402
+from flashdapo.distributed.mesh import init_distributed, shutdown  # noqa: E402
 from flashdapo.trainer.metrics import StageTimer  # noqa: E402
 from flashdapo.trainer.sampling import collect_groups  # noqa: E402
 

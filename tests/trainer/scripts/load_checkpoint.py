@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from flashdapo.config import merge, toy
-from flashdapo.trainer.distributed import init_distributed, shutdown
+from flashdapo.distributed.mesh import init_distributed, shutdown
 from flashdapo.trainer.loading import load_sharded_policy
 from flashdapo.trainer.weight_sync import iter_full_state_dict
 

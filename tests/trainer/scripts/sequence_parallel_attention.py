@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flash_stand_in  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from flashdapo.trainer.distributed import init_distributed, shutdown  # noqa: E402
+from flashdapo.distributed.mesh import init_distributed, shutdown  # noqa: E402
 from flashdapo.trainer.policy import PolicyModel  # noqa: E402
 
 out = Path(sys.argv[1])

@@ -14,12 +14,12 @@ import pytest
 
 from flashdapo.__main__ import main as cli
 from flashdapo.trainer import loop
-from flashdapo.trainer.interrupt import Interrupted
+from flashdapo.distributed.interrupt import Interrupted
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.rundir import claim_run_dir
 
-from .test_distributed import ROOT, TINY, _env
-from .test_resume import _config, _metrics, _resume
+from tests.trainer.test_distributed import ROOT, TINY, _env
+from tests.trainer.test_resume import _config, _metrics, _resume
 
 
 def _ctrl_c_during(monkeypatch, step: int, times: int = 1, signum: int = signal.SIGINT):

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from flashdapo.trainer.heartbeat import heartbeat, heartbeat_line
+from flashdapo.distributed.heartbeat import heartbeat, heartbeat_line
 from flashdapo.trainer.metrics import StageTimer
 
 

@@ -1,5 +1,5 @@
 """A line from inside a long step: which stage it is in and for how long, so a 20-minute generation does not
-look like a hang. A daemon thread on rank 0 reads the step's StageTimer; it prints nothing for steps shorter
+look like a hang. A daemon thread on rank 0 reads the step's stage timer; it prints nothing for steps shorter
 than `logging.heartbeat_s`."""
 
 from __future__ import annotations
@@ -9,11 +9,18 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
-from .metrics import StageTimer
+
+class StageClock(Protocol):
+    """What the heartbeat reads of a step's stage timer (trainer/metrics.py's StageTimer): the stages running
+    now with their start times, outermost first, and the seconds of the finished ones."""
+
+    running: list[tuple[str, float]]
+    seconds: dict[str, float]
 
 
-def heartbeat_line(step: int, timer: StageTimer, now: float) -> str:
+def heartbeat_line(step: int, timer: StageClock, now: float) -> str:
     """'step 7: in update_actor for 61 s (gen 40 s, reward 2 s done; step 103 s so far)'."""
     running = [(name, start) for name, start in timer.running if name != "step"]
     step_start = next((start for name, start in timer.running if name == "step"), now)
@@ -23,7 +30,7 @@ def heartbeat_line(step: int, timer: StageTimer, now: float) -> str:
 
 
 @contextmanager
-def heartbeat(step: int, timer: StageTimer, every_s: float, enabled: bool) -> Iterator[None]:
+def heartbeat(step: int, timer: StageClock, every_s: float, enabled: bool) -> Iterator[None]:
     """Print `heartbeat_line` every `every_s` seconds while the block runs (nothing if it ends sooner)."""
     if not enabled or every_s <= 0:
         yield

@@ -28,13 +28,12 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 
-from ..collectives import all_reduce
+from .collectives import all_reduce
 from ..errors import FlashdapoError
-from .checkpoint import latest_checkpoint
 
 
 class Interrupted(FlashdapoError, RuntimeError):
@@ -66,8 +65,9 @@ class StopOnInterrupt:
     where Python prints "Exception ignored in ..." and goes on: the stop would be lost. A second signal
     raises at once; should that exception be swallowed, the flag still stops the run at the next safe point."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
+    def __init__(self, newest_checkpoint: Callable[[], object]):
+        self.newest_checkpoint = newest_checkpoint
+        """The run's newest complete checkpoint (or None), named in the stop lines."""
         self.is_main = os.environ.get("RANK", "0") == "0"
         """Whether this rank prints the notice of a first signal (rank 0)."""
         self.phase = "setup"
@@ -102,7 +102,7 @@ class StopOnInterrupt:
     def interrupted(self, finished: bool) -> Interrupted:
         """The error of a stop outside a step's end, where no checkpoint is taken. `finished`: the phase
         completed (a safe point after it), else it was cut short (a second signal)."""
-        name, newest = _signal_name(self.signum), latest_checkpoint(self.run_dir)
+        name, newest = _signal_name(self.signum), self.newest_checkpoint()
         if finished and self.phase == "the export":
             return Interrupted(f"stopped by {name} during the export, once it was written: the run is complete "
                                f"(its newest checkpoint is {newest or 'none'})", self.signum)
@@ -125,7 +125,7 @@ class StopOnInterrupt:
     def stopped(self, step: int) -> Interrupted:
         """The error that ends a run stopped after `step`, whose checkpoint is saved."""
         return Interrupted(f"stopped at step {step} by {_signal_name(self.signum)}, after saving its checkpoint "
-                           f"{latest_checkpoint(self.run_dir)}; resume with --checkpoint.resume auto", self.signum)
+                           f"{self.newest_checkpoint()}; resume with --checkpoint.resume auto", self.signum)
 
 
 def _notice(text: str) -> None:

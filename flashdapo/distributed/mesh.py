@@ -1,7 +1,7 @@
 """The torchrun environment, read in one place: rank, device, process group and meshes.
 
 One code path for 1 and N ranks: a plain `flashdapo train` (no torchrun) starts a single-rank gloo
-group, so FSDP2 and every collective (`flashdapo.collectives`) run the same way at any world size.
+group, so FSDP2 and every collective (`flashdapo.distributed.collectives`) run the same way at any world size.
 
 With sequence parallelism (`trainer.sequence_parallel` = sp) the ranks form a 2-D mesh dp x sp: the sp
 consecutive ranks of a row are one sequence-parallel group and share one data-parallel slot (they train on

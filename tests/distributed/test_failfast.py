@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_distributed import ROOT, SCRIPTS, TINY, _env, _metrics, torchrun
+from tests.trainer.test_distributed import ROOT, SCRIPTS, TINY, _env, _metrics, torchrun
 
 RUN = [*TINY, "--trainer.total-steps", "3", "--checkpoint.save-every", "1"]
 ERROR = "injected failure in {} on rank 1 at step 2"
