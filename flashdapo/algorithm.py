@@ -226,7 +226,9 @@ def rollout_correction_sums(old: torch.Tensor, rollout: torch.Tensor, weights: t
 class LossStats:
     """Detached token sums of one loss call; add them across micro-batches and ranks, then take `means`.
 
-    Sums rather than means so that a reduction over micro-batches and data-parallel ranks is exact.
+    Sums rather than means so that a reduction over micro-batches and data-parallel ranks is exact. Every
+    count is over valid (mask=1) tokens. The three clip regions are disjoint (c > 1 + eps_high, c > 1), so
+    pg_clipfrac = clip_upper + clip_lower + clip_dual and pg_clipfrac_lower = clip_dual.
     """
 
     num_tokens: torch.Tensor
@@ -243,6 +245,22 @@ class LossStats:
     """Sum of exp(logp_new): the paper's mean token probability once divided by num_tokens."""
     ratio: torch.Tensor
     """Sum of importance ratios r."""
+    clip_upper: torch.Tensor
+    """Tokens with A > 0 and r > 1 + eps_high: the Clip-Higher bound is active."""
+    clip_lower: torch.Tensor
+    """Tokens with A < 0 and r < 1 - eps_low."""
+    clip_dual: torch.Tensor
+    """Tokens with A < 0 and r > c (the dual clip; equals pg_clipfrac_lower)."""
+    upclip_old_prob: torch.Tensor
+    """Sum of exp(logp_old) over the up-clipped tokens (clip_upper): their mean old-policy probability."""
+    tokens_correct: torch.Tensor
+    """Valid tokens of responses the verifier judged correct."""
+    entropy_correct: torch.Tensor
+    """Sum of the entropies of those tokens."""
+    tokens_wrong: torch.Tensor
+    """Valid tokens of responses judged wrong."""
+    entropy_wrong: torch.Tensor
+    """Sum of the entropies of those tokens."""
 
     def __add__(self, other: LossStats) -> LossStats:
         return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -261,9 +279,21 @@ class LossStats:
         return cls.from_vector(torch.zeros(len(fields(cls)), dtype=torch.float64, device=device))
 
     def means(self) -> dict[str, float]:
-        """Per-token means of every statistic (0 when there are no tokens)."""
+        """Per-token means of every statistic (0 when there are no tokens), except the conditional ones
+        (`CONDITIONAL_MEANS`), which are means over their own tokens and are left out when there are none
+        (a 0 would read as a probability or an entropy)."""
         count = max(float(self.num_tokens), 1.0)
-        return {f.name: float(getattr(self, f.name)) / count for f in fields(self) if f.name != "num_tokens"}
+        out = {f.name: float(getattr(self, f.name)) / count for f in fields(self)
+               if f.name != "num_tokens" and f.name not in CONDITIONAL_MEANS}
+        for name, over in CONDITIONAL_MEANS.items():
+            if float(getattr(self, over)) > 0:
+                out[name] = float(getattr(self, name)) / float(getattr(self, over))
+        return out
+
+
+CONDITIONAL_MEANS = {"upclip_old_prob": "clip_upper", "entropy_correct": "tokens_correct",
+                     "entropy_wrong": "tokens_wrong"}
+"""LossStats sums whose mean is over the tokens of another count (value -> its count)."""
 
 
 def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, algo: AlgorithmConfig):
@@ -291,14 +321,15 @@ def token_loss(
     normalizer: torch.Tensor | float | None = None,
     weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    correct: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Scalar DAPO loss from per-token log-probs (differentiable in `logp`) and detached token sums.
 
     All inputs are per token [N]: loss = sum over valid tokens of weights * l / normalizer. `normalizer` is
     the global number of valid tokens of the mini-batch (all micro-batches, all ranks), or per token [N]
     what `loss_normalizers` gives the token's response; None uses this call's own count. `weights` is the
-    detached rollout-correction factor (None: 1). `entropy` only feeds the statistics (DAPO has no entropy
-    bonus). A fully masked input gives loss 0 and zero gradient, never NaN. Computes in fp32, or fp64 for
+    detached rollout-correction factor (None: 1). `entropy` and `correct` (per token, whether its response
+    was judged correct; None: unknown, no split) only feed the statistics (DAPO has no entropy bonus). A fully masked input gives loss 0 and zero gradient, never NaN. Computes in fp32, or fp64 for
     fp64 log-probs. `old_logprobs=None` is the on-policy
     loss: pi_old is pi_theta detached (ratio 1, nothing clipped, gradient -A dlogp / normalizer), exact when
     the batch was sampled from the current weights.
@@ -317,14 +348,37 @@ def token_loss(
     loss = torch.where(valid > 0, per_token * scale, torch.zeros_like(per_token)).sum()
 
     with torch.no_grad():
-        new = logp.detach()
-        stats = LossStats(
-            num_tokens=valid.sum(),
-            pg_clipfrac=((clipped | dual_clipped).to(dtype) * valid).sum(),
-            pg_clipfrac_lower=(dual_clipped.to(dtype) * valid).sum(),
-            ppo_kl=((old - new) * valid).sum(),
-            entropy=(entropy.detach().to(dtype) * valid).sum() if entropy is not None else valid.new_zeros(()),
-            token_prob=(new.exp() * valid).sum(),
-            ratio=(ratio.detach() * valid).sum(),
-        )
+        stats = _loss_stats(logp.detach(), old, adv, valid, ratio.detach(), (clipped, dual_clipped), entropy, correct)
     return loss, stats
+
+
+def _loss_stats(new, old, adv, valid, ratio, clips, entropy, correct) -> LossStats:
+    """The detached token sums of `token_loss` (all per token, `valid` 0/1 in the compute dtype)."""
+    clipped, dual_clipped = clips
+    zero = valid.new_zeros(())
+    upper, lower = clipped & (adv > 0), clipped & (adv < 0)  # A = 0 is never clipped: l = 0 on both branches
+    ent = (torch.where(valid > 0, entropy.detach().to(valid.dtype), torch.zeros_like(valid))
+           if entropy is not None else None)
+    right = correct.to(valid.device).bool() if correct is not None else None
+
+    def count(flags: torch.Tensor) -> torch.Tensor:
+        return (flags.to(valid.dtype) * valid).sum()
+
+    return LossStats(
+        num_tokens=valid.sum(),
+        pg_clipfrac=count(clipped | dual_clipped),
+        pg_clipfrac_lower=count(dual_clipped),
+        ppo_kl=((old - new) * valid).sum(),
+        entropy=ent.sum() if ent is not None else zero,
+        token_prob=(new.exp() * valid).sum(),
+        ratio=(ratio * valid).sum(),
+        clip_upper=count(upper),
+        clip_lower=count(lower),
+        clip_dual=count(dual_clipped),
+        # where(): a masked token's old log-prob may be anything, and must not leak into the sum.
+        upclip_old_prob=torch.where(upper & (valid > 0), old.exp(), torch.zeros_like(old)).sum(),
+        tokens_correct=count(right) if right is not None else zero,
+        entropy_correct=(ent * right).sum() if ent is not None and right is not None else zero,
+        tokens_wrong=count(~right) if right is not None else zero,
+        entropy_wrong=(ent * ~right).sum() if ent is not None and right is not None else zero,
+    )

@@ -27,6 +27,11 @@ last `\\boxed{...}` (braces balanced) within the window's last 100 characters is
 content must equal the raw ground truth (no normalization on that path: verl's strict-box comparison).
 
 `math_verify` (optional extra `math`) instead parses both sides into sympy and checks equivalence.
+
+`random` (`RandomReward`) is no verifier but the reward-free control of a training run: each response is
+judged correct with probability p, drawn from a seed of the run seed and the response's place in the run
+(step, generation round, rank, group, member), never from its text, so no output can earn a higher reward.
+It is the training reward only; validation, probes and `flashdapo eval` judge with the `dapo` rule.
 """
 
 from __future__ import annotations
@@ -41,10 +46,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .errors import FlashdapoError
+from .rollout.base import derive_seed
 
 __all__ = [
     "MAX_GROUND_TRUTH_CHARS",
+    "RANDOM_VERIFIER",
     "REMOVED_EXPRESSIONS",
+    "RandomReward",
     "RewardError",
     "SUBSTITUTIONS",
     "VERIFIERS",
@@ -55,6 +63,7 @@ __all__ = [
     "check_reward",
     "extract_answer",
     "get_verifier",
+    "judging_verifier",
     "last_boxed_content",
     "math_verify_verify",
     "normalize_final_answer",
@@ -357,6 +366,34 @@ def get_verifier(name: str) -> Verifier:
     if name == "math_verify":
         _require_math_verify()
     return VERIFIERS[name]
+
+
+RANDOM_VERIFIER = "random"
+"""algorithm.verifier's reward-free control (`RandomReward`); not in VERIFIERS: it judges no text."""
+
+
+def judging_verifier(name: str) -> str:
+    """The verifier that judges validation and evaluation for algorithm.verifier `name`: itself, or the
+    `dapo` rule when training's reward is random (accuracy on the task stays measurable)."""
+    return "dapo" if name == RANDOM_VERIFIER else name
+
+
+@dataclass(frozen=True)
+class RandomReward:
+    """The reward-free control: correct (+1) with probability `p`, else wrong (-1), per response.
+
+    The draw is a pure function of `seed` (the run seed) and the response's key (its place in the run, e.g.
+    step, round, rank, group, member), independent of the response's text, the process and the machine:
+    a uniform u in [0, 1) from the blake2b seed of the key (`derive_seed`), correct iff u < p."""
+
+    p: float
+    seed: int
+
+    def verdict(self, *key: int) -> Verdict:
+        """The verdict of the response named by `key` (integers)."""
+        u = derive_seed(self.seed, *key) / 2.0**62
+        hit = u < self.p
+        return Verdict(score=1.0 if hit else -1.0, acc=hit, pred="")
 
 
 class RewardError(FlashdapoError, ValueError):

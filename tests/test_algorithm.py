@@ -177,3 +177,81 @@ def test_response_loss_mask_drops_truncated_only_under_overlong_filter():
     truncated = torch.tensor([False, True, False])
     assert response_loss_mask(truncated, AlgorithmConfig(overlong_filter=True)).tolist() == [True, False, True]
     assert response_loss_mask(truncated, AlgorithmConfig(overlong_filter=False)).tolist() == [True, True, True]
+
+
+# The clip regions, counted on a batch written out by hand: (advantage, ratio, mask, old probability).
+# eps_low 0.2, eps_high 0.28, c 10: upper = A > 0 and r > 1.28; lower = A < 0 and r < 0.8; dual = A < 0 and
+# r > 10. Masked tokens count nowhere, whatever their ratio.
+CLIP_CASE = [
+    (+1.0, 1.50, True, 0.20),   # upper
+    (+0.5, 1.29, True, 0.40),   # upper (just past 1 + eps_high)
+    (+1.0, 1.10, True, 0.50),   # inside the band
+    (+1.0, 0.50, True, 0.50),   # A > 0 and a low ratio: the unclipped branch is the max, not clipped
+    (-1.0, 0.50, True, 0.50),   # lower
+    (-0.3, 0.79, True, 0.50),   # lower (just below 1 - eps_low)
+    (-1.0, 0.90, True, 0.50),   # inside the band
+    (-1.0, 2.00, True, 0.10),   # A < 0 and a high ratio below c: unclipped, not clipped
+    (-1.0, 12.0, True, 0.01),   # dual
+    (-2.0, 50.0, True, 0.01),   # dual
+    (0.00, 3.00, True, 0.10),   # A = 0: no branch is active
+    (+1.0, 3.00, False, 0.10),  # masked: would be upper
+    (-1.0, 20.0, False, 0.01),  # masked: would be dual
+    (-1.0, 0.10, False, 0.50),  # masked: would be lower
+]
+
+
+def _clip_case():
+    adv, ratio, mask, old_prob = (torch.tensor(col, dtype=torch.float64) for col in zip(*CLIP_CASE))
+    old = old_prob.log()
+    return old + ratio.log(), old, adv, mask.bool()
+
+
+def test_clip_fractions_by_region_on_a_hand_computed_batch():
+    logp, old, adv, mask = _clip_case()
+    _, stats = token_loss(logp, old, adv, mask, AlgorithmConfig(clip_low=0.2, clip_high=0.28, clip_ratio_c=10.0))
+    assert stats.num_tokens.item() == 11
+    assert (stats.clip_upper.item(), stats.clip_lower.item(), stats.clip_dual.item()) == (2, 2, 2)
+    # The existing verl names: either side (all three regions) and the dual clip alone.
+    assert stats.pg_clipfrac.item() == 6 and stats.pg_clipfrac_lower.item() == 2
+    means = stats.means()
+    assert means["clip_upper"] == means["clip_lower"] == means["clip_dual"] == pytest.approx(2 / 11)
+    assert means["upclip_old_prob"] == pytest.approx((0.20 + 0.40) / 2, rel=1e-12)
+
+
+def test_clip_fractions_without_dual_clip_count_no_dual():
+    logp, old, adv, mask = _clip_case()
+    _, stats = token_loss(logp, old, adv, mask, AlgorithmConfig(clip_low=0.2, clip_high=0.28, clip_ratio_c=None))
+    # Without the dual clip, A < 0 and r > 10 sits in the unclipped branch (the loss grows with r).
+    assert (stats.clip_upper.item(), stats.clip_lower.item(), stats.clip_dual.item()) == (2, 2, 0)
+    assert stats.pg_clipfrac.item() == 4 and stats.pg_clipfrac_lower.item() == 0
+
+
+def test_clip_higher_bound_moves_the_upper_count():
+    logp, old, adv, mask = _clip_case()
+    _, stats = token_loss(logp, old, adv, mask, AlgorithmConfig(clip_low=0.2, clip_high=0.05, clip_ratio_c=10.0))
+    assert stats.clip_upper.item() == 3  # 1.10 is now above 1 + eps_high too
+    assert stats.clip_lower.item() == 2 and stats.clip_dual.item() == 2
+    assert stats.means()["upclip_old_prob"] == pytest.approx((0.20 + 0.40 + 0.50) / 3, rel=1e-12)
+
+
+def test_no_up_clipped_token_reports_no_upclip_probability():
+    logp, old, adv, mask = _clip_case()
+    _, stats = token_loss(logp, old, adv, mask, AlgorithmConfig(clip_high=5.0))
+    assert stats.clip_upper.item() == 0 and "upclip_old_prob" not in stats.means()
+    _, on_policy = token_loss(logp, None, adv, mask, AlgorithmConfig())
+    assert on_policy.clip_upper.item() == on_policy.clip_lower.item() == on_policy.clip_dual.item() == 0
+
+
+def test_entropy_split_by_correct_and_wrong_responses():
+    logp, old, adv, mask = _clip_case()
+    entropy = torch.arange(len(logp), dtype=torch.float64) + 1.0
+    correct = torch.zeros(len(logp), dtype=torch.bool)
+    correct[:4] = True  # tokens 0..3 belong to a correct response, the rest to wrong ones
+    _, stats = token_loss(logp, old, adv, mask, AlgorithmConfig(), entropy=entropy, correct=correct)
+    means = stats.means()
+    assert stats.tokens_correct.item() == 4 and stats.tokens_wrong.item() == 7  # 3 of the wrong are masked
+    assert means["entropy_correct"] == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert means["entropy_wrong"] == pytest.approx(sum(range(5, 12)) / 7)
+    assert means["entropy"] == pytest.approx(sum(range(1, 12)) / 11)
+    _, unknown = token_loss(logp, old, adv, mask, AlgorithmConfig(), entropy=entropy)
+    assert "entropy_correct" not in unknown.means() and "entropy_wrong" not in unknown.means()

@@ -133,11 +133,15 @@ class AlgorithmConfig(Section):
     """Responses per micro-batch of loss_agg_mode=token-mean-per-micro-batch (consecutive responses of the
     mini-batch, whatever the ranks and the trainer's own micro-batches). 4: the released 32B recipe's
     512 responses per mini-batch over 128 GPUs."""
-    verifier: Literal["dapo", "dapo_verl", "math_verify"] = "dapo"
+    verifier: Literal["dapo", "dapo_verl", "math_verify", "random"] = "dapo"
     """dapo: the released 'Answer:' rule with Minerva normalization (no Answer line: wrong). dapo_verl: the
     same rule as current verl (0.9) applies it, falling back to the last \\boxed{} of the response's last
     100 characters when no Answer line matches. math_verify: equivalence checking with the math-verify
-    package (extra `math`). docs/algorithm.md, section 4."""
+    package (extra `math`). random: the reward-free control, reward +1 with probability random_reward_p
+    else -1, drawn per response from the run seed and its place in the run, never from its text
+    (validation still judges with dapo). docs/algorithm.md, section 4."""
+    random_reward_p: Annotated[float, within(0, 1, "[]")] = 0.5
+    """verifier=random: the probability that a response is rewarded as correct."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """pi_old of the clipped ratio when a step takes several optimizer steps (train_batch > mini_batch, or
     ppo_epochs > 1). recompute: one no-grad pass of the policy over the batch before the update (exact in

@@ -143,6 +143,13 @@ class LoggingConfig(Section):
     """A step still running after this many seconds prints a line naming the stage it is in and how long it
     has run, and again every as many seconds (rank 0; 0: never; at least 1 s: shorter would flood the log
     with lines that say nothing new)."""
+    probe_every: NonNegative = 5
+    """Every N steps (and before training with trainer.val_before_train, and at the last step) measure the
+    policy on the probe set: probe/entropy and probe/top1_prob, the mean entropy and top-1 probability over
+    fixed teacher-forced responses (trainer/probe.py; 0: never)."""
+    probe_prompts: Positive = 32
+    """Prompts of the probe set: the first this many distinct validation prompts (training prompts when the
+    run has no validation set), each with the response 'Answer: <reference answer>'."""
     dump_rollouts_every: NonNegative = 0
     """Every N steps write the step's rollouts (prompt, responses, scores, advantages, trained / filtered /
     unused) and, at validations on such steps, the validation generations as jsonl under RUN_DIR/rollouts/

@@ -130,6 +130,11 @@ def eval_main(argv: list[str]) -> EvalReport:
     cls = eval_args_class(base)
     args = tyro.cli(cls, args=rest, prog="flashdapo eval",
                     description=f"{cls.__doc__}\n\nDefaults: {start} (--preset NAME, --config FILE).")
+    from ..reward import RANDOM_VERIFIER
+
+    if args.verifier == RANDOM_VERIFIER:  # a training control, not a judge of answers
+        raise ConfigError(f"{field_path(cls, 'verifier')}: 'random' is a training reward (the reward-free "
+                          "control); evaluate with dapo, dapo_verl or math_verify")
     try:
         from ..reward import get_verifier
 

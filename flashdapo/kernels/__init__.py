@@ -29,7 +29,7 @@ CHUNKED_IMPLS: tuple[str, ...] = ("torch", "triton")
 """The impls run by the chunked driver (what the kernel tests and benchmarks compare to naive)."""
 
 __all__ = ["CHUNKED_IMPLS", "IMPLS", "KernelImpl", "fused_loss_default", "fused_token_loss", "resolve_impl",
-           "token_logprobs"]
+           "token_logprobs", "token_probe_stats"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -79,6 +79,30 @@ def token_logprobs(
     logp, entropy = _logprobs(hidden, weight, targets, temperature, with_entropy, impl)
     return (logp, entropy) if with_entropy else logp
 
+
+def token_probe_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, top-1 probability) per token [N] fp32, no gradient: what a probe of the policy reads.
+
+    The chunked impls take the top-1 probability from the forward's running statistics (1 / s, with s the
+    sum of exp(z/T - max)), never materializing logits; naive from its materialized softmax."""
+    _check_inputs(hidden, weight, targets)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    impl = resolve_impl(impl, hidden.device)
+    if impl == "naive":
+        from .naive import naive_token_probe_stats
+
+        return naive_token_probe_stats(hidden, weight, targets, temperature)
+    from .chunked import chunked_token_probe_stats
+
+    return chunked_token_probe_stats(hidden, weight, targets, temperature, impl=impl)
 
 
 def fused_loss_default(impl: str, device: torch.device) -> bool:

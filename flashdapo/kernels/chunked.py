@@ -249,3 +249,25 @@ def chunked_token_logprobs(
     plan = Plan(max(1, chunk_tokens or plan.chunk_tokens),
                 max(1, min(weight.shape[0], chunk_vocab or plan.chunk_vocab)))
     return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), bool(with_entropy), plan, impl)
+
+
+@torch.no_grad()
+def chunked_token_probe_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                              temperature: float = 1.0, *, impl: str = "torch",
+                              tile_elems: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """No-grad (logp, entropy, top-1 probability) per token [N] from the forward's online statistics.
+
+    The top-1 probability is exp(max z/T - lse) = exp(m - m - log s) = 1 / s: the forward's own running
+    max m and sum s give it, so nothing beyond the `token_logprobs` forward runs and no logits are kept."""
+    device_type = hidden.device.type
+    if impl == "triton" and device_type != "cuda":
+        from .triton_tiles import INTERPRET
+
+        if not INTERPRET:
+            raise RuntimeError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing triton")
+        device_type = "interpret"
+    dtype = operand_dtype(impl, hidden.dtype, weight.dtype)
+    plan = plan_chunks(hidden.shape[0], weight.shape[0], device_type, tile_elems, dtype.itemsize)
+    h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
+    logp, entropy, _, log_s = _forward(h, w, targets, float(temperature), True, plan, impl)
+    return logp, entropy, torch.exp(-log_s)

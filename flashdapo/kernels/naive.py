@@ -30,3 +30,15 @@ def naive_token_logprobs(
     if with_entropy:
         entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
     return logp, entropy
+
+
+@torch.no_grad()
+def naive_token_probe_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """No-grad (logp, entropy, top-1 probability max_v p_v) per token [N], through materialized logits."""
+    compute_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = (hidden.to(compute_dtype) @ weight.to(compute_dtype).T) / temperature
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    logp = logprobs_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
+    return logp, entropy, logprobs_all.amax(-1).exp()

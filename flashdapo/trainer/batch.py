@@ -128,6 +128,11 @@ class TrainBatch:
         return _cat([g.truncated for g in self.groups], torch.bool)
 
     @property
+    def acc(self) -> torch.Tensor:
+        """[B] bool: the verifier judged the response correct."""
+        return _cat([g.acc.bool() for g in self.groups], torch.bool)
+
+    @property
     def response_keys(self) -> list[tuple[tuple[int, int, int], int]]:
         """Per response, (its group's origin, its position in the group): sorted, the order one rank would
         hold the step's responses in (what order-dependent loss normalizers read)."""

@@ -67,6 +67,8 @@ class TrainerState:
     """The run that wrote the checkpoint (see rundir.py); pruning only touches this run's checkpoints."""
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The settings that shaped the run (run_settings.py), compared on resume; empty in older checkpoints."""
+    totals: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The run's cumulative counts (run.RunTotals as a dict); empty in older checkpoints (counted from 0)."""
 
     @classmethod
     def from_plain(cls, data: Any, where: Path) -> TrainerState:

@@ -36,6 +36,7 @@ from ..distributed.heartbeat import heartbeat
 from ..distributed.interrupt import StopOnInterrupt
 from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe
+from .probe import probe_due, probe_metrics
 from .run import Run, setup_run
 from .sampling import collect_groups
 from .streaming import carries, stream_groups, stream_metrics
@@ -72,7 +73,8 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
     cfg = run.cfg
     if run.start_step == 0 and cfg.trainer.val_before_train:
         stop.phase = "the validation before step 1"
-        run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0)})
+        run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0),
+                        **probe(run, 0, last=False)})
         stop.check()
     for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
         stop.phase = f"step {step}"
@@ -81,6 +83,7 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
         validating = last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0)
         if validating:
             metrics.update(validate(run, step, keep_awake=not last))
+        metrics.update(probe(run, step, last))
         run.logger.log(metrics)
         if run.env.is_main and cfg.logging.plot and validating:  # a plot costs ~0.2 s: not every step
             run.logger.plot(run.run_dir / "training_dynamics.png", f"flashdapo: {run.run_dir.name}")
@@ -108,11 +111,11 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         dump = dumping(cfg.logging.dump_rollouts_every, step)
         stream = None
         if cfg.rollout.streaming:
-            collected, stream = stream_groups(step, run.stream, run.sampler, run.engine, run.tokenizer, run.verifier,
-                                              cfg, env, timer, version=step)
+            collected, stream = stream_groups(step, run.stream, run.sampler, run.engine, run.tokenizer,
+                                              run.train_reward, cfg, env, timer, version=step)
         else:
-            collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer,
-                                       keep_generated=dump)
+            collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.train_reward, cfg, env,
+                                       timer, keep_generated=dump)
         run.engine.sleep()
         with timer("old_log_prob"):
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
@@ -133,8 +136,10 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     if dump:
         dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env)
     stream_check = stream_metrics(stream, batch, step, env) if stream is not None else {}
+    run.totals.add(collected.generated_samples, collected.generated_tokens)  # checkpointed: resumes continue it
     return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check,
-            **stream_check}
+            **stream_check, "train/generated_samples_cum": float(run.totals.generated_samples),
+            "train/generated_tokens_cum": float(run.totals.generated_tokens)}
 
 
 def stop_after_skips(run: Run, step: int, update: UpdateResult) -> None:
@@ -149,6 +154,15 @@ def stop_after_skips(run: Run, step: int, update: UpdateResult) -> None:
             f"were skipped (trainer.max_skipped_steps={limit}); the weights are unchanged since the last good step. "
             f"Newest good checkpoint: {latest_checkpoint(run.run_dir) or 'none'}. Check the rewards, "
             "rollout.temperature and optim.lr, then resume with --checkpoint.resume auto")
+
+
+def probe(run: Run, step: int, last: bool) -> dict[str, float]:
+    """probe/* of the weights after `step` when logging.probe_every says so (probe.py), else {}."""
+    if run.probe is None or not probe_due(run.cfg.logging.probe_every, step, last):
+        return {}
+    start = time.perf_counter()
+    out = probe_metrics(run.policy, run.probe, run.cfg.trainer.micro_batch_tokens, run.pad_id, run.env.device)
+    return {**out, "timing_s/probe": time.perf_counter() - start}
 
 
 def validate(run: Run, step: int, keep_awake: bool = False) -> dict[str, float]:
@@ -176,10 +190,10 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
     """verl-named metrics of one step (docs/algorithm.md, section 8), global over ranks."""
     env = run.env
     local = (batch.scores, batch.advantages, batch.responses_lengths_tensor(), batch.prompt_lengths_tensor(),
-             batch.truncated.float())
+             batch.truncated.float(), batch.acc)
     # The sp ranks of a sequence-parallel group hold the same responses: the first of each speaks for it.
     slots = all_gather_objects(local)[::env.sequence_parallel]
-    scores, adv, resp_len, prompt_len, trunc = (torch.cat(parts) for parts in zip(*slots))
+    scores, adv, resp_len, prompt_len, trunc, acc = (torch.cat(parts) for parts in zip(*slots))
     means = update.stats.means()
     tokens = (resp_len.sum() + prompt_len.sum()).item()
     seconds = timer.seconds["step"]
@@ -191,6 +205,7 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "actor/pg_loss": sum(update.pg_losses) / max(len(update.pg_losses), 1),
          "actor/entropy": means["entropy"], "actor/pg_clipfrac": means["pg_clipfrac"],
          "actor/pg_clipfrac_lower": means["pg_clipfrac_lower"], "actor/ppo_kl": means["ppo_kl"],
+         **split_metrics(means, acc, resp_len),
          "actor/token_prob": means["token_prob"], "actor/ratio": means["ratio"],
          "actor/grad_norm": sum(update.grad_norms) / max(len(update.grad_norms), 1),
          "train/num_gen_batches": collected.num_gen_batches,
@@ -199,6 +214,8 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          # Groups whose filter values were all equal, of those generated: what dynamic sampling drops (or, without
          # it, trains on with zero advantage).
          "train/all_equal_fraction": collected.groups_all_equal / max(collected.groups_generated, 1),
+         "train/all_correct_fraction": collected.groups_all_correct / max(collected.groups_generated, 1),
+         "train/all_wrong_fraction": collected.groups_all_wrong / max(collected.groups_generated, 1),
          # Fewer than train_batch / mini_batch when a short batch trains (on_max_gen_batches=continue).
          "train/mini_batches": float(len(batch.mini_batches)),
          "train/gen_acc": collected.gen_acc, "train/gen_score": collected.gen_score,
@@ -215,3 +232,19 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
     m["actor/skipped_steps"] = float(sum(update.nonfinite))
     return m
 
+
+
+def split_metrics(means: dict[str, float], acc: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """The clip fractions by region, the up-clipped tokens' old probability, and length and entropy split by
+    the verdict (trained responses). A mean over nothing (no up-clipped token, no correct response) is left
+    out, never reported as 0."""
+    out = {"actor/clipfrac_upper": means["clip_upper"], "actor/clipfrac_lower": means["clip_lower"],
+           "actor/clipfrac_dual": means["clip_dual"]}
+    for key, name in (("upclip_old_prob", "actor/upclip_old_prob"), ("entropy_correct", "actor/entropy_correct"),
+                      ("entropy_wrong", "actor/entropy_wrong")):
+        if key in means:
+            out[name] = means[key]
+    for flags, name in ((acc, "response_length/correct_mean"), (~acc, "response_length/wrong_mean")):
+        if bool(flags.any()):
+            out[name] = lengths[flags].double().mean().item()
+    return out

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from ..config import ModelConfig, TrainerConfig
-from ..kernels import fused_token_loss, token_logprobs
+from ..kernels import fused_token_loss, token_logprobs, token_probe_stats
 from ..profiling.ranges import traced
 from ..rollout.torch_engine import cache_argument
 from ..distributed.mesh import DistEnv
@@ -149,11 +149,12 @@ class PolicyModel(nn.Module):
         return self.hf.get_output_embeddings().weight
 
     def forward(self, batch: TokenBatch | None = None, with_entropy: bool = False, cache=None, loss_fn=None,
-                keep: torch.Tensor | None = None, **hf_kwargs):
+                keep: torch.Tensor | None = None, probe: bool = False, **hf_kwargs):
         """Training: per-token (logp, entropy or None) of `batch`, fp32, differentiable in the weights. With
         `keep` (the loss mask), rows outside it get no LM-head work and 0 for logp and entropy; with
         `loss_fn` too (a per-token loss, see kernels.fused_token_loss), (loss, logp, entropy) from the
-        fused sweep, logp and entropy detached.
+        fused sweep, logp and entropy detached. With `probe`: no-grad (logp, entropy, top-1 probability)
+        (kernels.token_probe_stats), for the probe (probe.py).
         Sampling: with HF keyword arguments and no batch, the HF model's own forward (`cache` is the KV
         cache, passed under the name this transformers version uses)."""
         if batch is None:
@@ -161,6 +162,12 @@ class PolicyModel(nn.Module):
                 hf_kwargs[self._cache_arg] = cache
             return self.hf(**hf_kwargs)
         hidden = self._hidden_states(batch)
+        if probe and batch.held is not None and not len(batch.targets):  # no backward: nothing to tie
+            empty = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            return empty, empty, empty
+        if probe:
+            return token_probe_stats(hidden, self.lm_head_weight(), batch.targets, temperature=self.temperature,
+                                     impl=self.kernel_impl)
         if batch.held is not None and not len(batch.targets):
             return self._nothing_held(hidden, with_entropy or keep is not None, loss_fn is not None)
         # One named range per LM-head call, forward and backward, in profiled steps (flashdapo/profiling).

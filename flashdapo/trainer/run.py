@@ -5,6 +5,7 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from ..data import Prompt, PromptSampler
 from ..model_dir import check_model_dir
 from ..preflight import check_launch, check_model, resolve_auto
 from ..profiling import StepProfiler
-from ..reward import Verifier, get_verifier
+from ..reward import RANDOM_VERIFIER, RandomReward, Verifier, get_verifier, judging_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
 from ..tasks import build_datasets, build_task_tokenizer
@@ -34,6 +35,7 @@ from ..distributed.failfast import FailFast
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, WandbRun
 from .policy import PolicyModel, parallelize
+from .probe import ProbeSet, build_probe_set
 from .resume import Resumed, apply_optim_config, describe_resume, load_resume, restore_sampler
 from .run_settings import run_settings
 from .rundir import RunDirClaim, new_run_id, record_start
@@ -41,6 +43,20 @@ from .startup import StartPlan, agree_on_start, set_collective_timeout
 from .streaming import StreamState
 from .warmup import warm_up_built_in
 from .weight_sync import iter_full_state_dict
+
+
+@dataclass
+class RunTotals:
+    """What the run has generated so far, over every step and rank (train/generated_*_cum)."""
+
+    generated_samples: int = 0
+    """Responses generated (finished), kept or not."""
+    generated_tokens: int = 0
+    """Response tokens sampled, kept or not."""
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.generated_samples += samples
+        self.generated_tokens += tokens
 
 
 @dataclass
@@ -56,6 +72,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     engine: RolloutEngine
     verifier: Verifier
+    """What judges validation (and the probe's nothing: it is teacher-forced)."""
     sampler: PromptSampler
     val_prompts: list[Prompt]
     logger: MetricsLogger
@@ -78,6 +95,12 @@ class Run:
     """This rank's streaming sampler state between steps (rollout.streaming), saved with every checkpoint."""
     profiler: StepProfiler | None = None
     """This rank's profiler of profile.steps; None when profiling is off here (no profiler object)."""
+    reward: Verifier | RandomReward | None = None
+    """What judges training's responses: `verifier`, or algorithm.verifier=random's RandomReward (None: verifier)."""
+    probe: ProbeSet | None = None
+    """The probe's fixed prompts and responses (None: logging.probe_every = 0)."""
+    totals: RunTotals = field(default_factory=RunTotals)
+    """Counts over the whole run (resumed runs continue them), saved with every checkpoint."""
 
     def close(self, error: BaseException | None) -> None:
         """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
@@ -114,9 +137,14 @@ class Run:
         """This rank's own state for the checkpoint: the streaming sampler's carried work."""
         return self.stream.to_plain() if self.cfg.rollout.streaming else None
 
+    @property
+    def train_reward(self) -> Verifier | RandomReward:
+        """What judges training's responses."""
+        return self.reward if self.reward is not None else self.verifier
+
     def trainer_state(self, step: int) -> TrainerState:
         return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict(),
-                            run_id=self.run_id, settings=self.settings)
+                            run_id=self.run_id, settings=self.settings, totals=dataclasses.asdict(self.totals))
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors (bf16 when model.dtype is bfloat16), gathered from the FSDP2 shards one at a
@@ -259,11 +287,16 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     log(f"world size {env.world_size} on {env.device}; {_parameter_counts(policy)}; run dir {run_dir}; "
         f"{library_versions()}")
     return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
-               scheduler=scheduler, engine=engine, verifier=get_verifier(cfg.algorithm.verifier), sampler=sampler,
+               scheduler=scheduler, engine=engine, verifier=get_verifier(judging_verifier(cfg.algorithm.verifier)),
+               reward=(RandomReward(cfg.algorithm.random_reward_p, cfg.trainer.seed)
+                       if cfg.algorithm.verifier == RANDOM_VERIFIER else None), sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
                pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
                settings=settings, resumed=resumed, stream=_resumed_stream(resumed, cfg, env, log),
-               profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device))
+               profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device),
+               totals=RunTotals(**resumed.state.totals) if resumed is not None else RunTotals(),
+               probe=(build_probe_set(val_set.prompts if val_set is not None else train_set.prompts, tokenizer,
+                                      cfg.logging.probe_prompts) if cfg.logging.probe_every else None))
 
 
 def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:
@@ -300,4 +333,4 @@ def _parameter_counts(policy: PolicyModel) -> str:
     return f"{full:,} parameters ({local:,} in this rank's shards)"
 
 
-__all__ = ["Run", "setup_run"]
+__all__ = ["Run", "RunTotals", "setup_run"]

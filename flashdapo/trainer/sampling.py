@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,12 +23,16 @@ from ..distributed.collectives import all_gather_objects, all_reduce
 from ..config import Config
 from ..data import Prompt, PromptSampler
 from ..errors import FlashdapoError
-from ..reward import Verifier, check_reward, verify_responses
+from ..reward import RandomReward, Verifier, check_reward, verify_responses
 from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
 from .batch import Group
 from .dealing import deal_to_slots
 from ..distributed.mesh import DistEnv
 from .metrics import StageTimer
+
+
+ROUNDS_KEY, STREAM_KEY = 1, 2
+"""First part of a random reward's key: a generation round's group, or a streamed group (streaming.py)."""
 
 
 class DynamicSamplingError(FlashdapoError, RuntimeError):
@@ -49,6 +54,12 @@ class Collected:
     """Fraction of all generated responses that hit the max length."""
     groups_all_equal: int = 0
     """Finished groups whose filter values were all equal (dynamic sampling drops them; counted without it too)."""
+    groups_all_correct: int = 0
+    """Finished groups of two or more responses all judged correct (counted with or without dynamic sampling)."""
+    groups_all_wrong: int = 0
+    """Finished groups of two or more responses all judged wrong."""
+    generated_samples: int = 0
+    """Responses the engine finished for this step, kept or not, over all ranks."""
     generated_tokens: int = 0
     """Response tokens the engine sampled for this step, kept or not, over all ranks."""
     generated: list[tuple[Group, bool]] = field(default_factory=list)
@@ -60,10 +71,22 @@ class Collected:
         return [g for part in self.mini_batches for g in part]
 
 
-def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier: Verifier, cfg: Config) -> list[Group]:
-    """Verify every response, add the overlong penalty, and bundle responses per prompt."""
+def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier: Verifier | RandomReward, cfg: Config,
+                 keys: Sequence[tuple[int, ...]] = ()) -> list[Group]:
+    """Verify every response, add the overlong penalty, and bundle responses per prompt. A RandomReward
+    `verifier` draws each response's verdict from its prompt's key in `keys` (one per prompt, naming it in
+    the run) and its member index, not from its text."""
     truths = [prompts[int(g)].ground_truth for g in rollouts.group_ids]
-    texts, verdicts = verify_responses(rollouts.response_ids, truths, tokenizer, verifier)
+    if isinstance(verifier, RandomReward):
+        if len(keys) != len(prompts):
+            raise ValueError(f"score_groups: the random reward needs one key per prompt, got {len(keys)} for "
+                             f"{len(prompts)} prompts")
+        texts, verdicts = [""] * len(truths), [None] * len(truths)
+        for p in range(len(prompts)):
+            for member, i in enumerate((rollouts.group_ids == p).nonzero().flatten().tolist()):
+                verdicts[i] = verifier.verdict(*keys[p], member)
+    else:
+        texts, verdicts = verify_responses(rollouts.response_ids, truths, tokenizer, verifier)
     acc = torch.tensor([v.acc for v in verdicts], dtype=torch.bool)
     scores = shaped_scores(torch.tensor([v.score for v in verdicts]), rollouts.response_lengths,
                            cfg.rollout.max_response_length, cfg.algorithm)
@@ -88,6 +111,14 @@ def _is_informative(group: Group, metric: str) -> bool:
     return bool(informative_groups(values, torch.zeros(group.size, dtype=torch.long)).all())
 
 
+def unanimous(group: Group) -> tuple[int, int]:
+    """(1, 0) when every response of the group is correct, (0, 1) when every one is wrong, else (0, 0); a
+    group of one response is neither (as dynamic sampling keeps it, it is never all-equal either)."""
+    if group.size < 2:
+        return 0, 0
+    return int(bool(group.acc.all())), int(not bool(group.acc.any()))
+
+
 def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tokenizer, verifier: Verifier,
                    cfg: Config, env: DistEnv, timer: StageTimer, keep_generated: bool = False) -> Collected:
     """Generate rounds until train_batch informative groups are kept (globally), then deal them out.
@@ -96,6 +127,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     kept_per_round: list[list[Group]] = []
     generated: list[tuple[Group, bool]] = []
     total_kept = rounds = all_equal = 0
+    unanimity = torch.zeros(2, dtype=torch.long)  # all-correct, all-wrong groups (this rank)
     started = time.perf_counter()
     # Sums over all generated responses (this rank): correct, score, truncated, count, tokens.
     gen_sums = torch.zeros(5, dtype=torch.float64)
@@ -108,7 +140,9 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         with timer("gen"):
             rollouts = engine.generate([p.ids for p in prompts], sampling)
         with timer("reward"):
-            groups = score_groups(rollouts, prompts, tokenizer, verifier, cfg)
+            # The random reward's key of each prompt: its place in the run (rounds restart every step).
+            keys = [(ROUNDS_KEY, step, rounds, env.rank, i) for i in range(len(prompts))]
+            groups = score_groups(rollouts, prompts, tokenizer, verifier, cfg, keys)
         for g in groups:
             gen_sums += torch.tensor([g.acc.sum().item(), g.scores.sum().item(), g.truncated.sum().item(), g.size,
                                       sum(len(r) for r in g.responses)], dtype=torch.float64)
@@ -116,6 +150,8 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
             g.origin = (rounds, env.rank, i)
         informative = [g for g in groups if _is_informative(g, algo.filter_metric)]
         all_equal += len(groups) - len(informative)  # counted with or without the filter
+        for g in groups:
+            unanimity += torch.tensor(unanimous(g))
         kept = informative if algo.dynamic_sampling else groups
         kept_per_round.append(kept)
         if keep_generated:
@@ -139,7 +175,8 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
             _report_round(step, rounds, total_kept, cfg, time.perf_counter() - started)
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
-    all_equal = int(all_reduce(torch.tensor([all_equal])).item())
+    all_equal, all_correct, all_wrong = (int(v) for v in all_reduce(torch.cat([torch.tensor([all_equal]),
+                                                                                unanimity])).tolist())
     return Collected(
         mini_batches=_deal_out(kept_per_round, cfg, env),
         num_gen_batches=rounds,
@@ -149,6 +186,9 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         gen_score=totals[1].item() / count,
         gen_truncated=totals[2].item() / count,
         groups_all_equal=all_equal,
+        groups_all_correct=all_correct,
+        groups_all_wrong=all_wrong,
+        generated_samples=int(totals[3].item()),
         generated_tokens=int(totals[4].item()),
         generated=generated,
     )

@@ -44,7 +44,8 @@ from ..rollout import Completion, Request, Rollouts, SamplingParams, derive_seed
 from .batch import Group
 from ..distributed.mesh import DistEnv
 from .metrics import StageTimer
-from .sampling import Collected, DynamicSamplingError, _deal_out, _is_informative, _report_round, score_groups
+from .sampling import (STREAM_KEY, Collected, DynamicSamplingError, _deal_out, _is_informative, _report_round,
+                       score_groups, unanimous)
 
 
 @dataclass
@@ -120,6 +121,8 @@ class StreamStats:
     generated_tokens: int = 0
     finished_groups: int = 0
     all_equal_groups: int = 0
+    all_correct_groups: int = 0
+    all_wrong_groups: int = 0
     carried: int = 0
     restarted: int = 0
     dropped: int = 0
@@ -156,7 +159,8 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
                           if cfg.algorithm.dynamic_sampling else stats.finished_groups,
                           gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
                           gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups,
-                          generated_tokens=stats.generated_tokens)
+                          groups_all_correct=stats.all_correct_groups, groups_all_wrong=stats.all_wrong_groups,
+                          generated_samples=int(totals[3].item()), generated_tokens=stats.generated_tokens)
     return collected, stats
 
 
@@ -193,16 +197,20 @@ def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine,
                     stats.finished_groups += 1
                     informative = _is_informative(group, cfg.algorithm.filter_metric)
                     stats.all_equal_groups += not informative  # counted with or without the filter
+                    correct, wrong = unanimous(group)
+                    stats.all_correct_groups += correct
+                    stats.all_wrong_groups += wrong
                     if informative or not cfg.algorithm.dynamic_sampling:
                         kept.append(group)
 
 
 def _reduce(stats: StreamStats) -> None:
     """The step's stream figures summed (the carried age: the max) over ranks, in place."""
-    summed = all_reduce(torch.tensor([stats.finished_groups, stats.all_equal_groups, stats.carried, stats.restarted,
-                                      stats.dropped, stats.generated_tokens]))
-    (stats.finished_groups, stats.all_equal_groups, stats.carried, stats.restarted, stats.dropped,
-     stats.generated_tokens) = (int(v) for v in summed.tolist())
+    summed = all_reduce(torch.tensor([stats.finished_groups, stats.all_equal_groups, stats.all_correct_groups,
+                                      stats.all_wrong_groups, stats.carried, stats.restarted, stats.dropped,
+                                      stats.generated_tokens]))
+    (stats.finished_groups, stats.all_equal_groups, stats.all_correct_groups, stats.all_wrong_groups, stats.carried,
+     stats.restarted, stats.dropped, stats.generated_tokens) = (int(v) for v in summed.tolist())
     stats.carried_age_max = int(all_reduce(torch.tensor([stats.carried_age_max]), "max").item())
 
 
@@ -309,7 +317,8 @@ def _score(group: PendingGroup, tokenizer, verifier: Verifier, cfg: Config) -> G
                         group_ids=torch.zeros(len(group.responses), dtype=torch.long),
                         truncated=torch.tensor([r.truncated for r in group.responses], dtype=torch.bool),
                         logprobs=[r.logprobs for r in group.responses])
-    scored = score_groups(rollouts, [group.prompt], tokenizer, verifier, cfg)[0]
+    # origin = (pull, rank, position): the pull count runs on over steps (and resumes), so it names the group.
+    scored = score_groups(rollouts, [group.prompt], tokenizer, verifier, cfg, [(STREAM_KEY, *group.origin)])[0]
     scored.versions = [r.versions for r in group.responses]
     scored.origin = group.origin
     return scored

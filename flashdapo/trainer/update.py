@@ -131,6 +131,7 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     prompts, responses = batch.prompts[rows], batch.responses[rows]
     old = None if batch.old_logprobs is None else batch.old_logprobs[rows]
     advantages = batch.advantages[rows]
+    correct = batch.acc[rows]
     loss_mask = batch.loss_mask[rows]
     weights = batch.rollout_weights[rows]
     # A token masked by the rollout correction (weight 0) leaves the loss and its normalizer.
@@ -149,14 +150,15 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
         packed = policy.token_batch(mb_prompts, mb_responses, env.device)
         if indices:  # per response token of the micro-batch; under sequence parallelism this rank's shard
             per_token = [(advantages[i].expand(len(responses[i])), token_mask[i], weights[i],
-                          normalizers[i].expand(len(responses[i]))) for i in indices]
-            adv_t, mask_t, weight_t, norm_t = (packed.local(torch.cat(parts)).to(env.device)
-                                               for parts in zip(*per_token))
+                          normalizers[i].expand(len(responses[i])), correct[i].expand(len(responses[i])))
+                         for i in indices]
+            adv_t, mask_t, weight_t, norm_t, correct_t = (packed.local(torch.cat(parts)).to(env.device)
+                                                          for parts in zip(*per_token))
             old_t = None if old is None else packed.local(torch.cat([old[i] for i in indices])).to(env.device)
         else:
             old_t = None
             adv_t, weight_t, norm_t = (packed.local(torch.zeros(1, device=env.device)) for _ in range(3))
-            mask_t = packed.local(torch.zeros(1, dtype=torch.bool, device=env.device))
+            mask_t, correct_t = (packed.local(torch.zeros(1, dtype=torch.bool, device=env.device)) for _ in range(2))
         if indices and policy.fused_loss(env.device):  # log-probs and the loss gradient in one sweep
             def loss_fn(lp, r, old_t=old_t, adv_t=adv_t, mask_t=mask_t, weight_t=weight_t, norm_t=norm_t):
                 return token_loss(lp, None if old_t is None else old_t[r], adv_t[r].float(), mask_t[r],
@@ -165,11 +167,11 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
             loss, logp, entropy = policy(packed, loss_fn=loss_fn, keep=mask_t)
             with torch.no_grad():
                 _, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
-                                            weights=weight_t, entropy=entropy)
+                                            weights=weight_t, entropy=entropy, correct=correct_t)
         else:
             logp, entropy = policy(packed, with_entropy=True, keep=mask_t if indices else None)
             loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
-                                           weights=weight_t, entropy=entropy.detach())
+                                           weights=weight_t, entropy=entropy.detach(), correct=correct_t)
         loss.backward()
         totals += torch.cat([loss.detach().double().reshape(1), micro_stats.as_vector()])
     totals = all_reduce(totals).cpu()
