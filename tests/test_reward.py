@@ -443,3 +443,82 @@ def test_dapo_verl_is_a_named_verifier() -> None:
 
     assert get_verifier("dapo_verl") is dapo_verl_verify
     assert AlgorithmConfig(verifier="dapo_verl").verifier == "dapo_verl" and AlgorithmConfig().verifier == "dapo"
+
+
+# ---------------------------------------------------------------------------------------------
+# The random reward (algorithm.verifier=random): the reward-free control
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
+def test_random_reward_frequency_is_p_within_binomial_noise(p: float) -> None:
+    from flashdapo.reward import RandomReward
+
+    reward = RandomReward(p=p, seed=3)
+    n = 20000
+    hits = sum(reward.verdict(1, step, 1, 0, group, member).acc
+               for step in range(10) for group in range(125) for member in range(16))
+    sd = math.sqrt(n * p * (1 - p))
+    assert abs(hits - n * p) < 5 * sd, (hits, n * p, sd)  # 5 sd: a false alarm about once in 3.5 million
+
+
+def test_random_reward_is_plus_one_or_minus_one_and_acc_follows_it() -> None:
+    from flashdapo.reward import RandomReward
+
+    verdicts = [RandomReward(0.5, 0).verdict(1, 1, 1, 0, g, 0) for g in range(200)]
+    assert {v.score for v in verdicts} == {1.0, -1.0}
+    assert all(v.acc == (v.score == 1.0) for v in verdicts)
+    assert all(RandomReward(1.0, 0).verdict(1, 1, 1, 0, g, 0).acc for g in range(200))
+    assert not any(RandomReward(0.0, 0).verdict(1, 1, 1, 0, g, 0).acc for g in range(200))
+
+
+def test_random_reward_repeats_bitwise_and_depends_on_seed_and_key() -> None:
+    from flashdapo.reward import RandomReward
+
+    keys = [(1, step, 1, 0, group, member) for step in (1, 2) for group in range(20) for member in range(8)]
+    first = [RandomReward(0.5, 7).verdict(*k) for k in keys]
+    again = [RandomReward(0.5, 7).verdict(*k) for k in keys]
+    assert first == again
+    other_seed = [RandomReward(0.5, 8).verdict(*k) for k in keys]
+    assert first != other_seed
+    # Members of one group draw independently (not one draw per group).
+    assert len({tuple(v.acc for v in first[i:i + 8]) for i in range(0, len(first), 8)}) > 1
+
+
+def test_random_reward_in_score_groups_ignores_the_response_text() -> None:
+    from flashdapo.config import toy
+    from flashdapo.data import Prompt
+    from flashdapo.reward import RandomReward
+    from flashdapo.rollout import Rollouts
+    from flashdapo.trainer.sampling import score_groups
+
+    class Decoder:
+        def batch_decode(self, ids, skip_special_tokens=True):
+            raise AssertionError("the random reward must not read the response")
+
+    prompts = [Prompt(ids=[5, 6], ground_truth="3", source="t:0"), Prompt(ids=[7], ground_truth="4", source="t:1")]
+
+    def rollouts(tokens):
+        return Rollouts(prompt_ids=[torch.tensor(p.ids) for p in prompts for _ in range(4)],
+                        response_ids=[torch.tensor(t) for t in tokens], group_ids=torch.tensor([0] * 4 + [1] * 4),
+                        truncated=torch.zeros(8, dtype=torch.bool))
+
+    cfg = dataclasses.replace(toy(), algorithm=dataclasses.replace(toy().algorithm, overlong_buffer=False))
+    reward, keys = RandomReward(0.5, 11), [(1, 4, 1, 0, 0), (1, 4, 1, 0, 1)]
+    a = score_groups(rollouts([[1]] * 8), prompts, Decoder(), reward, cfg, keys)
+    b = score_groups(rollouts([[9, 9, 9], [2], [3, 3], [4], [8], [1, 2], [3], [0]]), prompts, Decoder(), reward, cfg,
+                     keys)
+    for ga, gb, key in zip(a, b, keys):
+        assert torch.equal(ga.acc, gb.acc) and torch.equal(ga.scores, gb.scores)
+        assert ga.acc.tolist() == [reward.verdict(*key, m).acc for m in range(4)]
+    with pytest.raises(ValueError, match="one key per prompt"):
+        score_groups(rollouts([[1]] * 8), prompts, Decoder(), reward, cfg)
+
+
+def test_random_verifier_is_a_config_choice_judged_by_dapo_elsewhere() -> None:
+    from flashdapo.config import AlgorithmConfig, ConfigError
+    from flashdapo.reward import judging_verifier
+
+    assert AlgorithmConfig(verifier="random").random_reward_p == 0.5
+    assert judging_verifier("random") == "dapo" and judging_verifier("math_verify") == "math_verify"
+    with pytest.raises(ConfigError, match=r"algorithm.random_reward_p: expected a value in \[0, 1\]"):
+        AlgorithmConfig(verifier="random", random_reward_p=1.5)

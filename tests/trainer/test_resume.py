@@ -4,6 +4,7 @@ reproduces the uninterrupted run bit for bit, another run's checkpoints are neve
 is skipped for the one before it, and each start keeps its own config file. Single process, the tiny toy run (seconds)."""
 
 import dataclasses
+import itertools
 import json
 import shutil
 
@@ -105,6 +106,25 @@ def test_an_unchanged_resume_reproduces_the_uninterrupted_run_bitwise(finished, 
     assert _metrics(resumed) == _metrics(uninterrupted)
     ours, theirs = (load_file(d / "export" / "model.safetensors") for d in (resumed, uninterrupted))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_cumulative_counters_continue_across_a_resume(finished, tmp_path):
+    uninterrupted = tmp_path / "uninterrupted"
+    train(_config(uninterrupted, trainer={"total_steps": 3}, checkpoint={"export_hf": False}))
+    shutil.copytree(finished, tmp_path / "resumed", ignore=shutil.ignore_patterns(".flashdapo.lock"))
+    resumed = tmp_path / "resumed"
+    state = torch.load(resumed / "checkpoints" / "step_00000001" / "trainer_state.pt", weights_only=True)
+    train(_resume(resumed, trainer={"total_steps": 3}, checkpoint={"export_hf": False, "resume": str(
+        resumed / "checkpoints" / "step_00000001")}))
+    keys = ("train/generated_samples_cum", "train/generated_tokens_cum")
+    ours, theirs = ([{k: r[k] for k in keys} for r in _metrics(d) if r["step"] > 0] for d in (resumed, uninterrupted))
+    assert ours == theirs and len(ours) == 3
+    # The running sums of the per-step counts, continued from the checkpoint's (not restarted at 0).
+    steps = [r for r in _metrics(uninterrupted) if r["step"] > 0]
+    assert [r["train/generated_tokens_cum"] for r in steps] == list(
+        itertools.accumulate(r["train/generated_tokens"] for r in steps))
+    assert [r["train/generated_samples_cum"] for r in steps] == [4 * 4 * s for s in (1, 2, 3)]  # gen_batch x n
+    assert state["totals"] == {"generated_samples": 16, "generated_tokens": steps[0]["train/generated_tokens"]}
 
 
 def _truncate_every_file(checkpoint):
