@@ -144,7 +144,7 @@ class LoggingConfig(Section):
     has run, and again every as many seconds (rank 0; 0: never; at least 1 s: shorter would flood the log
     with lines that say nothing new)."""
     probe_every: NonNegative = 5
-    """Every N steps (and before training with trainer.val_before_train, and at the last step) measure the
+    """Every N steps (and before training, with trainer.val_before_train) measure the
     policy on the probe set: probe/entropy and probe/top1_prob, the mean entropy and top-1 probability over
     fixed teacher-forced responses (trainer/probe.py; 0: never)."""
     probe_prompts: Positive = 32

@@ -73,8 +73,7 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
     cfg = run.cfg
     if run.start_step == 0 and cfg.trainer.val_before_train:
         stop.phase = "the validation before step 1"
-        run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0),
-                        **probe(run, 0, last=False)})
+        run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0), **probe(run, 0)})
         stop.check()
     for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
         stop.phase = f"step {step}"
@@ -83,7 +82,7 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
         validating = last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0)
         if validating:
             metrics.update(validate(run, step, keep_awake=not last))
-        metrics.update(probe(run, step, last))
+        metrics.update(probe(run, step))
         run.logger.log(metrics)
         if run.env.is_main and cfg.logging.plot and validating:  # a plot costs ~0.2 s: not every step
             run.logger.plot(run.run_dir / "training_dynamics.png", f"flashdapo: {run.run_dir.name}")
@@ -156,9 +155,9 @@ def stop_after_skips(run: Run, step: int, update: UpdateResult) -> None:
             "rollout.temperature and optim.lr, then resume with --checkpoint.resume auto")
 
 
-def probe(run: Run, step: int, last: bool) -> dict[str, float]:
+def probe(run: Run, step: int) -> dict[str, float]:
     """probe/* of the weights after `step` when logging.probe_every says so (probe.py), else {}."""
-    if run.probe is None or not probe_due(run.cfg.logging.probe_every, step, last):
+    if run.probe is None or not probe_due(run.cfg.logging.probe_every, step):
         return {}
     start = time.perf_counter()
     out = probe_metrics(run.policy, run.probe, run.cfg.trainer.micro_batch_tokens, run.pad_id, run.env.device)

@@ -56,9 +56,10 @@ def build_probe_set(prompts: Sequence[Prompt], tokenizer, size: int) -> ProbeSet
                     responses=tuple(torch.tensor(r, dtype=torch.long) for r in responses))
 
 
-def probe_due(every: int, step: int, last: bool) -> bool:
-    """Whether step `step` (0: before training) is probed: every `every` steps and at the last (0: never)."""
-    return every > 0 and (step % every == 0 or last)
+def probe_due(every: int, step: int) -> bool:
+    """Whether step `step` (0: before training) is probed: every `every` steps (0: never). Not at a run's last
+    step as such: a run stopped early and resumed then logs the same steps as one that ran straight through."""
+    return every > 0 and step % every == 0
 
 
 @torch.no_grad()

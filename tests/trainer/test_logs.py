@@ -57,9 +57,9 @@ def test_split_metrics_by_verdict_and_region():
     assert "response_length/wrong_mean" not in out and "actor/entropy_wrong" not in out
 
 
-def test_probe_due_every_n_steps_and_at_the_end():
-    assert [s for s in range(0, 12) if probe_due(5, s, last=s == 11)] == [0, 5, 10, 11]
-    assert not any(probe_due(0, s, last=True) for s in range(3))
+def test_probe_due_every_n_steps():
+    assert [s for s in range(0, 12) if probe_due(5, s)] == [0, 5, 10]
+    assert not any(probe_due(0, s) for s in range(3))
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_a_step_logs_every_new_metric_consistently(run):
 
 def test_probe_is_deterministic_and_moves_with_the_weights(run):
     assert len(run.probe) == 4  # the first 4 distinct validation prompts, each with "Answer: <truth>" + eos
-    logged = probe(run, 1, last=False)
+    logged = probe(run, 1)
     assert set(logged) == {"probe/entropy", "probe/top1_prob", "timing_s/probe"}
     measure = lambda: probe_metrics(run.policy, run.probe, run.cfg.trainer.micro_batch_tokens,  # noqa: E731
                                     run.pad_id, run.env.device)
