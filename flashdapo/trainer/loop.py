@@ -232,7 +232,6 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
     return m
 
 
-
 def split_metrics(means: dict[str, float], acc: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
     """The clip fractions by region, the up-clipped tokens' old probability, and length and entropy split by
     the verdict (trained responses). A mean over nothing (no up-clipped token, no correct response) is left

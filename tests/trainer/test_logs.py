@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from flashdapo.reward import Verdict
 from flashdapo.distributed.mesh import shutdown
+from flashdapo.reward import Verdict
 from flashdapo.trainer.loop import probe, split_metrics, train_step
 from flashdapo.trainer.probe import build_probe_set, probe_due, probe_metrics
 from flashdapo.trainer.run import setup_run

@@ -78,7 +78,7 @@ for mode, correction in PAIRS:
     if env.is_main:
         (out / f"losses_{mode}_{correction}.json").write_text(json.dumps({
             "pg_loss": result.pg_losses, "grad_norm": result.grad_norms, "micro_batches": list(micro_counts),
-            "clipfrac": result.stats.means()["pg_clipfrac"], **correction_metrics}))
+            "clipfrac": result.stats.means()["pg_clipfrac"], "stats": result.stats.means(), **correction_metrics}))
         torch.save(params, out / f"params_{mode}_{correction}.pt")
         torch.save(initial, out / "initial.pt")
 shutdown()
