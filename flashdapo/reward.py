@@ -31,7 +31,7 @@ content must equal the raw ground truth (no normalization on that path: verl's s
 `random` (`RandomReward`) is no verifier but the reward-free control of a training run: each response is
 judged correct with probability p, drawn from a seed of the run seed and the response's place in the run
 (step, generation round, rank, group, member), never from its text, so no output can earn a higher reward.
-It is the training reward only; validation, probes and `flashdapo eval` judge with the `dapo` rule.
+It is the training reward only; validation and `flashdapo eval` judge with the `dapo` rule.
 """
 
 from __future__ import annotations

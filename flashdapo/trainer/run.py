@@ -72,7 +72,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     engine: RolloutEngine
     verifier: Verifier
-    """What judges validation (and the probe's nothing: it is teacher-forced)."""
+    """What judges validation's responses, and training's unless `reward` is set."""
     sampler: PromptSampler
     val_prompts: list[Prompt]
     logger: MetricsLogger

@@ -67,10 +67,11 @@ def test_two_ranks_and_micro_batches_update_equals_one_rank(tmp_path):
         for other in (micro, two):
             for key in ("pg_loss", "grad_norm"):
                 torch.testing.assert_close(torch.tensor(other[key]), torch.tensor(ref[key]), rtol=1e-5, atol=1e-7)
-            # The token statistics, the clip regions and the splits by verdict among them, reduce exactly.
+            # The token statistics, the clip regions and the splits by verdict among them, as the losses agree.
             assert other["stats"].keys() == ref["stats"].keys(), tag
+            assert ref["stats"]["clip_upper"] + ref["stats"]["clip_lower"] > 0 and "entropy_wrong" in ref["stats"], tag
             for key, value in ref["stats"].items():
-                assert other["stats"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (tag, key)
+                assert other["stats"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (tag, key)
         pr, pm, pt = (torch.load(tmp_path / name / f"params_{tag}.pt") for name in runs)
         assert pr.keys() == pm.keys() == pt.keys()
         for name in pr:  # relative to each tensor's norm
