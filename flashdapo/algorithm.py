@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed.collectives import all_gather_objects
 from .config import AlgorithmConfig
+from .distributed.collectives import all_gather_objects
 
 LOG_RATIO_CLAMP = 20.0
 

@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from .collectives import all_reduce
 from ..errors import FlashdapoError
+from .collectives import all_reduce
 
 
 class Interrupted(FlashdapoError, RuntimeError):

@@ -32,11 +32,11 @@ from ..config import (
 )
 from ..config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
 from ..data import load_eval_prompts
+from ..distributed.failfast import FailFast
+from ..distributed.mesh import DistEnv, before_destroy, init_distributed, shutdown
 from ..model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from ..tokenizer import eos_token_ids
-from ..distributed.mesh import DistEnv, before_destroy, init_distributed, shutdown
-from ..distributed.failfast import FailFast
 from .results import EvalReport, format_report
 from .sampling import EvalSampling, Shard, evaluate_to_dir
 from .store import SampleLog

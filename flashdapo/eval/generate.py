@@ -23,9 +23,9 @@ from typing import Annotated, Any
 from ..config import Config, ConfigError, DataConfig, starting_point
 from ..config.checks import Check, Rule, Section, field_path, ge, register_tree
 from ..data import DAPO_TEMPLATE, Record, prompts_from_records, read_records
+from ..distributed.mesh import init_distributed, shutdown
 from ..model_dir import check_model_dir
 from ..preflight import check_engine, check_model
-from ..distributed.mesh import init_distributed, shutdown
 from .command import OPTIONS, VLLM_PROMPTS_PER_CALL, build_engine, tree_options
 from .examples import example_records
 from .results import PromptResult

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ..distributed.collectives import all_gather_objects, broadcast_object
 from ..data import Prompt
+from ..distributed.collectives import all_gather_objects, broadcast_object
 from ..reward import Verifier, verify_responses
 from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
 from .results import EvalReport, PromptResult, SampleResult, summarize

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..algorithm import group_advantages, response_loss_mask, rollout_correction_weights
-from ..distributed.collectives import all_reduce
 from ..config import AlgorithmConfig
+from ..distributed.collectives import all_reduce
 
 
 @dataclass

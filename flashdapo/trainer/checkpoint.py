@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..distributed.collectives import all_gather_objects, all_reduce, barrier
-from ..errors import FlashdapoError
 from ..distributed.mesh import DistEnv
+from ..errors import FlashdapoError
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")

@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 
 from ..distributed.collectives import all_gather_objects
+from ..distributed.mesh import DistEnv
 from ..eval.results import PromptResult
 from .batch import Group, TrainBatch
-from ..distributed.mesh import DistEnv
 
 DUMP_DIR = "rollouts"
 

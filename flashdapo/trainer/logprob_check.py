@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..distributed.collectives import all_reduce
 from ..config import RolloutConfig
+from ..distributed.collectives import all_reduce
 from ..errors import FlashdapoError
 from ..rollout.vllm_probe import group_modules, stream_of, vllm_group_outputs
 from .batch import TrainBatch

@@ -24,6 +24,8 @@ import torch
 
 from ..algorithm import resolved_rollout_correction
 from ..distributed.collectives import all_gather_objects
+from ..distributed.heartbeat import heartbeat
+from ..distributed.interrupt import StopOnInterrupt
 from ..eval.results import summarize
 from ..eval.sampling import EvalSampling, Shard, sample_prompts
 from ..rollout import derive_seed
@@ -32,8 +34,6 @@ from .checkpoint import latest_checkpoint, save_checkpoint
 from .correction import rollout_correction_metrics
 from .dumps import dump_train_rollouts, dump_validation, dumping
 from .export import export_hf
-from ..distributed.heartbeat import heartbeat
-from ..distributed.interrupt import StopOnInterrupt
 from .logprob_check import logprob_agreement
 from .metrics import StageTimer, describe
 from .probe import probe_due, probe_metrics

@@ -25,10 +25,10 @@ from torch.distributed.fsdp import (
 )
 
 from ..config import ModelConfig, TrainerConfig
+from ..distributed.mesh import DistEnv
 from ..kernels import fused_token_loss, token_logprobs, token_probe_stats
 from ..profiling.ranges import traced
 from ..rollout.torch_engine import cache_argument
-from ..distributed.mesh import DistEnv
 from .lm_head_choice import use_fused_loss
 from .packing import DocumentBounds, packed_attention_kwargs, use_packed_attention
 from .ulysses import check_heads, gather_token_values, local_predictions, shard_bounds

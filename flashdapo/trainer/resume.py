@@ -30,8 +30,8 @@ import torch
 
 from ..config import Config, OptimConfig
 from ..data import PromptSampler
-from .checkpoint import TrainerState, load_first_loadable, marker_run_id
 from ..distributed.mesh import DistEnv
+from .checkpoint import TrainerState, load_first_loadable, marker_run_id
 from .run_settings import ResumeRefused, compare_settings, describe_changes
 
 _ORDER_KEYS = ("num_prompts", "seed", "shuffle")

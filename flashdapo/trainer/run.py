@@ -14,9 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed.collectives import all_gather_objects
 from ..config import Config, compact_summary
 from ..data import Prompt, PromptSampler
+from ..distributed.collectives import all_gather_objects
+from ..distributed.failfast import FailFast
+from ..distributed.mesh import DistEnv, before_destroy, init_distributed, shutdown
 from ..model_dir import check_model_dir
 from ..preflight import check_launch, check_model, resolve_auto
 from ..profiling import StepProfiler
@@ -29,9 +31,7 @@ from ..threads import configure_threads
 from ..tokenizer import eos_token_ids
 from ..warning_lines import attach_run
 from .checkpoint import TrainerState, load_rank_state
-from ..distributed.mesh import DistEnv, before_destroy, init_distributed, shutdown
 from .export import exported_step
-from ..distributed.failfast import FailFast
 from .loading import load_sharded_policy
 from .metrics import MetricsLogger, WandbRun
 from .policy import PolicyModel, parallelize

@@ -19,17 +19,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithm import informative_groups, shaped_scores
-from ..distributed.collectives import all_gather_objects, all_reduce
 from ..config import Config
 from ..data import Prompt, PromptSampler
+from ..distributed.collectives import all_gather_objects, all_reduce
+from ..distributed.mesh import DistEnv
 from ..errors import FlashdapoError
 from ..reward import RandomReward, Verifier, check_reward, verify_responses
 from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
 from .batch import Group
 from .dealing import deal_to_slots
-from ..distributed.mesh import DistEnv
 from .metrics import StageTimer
-
 
 ROUNDS_KEY, STREAM_KEY = 1, 2
 """First part of a random reward's key: a generation round's group, or a streamed group (streaming.py)."""

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..distributed.collectives import all_gather_objects, broadcast_object
 from ..config import Config
+from ..distributed.collectives import all_gather_objects, broadcast_object
+from ..distributed.mesh import DistEnv
 from ..errors import FlashdapoError
 from .checkpoint import MARKER, CheckpointError, resume_candidates
-from ..distributed.mesh import DistEnv
 from .resume import own_checkpoints
 from .rundir import RunDirClaim, RunDirError, claim_run_dir, recorded_run_id, stop_if_launcher_dies
 

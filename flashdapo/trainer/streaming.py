@@ -36,16 +36,24 @@ from typing import Any
 import torch
 
 from ..algorithm import rollout_correction_sums
-from ..distributed.collectives import all_reduce
 from ..config import Config
 from ..data import Prompt, PromptSampler
+from ..distributed.collectives import all_reduce
+from ..distributed.mesh import DistEnv
 from ..reward import Verifier
 from ..rollout import Completion, Request, Rollouts, SamplingParams, derive_seed
 from .batch import Group
-from ..distributed.mesh import DistEnv
 from .metrics import StageTimer
-from .sampling import (STREAM_KEY, Collected, DynamicSamplingError, _deal_out, _is_informative, _report_round,
-                       score_groups, unanimous)
+from .sampling import (
+    STREAM_KEY,
+    Collected,
+    DynamicSamplingError,
+    _deal_out,
+    _is_informative,
+    _report_round,
+    score_groups,
+    unanimous,
+)
 
 
 @dataclass

@@ -16,11 +16,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..algorithm import LossStats, mini_batch_normalizers, resolved_rollout_correction, token_loss
-from ..distributed.collectives import all_reduce
 from ..config import Config
+from ..distributed.collectives import all_reduce
+from ..distributed.mesh import DistEnv
 from ..errors import FlashdapoError
 from .batch import Group, TrainBatch, flat_prompts, flat_responses, plan_micro_batches
-from ..distributed.mesh import DistEnv
 from .policy import PolicyModel, per_token_split
 from .streaming import carries
 

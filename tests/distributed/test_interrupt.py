@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from flashdapo.__main__ import main as cli
-from flashdapo.trainer import loop
 from flashdapo.distributed.interrupt import Interrupted
+from flashdapo.trainer import loop
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.rundir import claim_run_dir
-
 from tests.trainer.test_distributed import ROOT, TINY, _env
 from tests.trainer.test_resume import _config, _metrics, _resume
 

@@ -182,11 +182,11 @@ def test_public_aime_2024_file_dedups_to_30_prompts_under_one_source_named_by_it
 def test_vllm_engine_through_the_recording_double(export, two_sources, tmp_path):
     from flashdapo.config import DataConfig
     from flashdapo.data import load_prompts
+    from flashdapo.distributed.mesh import init_distributed, shutdown
     from flashdapo.eval.command import build_engine
     from flashdapo.eval.sampling import EvalSampling, sample_prompts
     from flashdapo.reward import dapo_verify
     from flashdapo.tokenizer import load_tokenizer
-    from flashdapo.distributed.mesh import init_distributed, shutdown
     from tests.rollout.test_vllm_engine import FAKE_VLLM
 
     args = SimpleNamespace(engine="vllm", model=str(export), tensor_parallel_size=1, max_prompt_length=64,

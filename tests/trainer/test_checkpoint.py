@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer import checkpoint as ckpt
 from flashdapo.trainer.checkpoint import (
     CheckpointError,
@@ -20,7 +21,6 @@ from flashdapo.trainer.checkpoint import (
     resume_candidates,
     save_checkpoint,
 )
-from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer.export import export_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from flashdapo.config import toy
-from flashdapo.trainer.batch import build_train_batch
 from flashdapo.distributed.mesh import DistEnv
+from flashdapo.trainer.batch import build_train_batch
 from flashdapo.trainer.dumps import dump_train_rollouts
 from flashdapo.trainer.loop import train
 

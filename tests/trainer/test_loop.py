@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 from flashdapo.__main__ import main as cli
 from flashdapo.config import ToyTaskConfig, merge, toy
 from flashdapo.data import PromptSampler
+from flashdapo.distributed.mesh import DistEnv, shutdown
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.tasks.toy import toy_records
 from flashdapo.trainer import loop, sampling
-from flashdapo.distributed.mesh import DistEnv, shutdown
 from flashdapo.trainer.export import export_hf
 from flashdapo.trainer.loop import train, train_step
 from flashdapo.trainer.metrics import REQUIRED_KEYS, StageTimer, format_line

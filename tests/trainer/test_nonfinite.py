@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from flashdapo.distributed.mesh import shutdown
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.trainer import update as update_module
-from flashdapo.distributed.mesh import shutdown
 from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.run import setup_run
 from flashdapo.trainer.update import NonFiniteError

@@ -5,10 +5,10 @@ import torch
 
 from flashdapo.algorithm import token_loss
 from flashdapo.config import AlgorithmConfig
+from flashdapo.distributed.mesh import shutdown
 from flashdapo.kernels import token_logprobs
 from flashdapo.trainer import update
 from flashdapo.trainer.batch import Group
-from flashdapo.distributed.mesh import shutdown
 from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.run import setup_run
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer import startup
 from flashdapo.trainer.checkpoint import CheckpointError
-from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer.run_settings import ResumeRefused
 
 from .test_resume import _config

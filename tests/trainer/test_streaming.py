@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flashdapo.config import merge, toy
-from flashdapo.reward import Verdict
 from flashdapo.distributed.mesh import DistEnv
+from flashdapo.reward import Verdict
 from flashdapo.trainer.metrics import StageTimer
 from flashdapo.trainer.streaming import StreamState, stream_groups
 

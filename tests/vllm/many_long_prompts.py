@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 from flashdapo.config import RolloutConfig
+from flashdapo.distributed.mesh import init_distributed, shutdown
 from flashdapo.errors import user_error_line
 from flashdapo.rollout.base import SamplingParams
 from flashdapo.rollout.vllm_engine import VLLMEngine
-from flashdapo.distributed.mesh import init_distributed, shutdown
 from tests.vllm.toy import KV_GIB
 
 model = Path(sys.argv[1])

@@ -20,11 +20,11 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.tensor import DTensor
 
 from flashdapo.config import merge, toy
+from flashdapo.distributed.mesh import init_distributed, shutdown
 from flashdapo.plan.shapes import builtin_shape
 from flashdapo.tasks.toy import build_toy_model
 from flashdapo.trainer.batch import Group, build_train_batch
 from flashdapo.trainer.dealing import deal_to_slots
-from flashdapo.distributed.mesh import init_distributed, shutdown
 from flashdapo.trainer.policy import PolicyModel, parallelize
 from flashdapo.trainer.update import update_actor
 

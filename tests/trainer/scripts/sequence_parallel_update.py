@@ -17,10 +17,10 @@ import torch
 
 import flashdapo.trainer.update as update
 from flashdapo.config import merge, toy
+from flashdapo.distributed.mesh import init_distributed, shutdown
 from flashdapo.tasks.toy import build_toy_model
 from flashdapo.trainer.batch import Group, _first_fit_count, build_train_batch
 from flashdapo.trainer.dealing import deal_to_slots
-from flashdapo.distributed.mesh import init_distributed, shutdown
 from flashdapo.trainer.policy import PolicyModel, parallelize
 from flashdapo.trainer.update import compute_old_logprobs, update_actor
 from flashdapo.trainer.weight_sync import iter_full_state_dict
