@@ -208,7 +208,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="training steps per run")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 steps, the first workload; co-located on 1 rank in this process")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny model, 2 steps, the first workload; co-located on 1 rank in this process")
     parser.add_argument("--work", default=str(REPO / "runs" / "bench-split"), help="base models and runs")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per run")

@@ -32,6 +32,9 @@ are printed beside them, labelled as such, for scale only (other recipe, other l
   train on all GPUs and load the new weights into the engine over the gather path. Split: after each step
   the trainer gathers and sends the weights (it waits for that), the rollout side copies the staged version
   into its engines before a batch; a finished batch's tokens and log-probs reach the trainer over the NIC.
+- **Sensitivity**: the page repeats the 7B table with every engine second / 0.4 (`--engine-efficiency` sets it
+  for the main table): a real engine runs below the roofline (verl's measured 32-H20 generation is ~2.5x the
+  roofline's figure for its lengths, an estimate), and the answer turns on the generation : training ratio.
 - **Figures**: batches 1-10; s/step, idle fractions and overlap over steps 5-10 (after the pipeline and the
   carry fill). Overlap: the fraction of that time both sides are busy. Lag: per trained token, the trainer
   step minus one minus the version that sampled it (token-weighted mean; max).
@@ -43,10 +46,13 @@ are printed beside them, labelled as such, for scale only (other recipe, other l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from bench.longtail_model import HBM_BYTES_S, SETUPS, SIGMA, TRAIN_MFU, Model, train_s
 from bench.split_schedule import (
@@ -75,6 +81,8 @@ GPU_COUNTS = {"Qwen2.5-7B": (32, 64, 128), "Qwen2.5-32B": (64, 128)}
 RATIOS = ((1, 3), (1, 1), (3, 1))
 LAGS = (0, 1, 2)
 MODELS = tuple((s.model, s.tp) for s in SETUPS)
+SLOW_ENGINE = 0.4
+"""The sensitivity table's engine efficiency (see report)."""
 
 VERL_MEASURED = (
     ("verl fully async, Qwen2.5-Math-7B DAPO (28K max response), 32 H20", "sync 790.1 s/step", "16:16 294.8 s/step",
@@ -85,6 +93,17 @@ VERL_MEASURED = (
      "+23% total time"),
 )
 """verl's published figures (docs/advance/fully_async.md and one_step_off.md in verl's repository)."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The knobs of a simulated table."""
+
+    mean: float = MEAN
+    sigma: float = SIGMA
+    mfu: float = TRAIN_MFU
+    engine_efficiency: float = 1.0
+    """Engines at this fraction of the roofline."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,9 @@ class SimFigures:
     generated_per_trained: float
     reprefill_share: float
     """Tokens prefilled again per generated token."""
+    trained_mean_length: float
+    restarted_per_step: float
+    """Responses stopped a second time and started again from scratch (carry only)."""
 
 
 def engine_setup(p: Placement) -> EngineSetup:
@@ -132,17 +154,18 @@ def engine_setup(p: Placement) -> EngineSetup:
                        mem_util=util)
 
 
-def phase_costs(p: Placement, batches: list[RolloutBatch], mfu: float) -> PhaseCosts:
-    """Seconds of every phase from bytes and FLOPs (module docstring)."""
+def phase_costs(p: Placement, batches: list[RolloutBatch], mfu: float, engine_efficiency: float = 1.0) -> PhaseCosts:
+    """Seconds of every phase from bytes and FLOPs (module docstring); engine seconds / engine_efficiency."""
     weights = 2 * p.model.params
     trainer = EngineSetup(p.model, gpus=p.trainer, tp=p.tp)
     train = [train_s(trainer, b.lengths, b.scale) * TRAIN_MFU / mfu for b in batches]
     gather = weights / GATHER_BYTES_S
+    gen = [b.gen_s / engine_efficiency for b in batches]
     if not p.rollout:
         switch = weights / p.tp / PCIE_BYTES_S + SWITCH_FIXED_S
-        return PhaseCosts(gen_s=[b.gen_s for b in batches], train_s=train, load_s=0.0, push_s=gather,
+        return PhaseCosts(gen_s=gen, train_s=train, load_s=0.0, push_s=gather,
                           transfer_s=[0.0] * len(batches), wake_s=switch, sleep_s=switch)
-    return PhaseCosts(gen_s=[b.gen_s for b in batches], train_s=train, load_s=weights / p.tp / HBM_BYTES_S,
+    return PhaseCosts(gen_s=gen, train_s=train, load_s=weights / p.tp / HBM_BYTES_S,
                       push_s=gather + weights / NIC_BYTES_S,
                       transfer_s=[b.generated * BATCH_BYTES_PER_TOKEN / NIC_BYTES_S for b in batches])
 
@@ -183,19 +206,22 @@ def summarize(trace: Trace, batches: list[RolloutBatch], costs: PhaseCosts, warm
         gen_s=sum(costs.gen_s[s - 1] for s in steps) / len(steps),
         train_s=sum(costs.train_s[s - 1] for s in steps) / len(steps),
         overlap=_intersection(rollout, trainer) / window,
-        trainer_idle=1 - _length(trainer) / window,
-        rollout_idle=1 - _length(rollout) / window,
+        trainer_idle=max(0.0, 1 - _length(trainer) / window),
+        rollout_idle=max(0.0, 1 - _length(rollout) / window),
         lag_mean=sum(lag * t for x in lags for lag, t in x.items()) / tokens,
         lag_max=max(lag for x in lags for lag in x),
         generated_per_trained=sum(batches[s - 1].generated for s in steps) / trained,
-        reprefill_share=sum(batches[s - 1].reprefilled for s in steps) / sum(batches[s - 1].generated for s in steps))
+        reprefill_share=sum(batches[s - 1].reprefilled for s in steps) / sum(batches[s - 1].generated for s in steps),
+        trained_mean_length=float(np.mean([batches[s - 1].lengths.mean() for s in steps])),
+        restarted_per_step=sum(batches[s - 1].restarted for s in steps) / len(steps))
 
 
-def simulate(p: Placement, collection: Collection, lags: tuple[int, ...], mfu: float = TRAIN_MFU,
+def simulate(p: Placement, collection: Collection, lags: tuple[int, ...], inputs: Inputs | None = None,
              seed: int = SEED, batches: int = BATCHES) -> dict[int, SimFigures]:
     """One placement's batches, generated once, scheduled at every lag (co-located: k = 0 only)."""
+    inputs = inputs or Inputs()
     generated = generate_batches(engine_setup(p), collection, batches, seed)
-    costs = phase_costs(p, generated, mfu)
+    costs = phase_costs(p, generated, inputs.mfu, inputs.engine_efficiency)
     return {k: summarize(run_schedule(costs, k, colocated=not p.rollout), generated, costs)
             for k in (lags if p.rollout else (0,))}
 
@@ -206,38 +232,56 @@ def placements(model: Model, tp: int, gpus: int) -> list[Placement]:
 
 
 HEADER = ["| model | GPUs | placement | k | carry | s/step | vs co-located | gen s/batch | train s/step | overlap | "
-          "trainer idle | rollout idle | lag mean / max | generated / trained tokens | re-prefilled / generated |",
-          "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+          "trainer idle | rollout idle | lag mean / max | generated / trained tokens | re-prefilled / generated | "
+          "trained mean length | restarted / step |",
+          "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
 
 
-def rows(model: Model, tp: int, gpus: int, carry: bool, mean: float, sigma: float, mfu: float,
-         log=lambda line: None) -> list[str]:
+def rows(model: Model, tp: int, gpus: int, carry: bool, inputs: Inputs, log=lambda line: None) -> list[str]:
     """The table rows of one (model, GPU count, carry): co-located first, every ratio and lag after it."""
-    collection = Collection(mean, sigma, carry)
+    collection = Collection(inputs.mean, inputs.sigma, carry)
     out, base = [], None
     for p in placements(model, tp, gpus):
-        for k, f in simulate(p, collection, LAGS, mfu).items():
+        for k, f in simulate(p, collection, LAGS, inputs).items():
             base = base or f.s_per_step
             out.append(f"| {model.name} | {gpus} | {p.label} | {k} | {'yes' if carry else 'no'} | {f.s_per_step:.0f} "
                        f"| {base / f.s_per_step:.2f}x | {f.gen_s:.0f} | {f.train_s:.0f} | {f.overlap:.2f} | "
                        f"{f.trainer_idle:.2f} | {f.rollout_idle:.2f} | {f.lag_mean:.2f} / {f.lag_max} | "
-                       f"{f.generated_per_trained:.2f} | {f.reprefill_share:.3f} |")
+                       f"{f.generated_per_trained:.2f} | {f.reprefill_share:.3f} | {f.trained_mean_length:.0f} | "
+                       f"{f.restarted_per_step:.0f} |")
             log(out[-1])
     return out
 
 
-def report(mean: float, sigma: float, mfu: float, models=MODELS, gpu_counts=GPU_COUNTS, log=lambda line: None) -> str:
-    """The results page: inputs, the simulated table, verl's measured figures."""
-    lines = [f"# Simulated: DAPO step schedule on H20, co-located vs split placement ({datetime.date.today()})", "",
-             "**Every figure in the first table is simulated** by `python -m bench.split_sim` "
-             f"(bench/split_sim.py, bench/split_schedule.py): roofline decode, lognormal lengths (mean {mean:g}, "
-             f"sigma {sigma:g}, capped at 20480), informative fraction 0.5, trainer at {mfu:.0%} MFU. None is "
-             "measured; the module docstring lists every input and assumption. `vs co-located`: the co-located "
-             "s/step of the same model, GPU count and carry setting over this row's.", "", *HEADER]
+def _grid(inputs: Inputs, models, gpu_counts, log) -> list[str]:
+    lines = list(HEADER)
     for model, tp in models:
         for gpus in gpu_counts[model.name]:
             for carry in (False, True):
-                lines += rows(model, tp, gpus, carry, mean, sigma, mfu, log)
+                lines += rows(model, tp, gpus, carry, inputs, log)
+    return lines
+
+
+def report(inputs: Inputs, models=MODELS, gpu_counts=GPU_COUNTS, sensitivity: float | None = SLOW_ENGINE,
+           log=lambda line: None) -> str:
+    """The results page: inputs, the simulated tables, verl's measured figures."""
+    lines = [f"# Simulated: DAPO step schedule on H20, co-located vs split placement ({datetime.date.today()})", "",
+             "**Every figure in the tables below is simulated** by `python -m bench.split_sim` "
+             "(bench/split_sim.py, bench/split_schedule.py), except the last table's, which verl measured. Inputs: "
+             f"roofline decode (engines at {inputs.engine_efficiency:.0%} of it), lognormal lengths (mean "
+             f"{inputs.mean:g}, sigma {inputs.sigma:g}, capped at 20480), informative fraction 0.5, trainer at "
+             f"{inputs.mfu:.0%} MFU, seed {SEED}; the module docstring lists every input and assumption. "
+             "`vs co-located`: the co-located s/step of the same model, GPU count and carry setting over this "
+             "row's (above 1: split is faster).", "",
+             "## Simulated: roofline engines", "", *_grid(inputs, models, gpu_counts, log)]
+    if sensitivity is not None:
+        slow = dataclasses.replace(inputs, engine_efficiency=sensitivity)
+        lines += ["", f"## Simulated: engines at {sensitivity:.0%} of the roofline (Qwen2.5-7B)", "",
+                  f"Every engine second above multiplied by 1 / {sensitivity:.2f}: an estimate of how far a real "
+                  "engine runs "
+                  "below the roofline (verl's measured 32-H20 generation, 357 s, is ~2.5x what the roofline gives "
+                  "for its lengths; an estimate, not a measurement of ours). Simulated.", "",
+                  *_grid(slow, models[:1], gpu_counts, log)]
     lines += ["", "## Measured by verl (for scale; their recipe and lengths, not the simulated ones)", "",
               "| setup | co-located | split | speedup |", "|---|---|---|---|",
               *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in VERL_MEASURED), ""]
@@ -249,9 +293,14 @@ def main(argv=None) -> int:
     parser.add_argument("--mean", type=float, default=MEAN, help="mean response length (tokens)")
     parser.add_argument("--sigma", type=float, default=SIGMA, help="sigma of the log of the response length")
     parser.add_argument("--mfu", type=float, default=TRAIN_MFU, help="trainer model-FLOPs utilization")
+    parser.add_argument("--engine-efficiency", type=float, default=1.0,
+                        help="engines at this fraction of the roofline (every engine second / this)")
+    parser.add_argument("--no-sensitivity", action="store_true", help="skip the slow-engine table")
     parser.add_argument("--out", default=None, help="write the page here too (a file path)")
     args = parser.parse_args(argv)
-    text = report(args.mean, args.sigma, args.mfu, log=lambda line: print(line, file=sys.stderr, flush=True))
+    inputs = Inputs(args.mean, args.sigma, args.mfu, args.engine_efficiency)
+    text = report(inputs, sensitivity=None if args.no_sensitivity else SLOW_ENGINE,
+                  log=lambda line: print(line, file=sys.stderr, flush=True))
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,8 @@ def test_split_runs_read_the_split_metrics():
 def test_the_table_pairs_each_arm_with_its_colocated_repeat():
     col = [bench_split.summarize([_record(1), _record(2)], True)] * 2
     fast = [bench_split.ArmResult(2.0, 0.1, 0.2, 1.0, 1.0, 0.01, 1e5, 0.001, 4.0)] * 2
-    lines = bench_split.table({("toy", "colocated"): col, ("toy", "split-k1"): fast}, ["toy"], ["colocated", "split-k1"])
+    results = {("toy", "colocated"): col, ("toy", "split-k1"): fast}
+    lines = bench_split.table(results, ["toy"], ["colocated", "split-k1"])
     rows = [line.split(" | ") for line in lines[2:]]
     assert rows[0][3].startswith("1.000 ") and rows[1][3].startswith("0.500 ")
 
