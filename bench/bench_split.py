@@ -87,7 +87,7 @@ def workload(name: str, smoke: bool):
     return merge(cfg, SMOKE) if smoke else cfg
 
 
-def run_arm(cfg, lag: int | None, ranks: int, in_process: bool, timeout: int) -> list[dict]:
+def run_arm(cfg, preset: str, lag: int | None, ranks: int, in_process: bool, timeout: int) -> list[dict]:
     """One `flashdapo train` run (fresh run directory, one thread per process); its step records."""
     from flashdapo.trainer.metrics import read_history
 
@@ -105,7 +105,8 @@ def run_arm(cfg, lag: int | None, ranks: int, in_process: bool, timeout: int) ->
                   if ranks > 1 else [sys.executable])
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([*launch, "-m", "flashdapo", "train", "--config", str(config), *split_flags(lag)],
+        done = subprocess.run([*launch, "-m", "flashdapo", "train", "--preset", preset, "--config", str(config),
+                               *split_flags(lag)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"bench_split: {run_dir.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -146,7 +147,7 @@ def run_all(bases: dict, arms: list[str], repeats: int, ranks: int, work: Path, 
                 cfg = merge(base, {"trainer": {"seed": rep},
                                    "logging": {"run_dir": str(work / "runs" / f"{name}-{arm}-r{rep}")}})
                 lag = ARMS[arm]
-                result = summarize(run_arm(cfg, lag, ranks if lag is None else 2, in_process, timeout), lag is None)
+                result = summarize(run_arm(cfg, name, lag, ranks if lag is None else 2, in_process, timeout), lag is None)
                 results[(name, arm)].append(result)
                 log(f"bench_split: repeat {rep} {name} {arm}: {result.s_per_step:.3f} s/step, trainer idle "
                     f"{result.trainer_idle:.2f}, rollout idle {result.rollout_idle:.2f}")
