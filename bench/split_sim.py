@@ -262,6 +262,12 @@ def _grid(inputs: Inputs, models, gpu_counts, log) -> list[str]:
     return lines
 
 
+def _inputs_text() -> list[str]:
+    """The module docstring's list of inputs and assumptions, as markdown."""
+    body = __doc__.split("\n\n", 2)[2].split("\n\n    python -m")[0]
+    return body.splitlines()
+
+
 def report(inputs: Inputs, models=MODELS, gpu_counts=GPU_COUNTS, sensitivity: float | None = SLOW_ENGINE,
            log=lambda line: None) -> str:
     """The results page: inputs, the simulated tables, verl's measured figures."""
@@ -272,7 +278,7 @@ def report(inputs: Inputs, models=MODELS, gpu_counts=GPU_COUNTS, sensitivity: fl
              f"{inputs.mean:g}, sigma {inputs.sigma:g}, capped at 20480), informative fraction 0.5, trainer at "
              f"{inputs.mfu:.0%} MFU, seed {SEED}; the module docstring lists every input and assumption. "
              "`vs co-located`: the co-located s/step of the same model, GPU count and carry setting over this "
-             "row's (above 1: split is faster).", "",
+             "row's (above 1: split is faster).", "", "## Inputs (of the simulation)", "", *_inputs_text(), "",
              "## Simulated: roofline engines", "", *_grid(inputs, models, gpu_counts, log)]
     if sensitivity is not None:
         slow = dataclasses.replace(inputs, engine_efficiency=sensitivity)
