@@ -38,7 +38,9 @@ from .resume import Resumed, apply_optim_config, describe_resume, load_resume, r
 from .run_settings import run_settings
 from .rundir import RunDirClaim, new_run_id, record_start
 from .startup import StartPlan, agree_on_start, set_collective_timeout
+from .split_trainer import SplitTrainer
 from .streaming import StreamState
+from ..distributed.roles import Liveness
 from .warmup import warm_up_built_in
 from .weight_sync import iter_full_state_dict
 
@@ -78,11 +80,17 @@ class Run:
     """This rank's streaming sampler state between steps (rollout.streaming), saved with every checkpoint."""
     profiler: StepProfiler | None = None
     """This rank's profiler of profile.steps; None when profiling is off here (no profiler object)."""
+    split: SplitTrainer | None = None
+    """Split placement (rollout.placement=split): the trainer side's links to the rollout side; None co-located."""
+    liveness: Liveness | None = None
+    """Split placement: this rank's liveness counter, read by the other side while it waits."""
 
     def close(self, error: BaseException | None) -> None:
         """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
         (failfast: ends this process when there are peers), else meet them and close the process group."""
         self.logger.close()
+        if self.liveness is not None:
+            self.liveness.close()
         if self.claim is not None:
             self.claim.release()
         if error is not None:
@@ -187,10 +195,14 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
     point where a stop asked for meanwhile (Ctrl-C, SIGTERM: interrupt.py) raises."""
     check_launch(cfg)  # before the process group: a config this launch cannot run is one line
     # The start-up checks wait at most setup_timeout_s for the other ranks (startup.py), the rest longer.
-    env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, cfg.trainer.sequence_parallel)
+    split = cfg.rollout.placement == "split"
+    env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, cfg.trainer.sequence_parallel,
+                           cfg.rollout.rollout_ranks if split else 0)
     cfg = resolve_auto(cfg, env.device.type == "cuda")
-    failfast = FailFast.connect(env.rank, env.world_size)
+    failfast = (FailFast.connect(env.global_rank, env.global_world_size, role=f"trainer rank {env.rank}") if split
+                else FailFast.connect(env.rank, env.world_size))
     failfast.watch()
+    liveness = Liveness(env.bridges.store, env.global_rank) if split else None
     run_dir = Path(cfg.logging.run_dir)
     log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
     plan, run = None, None
@@ -200,6 +212,7 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
         attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         run = _build_run(cfg, env, failfast, run_dir, log, plan, checkpoint)
+        run.liveness = liveness
         if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's files alone
             record_start(run_dir, run.run_id, run.start_step, cfg.to_yaml(), run.resumed and run.resumed.path,
                          run.resumed.changes if run.resumed else [], fresh=not cfg.checkpoint.resume)
@@ -209,6 +222,8 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
             run.logger.close()
         if plan is not None and plan.claim is not None:
             plan.claim.release()
+        if liveness is not None:
+            liveness.close()
         failfast.fail(err)  # with peers: reports and ends this process (and, through the store, the others)
         shutdown(synchronize=False)
         raise
@@ -240,6 +255,11 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     settings = run_settings(cfg, policy.hf, tokenizer)
     checkpoint()
     resumed = load_resume(plan.candidates, cfg, settings, env, policy, optimizer, log)
+    if resumed is not None and cfg.rollout.placement == "split":
+        from .checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint.resume: resuming a split-placement run ({resumed.path.name}) is not built "
+                              "yet; start a fresh run (another --logging.run-dir) or train co-located")
     if resumed is not None:
         scheduler.load_state_dict(resumed.state.scheduler)
         restore_sampler(sampler, resumed, log)
@@ -263,7 +283,17 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
                pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
                settings=settings, resumed=resumed, stream=_resumed_stream(resumed, cfg, env, log),
-               profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device))
+               profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device),
+               split=_split_trainer(cfg, env, policy, log))
+
+
+def _split_trainer(cfg: Config, env: DistEnv, policy: PolicyModel, log) -> SplitTrainer | None:
+    if cfg.rollout.placement != "split":
+        return None
+    from .logprob_check import PushCheck
+
+    return SplitTrainer(env, cfg.rollout.max_lag, cfg.trainer.total_steps,
+                        PushCheck(policy, env.device, policy.config.vocab_size, log))
 
 
 def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:

@@ -1,0 +1,169 @@
+"""The rollout side of split placement (rollout.placement=split): the last R ranks generate, never train.
+
+Each rollout rank builds the policy's structure (no warm-up, no optimizer: its weights come from the trainer
+side), a torch engine over it and the prompt sampler over the rollout side's ranks, then runs the strict
+schedule (docs/split.md):
+
+    for b in start+1 .. total_steps:
+        w = max(start, b - 1 - k)      the schedule's weights: θ_w, no fresher, no older
+        take θ_w from the stage (waiting for the trainer's push if it is not there yet), load it, push check
+        collect batch b: streaming (rollout.streaming) or rounds, dynamic sampling as co-located, its
+            informative groups past train_batch kept to open batch b+1
+        send batch b (rollout rank 0's sender thread)
+
+The seeds and the sampler are the co-located run's at the same batch (derive_seed(seed, b, ...), the sampler
+over the rollout side's ranks), so at k = 0 with R = 1 every batch is the one a co-located single rank
+generates, bitwise; the trainer side then trains it exactly as co-located.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..data import PromptSampler
+from ..distributed.collectives import all_gather_objects, all_reduce
+from ..distributed.failfast import FailFast
+from ..distributed.mesh import DistEnv, init_distributed, shutdown
+from ..distributed.roles import Liveness
+from ..preflight import check_launch, resolve_auto
+from ..reward import get_verifier
+from ..rollout.torch_engine import TorchEngine
+from ..tasks import build_datasets
+from ..tokenizer import eos_token_ids
+from .batch import Group
+from .logprob_check import PushCheck
+from .metrics import StageTimer
+from .run import _build_policy, _checked_tokenizer
+from .sampling import Collected, collect_groups
+from .split_schedule import START_KEY, last_pushed_step, weights_step
+from .split_weights import Stage, check_loaded, load_weights
+from .split_wire import BatchMessage, Sender, pack
+from .streaming import StreamState, stream_groups
+
+class TrainerCut:
+    """`deal` for the collectors on the rollout side: every kept group of the rollout side in canonical order,
+    cut to train_batch (or, short, a multiple of the trainer's data-parallel slots), as one list; the
+    trainer side deals it to its slots. `leftover`: this rank's kept groups past the cut."""
+
+    def __init__(self, trainer_slots: int):
+        self.slots = trainer_slots
+        self.leftover: list[Group] = []
+
+    def __call__(self, kept_per_round: list[list[Group]], cfg: Config, env: DistEnv, with_leftover: bool = False):
+        everyone = all_gather_objects(kept_per_round)
+        ordered = sorted((g for rounds in everyone for rnd in rounds for g in rnd), key=lambda g: g.origin)
+        usable = min(len(ordered), cfg.trainer.train_batch) // self.slots * self.slots
+        cut = {g.origin for g in ordered[:usable]}
+        self.leftover = [g for rnd in kept_per_round for g in rnd if g.origin not in cut]
+        return ([ordered[:usable]], self.leftover) if with_leftover else [ordered[:usable]]
+
+
+def run_rollout_side(cfg: Config) -> None:
+    """A rollout rank's whole life: set up, generate every batch of the schedule, send it, end."""
+    check_launch(cfg)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer side's: it stops, then the job ends
+    env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, 1, cfg.rollout.rollout_ranks)
+    cfg = resolve_auto(cfg, env.device.type == "cuda")
+    failfast = FailFast.connect(env.global_rank, env.global_world_size, role=f"rollout rank {env.rank}")
+    failfast.watch()
+    live = Liveness(env.bridges.store, env.global_rank)
+    try:
+        _generate_all(cfg, env)
+    except BaseException as err:
+        failfast.fail(err)
+        shutdown(synchronize=False)
+        raise
+    live.close()
+    failfast.close()
+    shutdown()
+
+
+def _generate_all(cfg: Config, env: DistEnv) -> None:
+    rc, tc, bridges = cfg.rollout, cfg.trainer, env.bridges
+    tokenizer = _checked_tokenizer(cfg, lambda _m: None)
+    train_set, _ = build_datasets(cfg.data, tokenizer)
+    sampler = PromptSampler(train_set, tc.gen_batch, tc.seed, cfg.data.shuffle, env.rank, env.world_size)
+    policy = _build_policy(cfg, env, tokenizer, True, lambda _m: None)  # the structure; weights are pushed
+    group = dist.group.WORLD if env.world_size > 1 else None
+    engine = TorchEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, process_group=group,
+                         max_batch=rc.max_num_seqs, reshard_after_forward=tc.reshard_after_forward)
+    verifier = get_verifier(cfg.algorithm.verifier)
+    bridges.wait_key(START_KEY, [0], "the trainer side's start")
+    plan = json.loads(bridges.get(START_KEY))
+    start, total, k = int(plan["start"]), int(plan["total"]), rc.max_lag
+    if start >= total:
+        return
+    stage = Stage(bridges, last_version=last_pushed_step(total, k, start), first_version=start)
+    stage.start()
+    check = PushCheck(policy, env.device, policy.config.vocab_size)
+    cut = TrainerCut(env.bridges.layout.trainers // tc.sequence_parallel)
+    sender = Sender(bridges) if env.rank == 0 else None
+    stream, carried, loaded = StreamState(), [], None
+    for b in range(start + 1, total + 1):
+        began = time.perf_counter()
+        w = weights_step(b, k, start)
+        waited = load_s = check_max = 0.0
+        if loaded != w:
+            staged, waited = stage.take(w)
+            t = time.perf_counter()
+            load_weights(policy, staged)
+            check_max = check_loaded(policy, staged, check, w)
+            load_s, loaded = time.perf_counter() - t, w
+        timer = StageTimer(env.device)
+        engine.wake()
+        if rc.streaming:
+            collected, stats = stream_groups(b, stream, sampler, engine, tokenizer, verifier, cfg, env, timer,
+                                             version=w + 1, deal=cut)
+        else:
+            collected, stats = collect_groups(b, sampler, engine, tokenizer, verifier, cfg, env, timer,
+                                              carried=carried, deal=cut), None
+            carried = _carried(_tagged(cut.leftover, w + 1), env.rank) if cfg.algorithm.dynamic_sampling else []
+        engine.sleep()
+        groups = _tagged(collected.mini_batches[0], w + 1)
+        busy = time.perf_counter() - began - waited
+        figures = {"gen_s": timer.seconds.get("gen", 0.0), "reward_s": timer.seconds.get("reward", 0.0),
+                   "wait_weights_s": waited, "load_s": load_s, "push_check_max": check_max, "busy_s": busy,
+                   "staged_max": float(stage.max_staged)}
+        figures = {key: value for key, value in zip(figures, _rollout_max(list(figures.values())))}
+        if sender is not None:
+            sender.put(b, pack(BatchMessage(b, w, groups, _scalars(collected), figures,
+                                            vars(stats) if stats is not None else None)))
+    if sender is not None:
+        sender.close()
+    stage.join()
+
+
+def _rollout_max(values: list[float]) -> list[float]:
+    """The slowest rollout rank's figures (the side moves at its pace)."""
+    return all_reduce(torch.tensor(values, dtype=torch.float64), "max").tolist()
+
+
+def _carried(leftover: list[Group], rank: int) -> list[Group]:
+    """This rank's groups past the cut, renamed to round 0 of the next batch (ahead of its fresh rounds), in order."""
+    for i, g in enumerate(leftover):
+        g.origin = (0, rank, i)
+    return leftover
+
+
+def _tagged(groups: list[Group], version: int) -> list[Group]:
+    """Every response's per-token versions: the streaming collector records them; rounds sampled each group
+    whole with one version (streaming's numbering: weights of step w are version w + 1)."""
+    for g in groups:
+        if g.versions is None:
+            g.versions = [torch.full((len(r),), version, dtype=torch.long) for r in g.responses]
+    return groups
+
+
+def _scalars(collected: Collected) -> dict[str, float]:
+    return {name: float(getattr(collected, name)) for name in (
+        "num_gen_batches", "groups_generated", "groups_informative", "gen_acc", "gen_score", "gen_truncated",
+        "groups_all_equal", "generated_tokens")}
+
+
+__all__ = ["TrainerCut", "run_rollout_side"]
