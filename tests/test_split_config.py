@@ -81,3 +81,19 @@ def test_a_resume_changing_placement_ranks_or_lag_is_refused():
     with pytest.raises(ResumeRefused, match="rollout.max_lag 1 -> 2"):
         compare_settings(one, two, [], "ckpt")
     assert compare_settings(one, one, [], "ckpt") == []
+
+
+def test_auto_correction_is_token_truncate_where_split_trains_older_tokens():
+    from flashdapo.algorithm import resolved_rollout_correction
+    from flashdapo.trainer.split_schedule import stale_tokens
+
+    def resolved(**rollout):
+        ds = rollout.pop("ds", True)
+        cfg = merge(Config(), {"rollout": rollout, "algorithm": {"dynamic_sampling": ds},
+                               "trainer": {"gen_batch": 1536 if ds else 512}})
+        return resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, stale_tokens(cfg))
+
+    assert resolved() == "none"  # co-located torch engine
+    assert resolved(placement="split", rollout_ranks=1, max_lag=1, ds=False) == "token_truncate"
+    assert resolved(placement="split", rollout_ranks=1, max_lag=0) == "token_truncate"  # surplus groups roll over
+    assert resolved(placement="split", rollout_ranks=1, max_lag=0, ds=False) == "none"  # every token on-policy

@@ -131,7 +131,9 @@ class AlgorithmConfig(Section):
     token's loss by min(rho, C); token_mask drops tokens with rho outside [1/C, C] from the loss;
     sequence_truncate and sequence_mask do the same with the geometric mean of rho over a response.
     auto: none with the torch engine (it samples from the trainer's own weights and kernels),
-    token_truncate with vLLM (none with old_logprobs=rollout, where the ratio is 1)."""
+    token_truncate with vLLM, with streaming's partial rollouts, and in split placement at max_lag >= 1 or
+    with dynamic sampling (tokens sampled by older weights; none with old_logprobs=rollout, where the ratio
+    is 1)."""
     rollout_correction_cap: Annotated[float, gt(1)] = 2.0
     """C of rollout_correction: the truncation cap, and the mask's band [1/C, C]."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",

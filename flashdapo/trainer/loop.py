@@ -39,7 +39,8 @@ from .metrics import StageTimer, describe
 from .run import Run, setup_run
 from .sampling import collect_groups
 from .split_rollout import run_rollout_side
-from .streaming import carries, stream_groups, stream_metrics
+from .split_schedule import stale_tokens
+from .streaming import stream_groups, stream_metrics
 from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
 
 
@@ -128,7 +129,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
             batch = build_train_batch(collected.mini_batches, old, cfg.algorithm,
-                                      resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, carries(cfg)))
+                                      resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, stale_tokens(cfg)))
         # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip it.
         recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
         rollout_check = {**logprob_agreement(step, batch, cfg.rollout, warn=env.is_main),

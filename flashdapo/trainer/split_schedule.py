@@ -28,4 +28,14 @@ def expected_lag(step: int, max_lag: int, start: int = 0) -> int:
     return step - 1 - weights_step(step, max_lag, start)
 
 
-__all__ = ["START_KEY", "expected_lag", "last_pushed_step", "weights_step"]
+def stale_tokens(cfg) -> bool:
+    """Whether trained tokens may come from older weights than those the step starts from: streaming's carried
+    responses, and in split placement any lag k >= 1 or dynamic sampling (its groups past a batch's target
+    open the next one). `algorithm.rollout_correction=auto` then resolves to token_truncate. At k = 0 without
+    dynamic sampling every token is sampled by the weights it trains: auto stays as co-located."""
+    rc = cfg.rollout
+    carried = rc.streaming and rc.partial_rollouts
+    return carried or (rc.placement == "split" and (rc.max_lag > 0 or cfg.algorithm.dynamic_sampling))
+
+
+__all__ = ["START_KEY", "expected_lag", "last_pushed_step", "stale_tokens", "weights_step"]

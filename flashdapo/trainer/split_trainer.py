@@ -26,7 +26,7 @@ from .sampling import Collected
 from .split_schedule import START_KEY, last_pushed_step
 from .split_weights import PushStats, push_weights
 from .split_wire import BatchMessage, ready_key, unpack
-from .streaming import StreamStats
+from .streaming import StreamStats, _per_lag
 
 LAG_BINS = 4
 """split/lag_hist_<j> for j < LAG_BINS, and one bin for every lag >= LAG_BINS."""
@@ -110,6 +110,8 @@ class SplitTrainer:
                "split/staged_max": r["staged_max"], "split/push_check_max": r["push_check_max"],
                "timing_s/rollout_gen": r["gen_s"], "timing_s/rollout_reward": r["reward_s"],
                "timing_s/rollout_wait_weights": r["wait_weights_s"], "timing_s/rollout_load": r["load_s"]}
+        # The correction's mean weight and the engine/trainer k3 KL, for lag 0 and lag >= 1 tokens.
+        out.update({k.replace("stream/", "split/"): v for k, v in _per_lag(batch, lags, speaks).items()})
         return out
 
 
