@@ -231,6 +231,9 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "perf/throughput": tokens / max(seconds, 1e-9) / env.world_size,
          "perf/max_memory_allocated_gb": (torch.cuda.max_memory_allocated(env.device) / 2**30
                                           if env.device.type == "cuda" else 0.0)}
+    if not collected.groups_generated:  # split placement: a batch of groups rolled over, nothing generated
+        m = {k: v for k, v in m.items() if not k.startswith(("train/gen_", "train/kept_fraction",
+                                                             "train/all_equal_fraction"))}
     if not len(scores):  # no group kept: no score, length or advantage to report (never a fake 0)
         m = {k: v for k, v in m.items() if not k.startswith(("critic/", "response_length/", "prompt_length/"))}
     if not update.taken:  # no optimizer step: no loss, gradient norm or token statistics

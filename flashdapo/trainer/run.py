@@ -38,6 +38,7 @@ from .resume import Resumed, apply_optim_config, describe_resume, load_resume, r
 from .run_settings import run_settings
 from .rundir import RunDirClaim, new_run_id, record_start
 from .startup import StartPlan, agree_on_start, set_collective_timeout
+from .split_cut import require_part
 from .split_trainer import SplitTrainer
 from .streaming import StreamState
 from ..distributed.roles import Liveness
@@ -254,12 +255,9 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     start_step, run_id = 0, plan.dir_run_id or all_gather_objects(new_run_id())[0]
     settings = run_settings(cfg, policy.hf, tokenizer)
     checkpoint()
-    resumed = load_resume(plan.candidates, cfg, settings, env, policy, optimizer, log)
-    if resumed is not None and cfg.rollout.placement == "split":
-        from .checkpoint import CheckpointError
-
-        raise CheckpointError(f"checkpoint.resume: resuming a split-placement run ({resumed.path.name}) is not built "
-                              "yet; start a fresh run (another --logging.run-dir) or train co-located")
+    split_part = ((lambda state, path: require_part(run_dir, state.step, path)) if cfg.rollout.placement == "split"
+                  else None)  # a split checkpoint resumes only with the rollout side's part of its cut
+    resumed = load_resume(plan.candidates, cfg, settings, env, policy, optimizer, log, also=split_part)
     if resumed is not None:
         scheduler.load_state_dict(resumed.state.scheduler)
         restore_sampler(sampler, resumed, log)
@@ -284,16 +282,21 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
                pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
                settings=settings, resumed=resumed, stream=_resumed_stream(resumed, cfg, env, log),
                profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device),
-               split=_split_trainer(cfg, env, policy, log))
+               split=_split_trainer(cfg, env, policy, log, run_dir, start_step if resumed is not None else None))
 
 
-def _split_trainer(cfg: Config, env: DistEnv, policy: PolicyModel, log) -> SplitTrainer | None:
+def _split_trainer(cfg: Config, env: DistEnv, policy: PolicyModel, log, run_dir: Path,
+                   resumed_at: int | None) -> SplitTrainer | None:
+    """Split placement's trainer side; resumed, holding the batches its checkpoint's cut queued."""
     if cfg.rollout.placement != "split":
         return None
     from .logprob_check import PushCheck
 
-    return SplitTrainer(env, cfg.rollout.max_lag, cfg.trainer.total_steps,
-                        PushCheck(policy, env.device, policy.config.vocab_size, log))
+    split = SplitTrainer(env, cfg.rollout.max_lag, cfg.trainer.total_steps,
+                         PushCheck(policy, env.device, policy.config.vocab_size, log))
+    if resumed_at is not None and resumed_at < cfg.trainer.total_steps:
+        split.resume(run_dir, resumed_at)
+    return split
 
 
 def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:

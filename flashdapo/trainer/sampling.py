@@ -101,6 +101,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     generated: list[tuple[Group, bool]] = []
     # Every rank of split placement's rollout side passes `deal` (and its carried groups, maybe none) together.
     total_kept = int(all_reduce(torch.tensor([len(carried)])).item()) if deal is not None else 0
+    carried_total = total_kept
     rounds = all_equal = 0
     started = time.perf_counter()
     # Sums over all generated responses (this rank): correct, score, truncated, count, tokens.
@@ -150,7 +151,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         mini_batches=(deal or _deal_out)(kept_per_round, cfg, env),
         num_gen_batches=rounds,
         groups_generated=rounds * tc.gen_batch,
-        groups_informative=total_kept,
+        groups_informative=total_kept - carried_total,  # found this step (the carried were counted before)
         gen_acc=totals[0].item() / count,
         gen_score=totals[1].item() / count,
         gen_truncated=totals[2].item() / count,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from .run import _build_policy, _checked_tokenizer
 from .sampling import Collected, collect_groups
 from .split_schedule import START_KEY, last_pushed_step, weights_step
 from .split_weights import Stage, check_loaded, load_weights
+from .split_cut import group_from_plain, group_plain, parts_due, read_rank_state, write_part
 from .split_wire import BatchMessage, Sender, pack
 from .streaming import StreamState, stream_groups
 
@@ -97,15 +99,19 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
     bridges.wait_key(START_KEY, [0], "the trainer side's start")
     plan = json.loads(bridges.get(START_KEY))
     start, total, k = int(plan["start"]), int(plan["total"]), rc.max_lag
-    if start >= total:
+    run_dir = Path(cfg.logging.run_dir)
+    first = int(plan["boundary"]) + 1  # resumed: the batches up to the cut's boundary are queued in it
+    if first > total:
         return
     stage = Stage(bridges, last_version=last_pushed_step(total, k, start), first_version=start)
     stage.start()
     check = PushCheck(policy, env.device, policy.config.vocab_size)
     cut = TrainerCut(env.bridges.layout.trainers // tc.sequence_parallel)
     sender = Sender(bridges) if env.rank == 0 else None
-    stream, carried, loaded = StreamState(), [], None
-    for b in range(start + 1, total + 1):
+    stream, carried, loaded, recent = StreamState(), [], None, {}
+    if plan["resume"]:
+        stream, carried = _restore(read_rank_state(run_dir, start, env.rank), sampler, cfg)
+    for b in range(first, total + 1):
         began = time.perf_counter()
         w = weights_step(b, k, start)
         waited = load_s = check_max = 0.0
@@ -132,11 +138,28 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
                    "staged_max": float(stage.max_staged)}
         figures = {key: value for key, value in zip(figures, _rollout_max(list(figures.values())))}
         if sender is not None:
-            sender.put(b, pack(BatchMessage(b, w, groups, _scalars(collected), figures,
-                                            vars(stats) if stats is not None else None)))
+            recent[b] = pack(BatchMessage(b, w, groups, _scalars(collected), figures,
+                                          vars(stats) if stats is not None else None))
+            sender.put(b, recent[b])
+            recent.pop(b - k, None)  # only the last k can be queued at a cut
+        for c in parts_due(b, cfg, start):  # the boundary of a checkpoint's cut: this side's part of it
+            queue = [recent[j] for j in range(c + 1, b + 1)] if env.rank == 0 else None
+            write_part(run_dir, c, b, env.rank, _state(sampler, carried, stream, cfg), queue)
     if sender is not None:
         sender.close()
     stage.join()
+
+
+def _state(sampler: PromptSampler, carried: list[Group], stream: StreamState, cfg: Config) -> dict:
+    """This rank's state at a batch boundary (plain, for the cut): sampler position, surplus or stream."""
+    return {"sampler": sampler.state_dict(), "carried": [group_plain(g) for g in carried],
+            "stream": stream.to_plain() if cfg.rollout.streaming else None}
+
+
+def _restore(state: dict, sampler: PromptSampler, cfg: Config) -> tuple[StreamState, list[Group]]:
+    sampler.load_state_dict(state["sampler"])
+    stream = StreamState.from_plain(state["stream"]) if cfg.rollout.streaming else StreamState()
+    return stream, [group_from_plain(g) for g in state["carried"]]
 
 
 def _rollout_max(values: list[float]) -> list[float]:

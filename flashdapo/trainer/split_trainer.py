@@ -23,6 +23,7 @@ from .dealing import deal_to_slots
 from .logprob_check import PushCheck
 from .metrics import StageTimer
 from .sampling import Collected
+from .split_cut import read_boundary, read_queue
 from .split_schedule import START_KEY, last_pushed_step
 from .split_weights import PushStats, push_weights
 from .split_wire import BatchMessage, ready_key, unpack
@@ -45,12 +46,24 @@ class SplitTrainer:
     transfer_s: float = 0.0
     transfer_bytes: int = 0
     waited_s: float = 0.0
+    queued: dict[int, bytes] = field(default_factory=dict)
+    """Resumed: the batches the checkpoint's cut queued (trainer rank 0), trained before any is received."""
+    queue_end: int = 0
+    """Resumed: the last queued batch (every trainer rank; 0: none)."""
+
+    def resume(self, run_dir, start: int) -> None:
+        """Take the queued batches of the cut of `start` (resumed runs, before `begin`)."""
+        self.queue_end = min(read_boundary(run_dir, start), self.total_steps)
+        if self.env.rank == 0:
+            self.queued = dict(zip(range(start + 1, self.queue_end + 1), read_queue(run_dir, start)))
 
     def begin(self, policy, start: int) -> None:
         """Tell the rollout side where the run starts, and push the starting weights (every trainer rank)."""
         self.start = start
         if self.env.rank == 0:
-            self.env.bridges.set(START_KEY, json.dumps({"start": start, "total": self.total_steps}))
+            self.env.bridges.set(START_KEY, json.dumps({"start": start, "total": self.total_steps,
+                                                        "resume": self.queue_end > 0,
+                                                        "boundary": max(self.queue_end, start)}))
         if start < self.total_steps:
             self.last_push = push_weights(policy, self.env, start, self.check)
 
@@ -65,11 +78,14 @@ class SplitTrainer:
         """Batch `step` from the rollout side, dealt to this rank's slot as the co-located collector deals it."""
         env, bridges = self.env, self.env.bridges
         rollout_ranks = list(range(bridges.layout.trainers, bridges.layout.world_size))
-        self.waited_s = bridges.wait_key(ready_key(step), rollout_ranks, f"batch {step}")
+        queued = step <= self.queue_end
+        self.waited_s = 0.0 if queued else bridges.wait_key(ready_key(step), rollout_ranks, f"batch {step}")
         began = time.perf_counter()
-        payload = bridges.recv_bytes(src=bridges.layout.trainers, tag=step) if env.rank == 0 else None
-        payload = broadcast_object(payload)  # the bytes are here already: a short collective
+        payload = None
         if env.rank == 0:
+            payload = self.queued.pop(step) if queued else bridges.recv_bytes(src=bridges.layout.trainers, tag=step)
+        payload = broadcast_object(payload)  # the bytes are here already: a short collective
+        if env.rank == 0 and not queued:
             bridges.delete(ready_key(step))
         message = unpack(payload)
         self.transfer_s, self.transfer_bytes = time.perf_counter() - began, len(payload)

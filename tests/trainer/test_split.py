@@ -118,3 +118,17 @@ def test_dynamic_sampling_rolls_groups_over_with_their_own_lag(tmp_path):
         allowed = {s - 1 - weights_step(b0, 1) for b0 in range(1, s + 1)}
         seen = {j for j in range(4) if row[f"split/lag_hist_{j}"] > 0}
         assert seen <= allowed and row["split/lag_min"] >= expected_lag(s, 1), row
+
+
+@pytest.mark.distributed
+def test_the_push_check_names_a_perturbed_tied_head(tmp_path):
+    """The rollout side's copy of the weights differs from what the trainer pushed (the tied embedding / LM
+    head, after the second load): the push check stops the job in one line naming that tensor."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "trainer" / "scripts" / "split_perturb_push.py"), "1", *TINY, *STEPS, *SPLIT,
+           "--rollout.max-lag", "0", "--logging.run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode != 0
+    line = next((l for l in proc.stderr.splitlines() if "after loading the weights of step 1" in l), "")
+    assert "tensors that differ: model.embed_tokens.weight" in line, proc.stderr[-3000:]
+    assert "(rank 1 (rollout rank 0); stopping every rank)" in line
