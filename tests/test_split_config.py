@@ -97,3 +97,14 @@ def test_auto_correction_is_token_truncate_where_split_trains_older_tokens():
     assert resolved(placement="split", rollout_ranks=1, max_lag=1, ds=False) == "token_truncate"
     assert resolved(placement="split", rollout_ranks=1, max_lag=0) == "token_truncate"  # surplus groups roll over
     assert resolved(placement="split", rollout_ranks=1, max_lag=0, ds=False) == "none"  # every token on-policy
+
+
+def test_the_step_line_of_a_batch_of_rolled_over_groups():
+    """Split placement: a batch made only of groups rolled over from the last one generated nothing, so it has
+    no kept fraction or generation accuracy; its step line says '-', not a made-up number."""
+    from flashdapo.trainer.metrics import format_line
+
+    m = {"step": 3, "train/num_gen_batches": 0.0, "perf/throughput": 100.0, "timing_s/step": 1.0,
+         "timing_s/wait_batch": 0.1, "critic/score/mean": 0.5}
+    line = format_line(m, 10)
+    assert "kept - rounds 0" in line and "acc nan" in line

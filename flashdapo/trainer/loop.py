@@ -16,6 +16,7 @@ profile.steps run under the profiler (flashdapo/profiling/), each stage a named 
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -44,9 +45,10 @@ from .streaming import stream_groups, stream_metrics
 from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
 
 
-def train(cfg) -> Run:
-    """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks.
-    Ctrl-C stops after the running step and its checkpoint, raising Interrupted (interrupt.py)."""
+def train(cfg) -> Run | None:
+    """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks (None on
+    split placement's rollout ranks: they only generate, docs/split.md). Ctrl-C stops after the running step
+    and its checkpoint, raising Interrupted (interrupt.py)."""
     if _rollout_rank(cfg):
         run_rollout_side(cfg)  # generates and sends every batch; the trainer side is the run
         return None
@@ -154,8 +156,6 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 
 def _rollout_rank(cfg) -> bool:
     """Whether this process is one of split placement's rollout ranks (the last rollout.rollout_ranks)."""
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", 1))
     return cfg.rollout.placement == "split" and int(os.environ.get("RANK", 0)) >= world - cfg.rollout.rollout_ranks
 
