@@ -60,9 +60,6 @@ def check_launch(cfg: Config, world_size: int | None = None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     check_machine(cfg)
     check_layout(cfg, world_size)
-    if cfg.rollout.placement == "split" and cfg.rollout.engine != "torch":
-        raise ConfigError(f"rollout.engine: {cfg.rollout.engine!r} with rollout.placement='split' is not built yet; "
-                          "split placement runs the torch engine (--rollout.engine torch)")
 
 
 def check_machine(cfg: Config) -> None:

@@ -5,7 +5,7 @@ k refuse."""
 import pytest
 
 from flashdapo.config import PRESET_CLUSTERS, Config, ConfigError, merge, preset
-from flashdapo.preflight import check_launch, check_layout
+from flashdapo.preflight import check_layout
 from flashdapo.trainer.run_settings import ResumeRefused, compare_settings
 
 
@@ -47,8 +47,6 @@ def test_split_launch_checks_are_one_line_each():
     tb = cfg.trainer
     with pytest.raises(ConfigError, match="rollout.rollout_ranks: 2 of a launch of 2 ranks leaves no rank to train"):
         check_layout(_split(cfg, 2), 2)
-    with pytest.raises(ConfigError, match=r"rollout.engine: 'vllm' with rollout.placement='split' is not built"):
-        check_launch(_split(preset("qwen2.5-7b-math"), 1, engine="vllm"), 9)
     with pytest.raises(ConfigError, match="rollout.rollout_ranks: 3 is not a multiple of rollout.tensor_parallel_size 2"):
         check_layout(_split(preset("qwen2.5-7b-math"), 3, tensor_parallel_size=2), 8)
     odd = tb.gen_batch + 1

@@ -44,6 +44,7 @@ from .run import _build_policy, _checked_tokenizer
 from .sampling import Collected, collect_groups
 from .split_schedule import START_KEY, last_pushed_step, weights_step
 from .split_weights import Stage, check_loaded, load_weights
+from .weight_sync import iter_full_state_dict
 from .split_cut import group_from_plain, group_plain, parts_due, read_rank_state, write_part
 from .split_wire import BatchMessage, Sender, pack
 from .streaming import StreamState, stream_groups
@@ -92,9 +93,7 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
     train_set, _ = build_datasets(cfg.data, tokenizer)
     sampler = PromptSampler(train_set, tc.gen_batch, tc.seed, cfg.data.shuffle, env.rank, env.world_size)
     policy = _build_policy(cfg, env, tokenizer, True, lambda _m: None)  # the structure; weights are pushed
-    group = dist.group.WORLD if env.world_size > 1 else None
-    engine = TorchEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, process_group=group,
-                         max_batch=rc.max_num_seqs, reshard_after_forward=tc.reshard_after_forward)
+    engine = _engine(cfg, env, policy, tokenizer)
     verifier = get_verifier(cfg.algorithm.verifier)
     bridges.wait_key(START_KEY, [0], "the trainer side's start")
     plan = json.loads(bridges.get(START_KEY))
@@ -122,7 +121,9 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
             check_max = check_loaded(policy, staged, check, w)
             load_s, loaded = time.perf_counter() - t, w
         timer = StageTimer(env.device)
-        engine.wake()
+        # vLLM loads θ_w from the policy copy (its own push check against that copy); the torch engine samples
+        # from the copy itself.
+        engine.wake(lambda dtype=None: iter_full_state_dict(policy.hf, dtype=dtype), w)
         if rc.streaming:
             collected, stats = stream_groups(b, stream, sampler, engine, tokenizer, verifier, cfg, env, timer,
                                              version=w + 1, deal=cut)
@@ -148,6 +149,30 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
     if sender is not None:
         sender.close()
     stage.join()
+
+
+def _engine(cfg: Config, env: DistEnv, policy, tokenizer):
+    """The rollout side's engine over its partition: the torch engine on the policy copy, or vLLM (its
+    external launcher sees the rollout side's default group: RANK and WORLD_SIZE become the partition's)."""
+    rc, tc = cfg.rollout, cfg.trainer
+    if rc.engine == "vllm":
+        import os
+
+        from ..distributed.mesh import before_destroy
+        from ..rollout.vllm_engine import VLLMEngine
+
+        os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size))
+        log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.rank == 0 else (lambda _m: None)
+        engine = VLLMEngine(rc, cfg.model.path, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                            dtype=cfg.model.dtype, seed=tc.seed,
+                            max_model_len=cfg.data.max_prompt_length + rc.max_response_length,
+                            verify_push=PushCheck(policy, env.device, policy.config.vocab_size, log),
+                            error_log=Path(cfg.logging.run_dir) / f"vllm-error.rank{env.global_rank}.log")
+        before_destroy(engine.shutdown)
+        return engine
+    group = dist.group.WORLD if env.world_size > 1 else None
+    return TorchEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device, process_group=group,
+                       max_batch=rc.max_num_seqs, reshard_after_forward=tc.reshard_after_forward)
 
 
 def _state(sampler: PromptSampler, carried: list[Group], stream: StreamState, cfg: Config) -> dict:
