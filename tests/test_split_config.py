@@ -9,8 +9,6 @@ from flashdapo.preflight import check_layout
 from flashdapo.trainer.run_settings import ResumeRefused, compare_settings
 
 
-
-
 def _split(cfg: Config, r: int, k: int = 1, **rollout) -> Config:
     return merge(cfg, {"rollout": {"placement": "split", "rollout_ranks": r, "max_lag": k, **rollout}})
 

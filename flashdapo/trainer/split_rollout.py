@@ -42,12 +42,13 @@ from .logprob_check import PushCheck
 from .metrics import StageTimer
 from .run import _build_policy, _checked_tokenizer
 from .sampling import Collected, collect_groups
+from .split_cut import group_from_plain, group_plain, parts_due, read_rank_state, write_part
 from .split_schedule import START_KEY, last_pushed_step, weights_step
 from .split_weights import Stage, check_loaded, load_weights
-from .weight_sync import iter_full_state_dict
-from .split_cut import group_from_plain, group_plain, parts_due, read_rank_state, write_part
 from .split_wire import BatchMessage, Sender, pack
 from .streaming import StreamState, stream_groups
+from .weight_sync import iter_full_state_dict
+
 
 class TrainerCut:
     """`deal` for the collectors on the rollout side: every kept group of the rollout side in canonical order,

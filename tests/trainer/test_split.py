@@ -129,6 +129,6 @@ def test_the_push_check_names_a_perturbed_tied_head(tmp_path):
            "--rollout.max-lag", "0", "--logging.run-dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
     assert proc.returncode != 0
-    line = next((l for l in proc.stderr.splitlines() if "after loading the weights of step 1" in l), "")
+    line = next((x for x in proc.stderr.splitlines() if "after loading the weights of step 1" in x), "")
     assert "tensors that differ: model.embed_tokens.weight" in line, proc.stderr[-3000:]
     assert "(rank 1 (rollout rank 0); stopping every rank)" in line

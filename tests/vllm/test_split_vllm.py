@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from flashdapo.trainer.split_schedule import expected_lag
 
-from .test_real_vllm import exports, metrics, train  # noqa: F401  (exports: the module fixture)
+from .test_real_vllm import exports, metrics, train  # noqa: F401, F811  (exports: the module fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -26,7 +26,7 @@ def _split_free(rows):
     return [{k: v for k, v in r.items() if not k.startswith("split/")} for r in rows]
 
 
-def test_split_vllm_at_lag_zero_equals_the_colocated_run_and_lag_one_trains(exports, tmp_path):
+def test_split_vllm_at_lag_zero_equals_the_colocated_run_and_lag_one_trains(exports, tmp_path):  # noqa: F811
     model = exports["tied"]
     split = train(2, model, tmp_path / "split", *STEPS, *SPLIT, "--rollout.max-lag", "0")
     train(1, model, tmp_path / "co", *STEPS)

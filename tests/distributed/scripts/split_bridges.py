@@ -4,7 +4,6 @@ side's last rank raises after the bridges are up), hang (the rollout rank stops 
 waits for a key)."""
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
