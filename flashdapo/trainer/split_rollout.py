@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,7 @@ from .split_cut import group_from_plain, group_plain, parts_due, read_rank_state
 from .split_schedule import START_KEY, last_pushed_step, weights_step
 from .split_weights import Stage, check_loaded, load_weights
 from .split_wire import BatchMessage, Sender, pack
-from .streaming import StreamState, stream_groups
+from .streaming import StreamState, StreamStats, stream_groups
 from .weight_sync import iter_full_state_dict
 
 
@@ -88,57 +90,87 @@ def run_rollout_side(cfg: Config) -> None:
     shutdown()
 
 
+@dataclass
+class RolloutSide:
+    """A rollout rank's pieces between batches: the policy copy and its engine, the sampler, the weights
+    stage, the collectors' state (streaming's, or rounds' surplus groups)."""
+
+    cfg: Config
+    env: DistEnv
+    tokenizer: Any
+    sampler: PromptSampler
+    policy: Any
+    engine: Any
+    stage: Stage
+    stream: StreamState = field(default_factory=StreamState)
+    carried: list[Group] = field(default_factory=list)
+    loaded: int | None = None
+
+    def __post_init__(self) -> None:
+        self.verifier = get_verifier(self.cfg.algorithm.verifier)
+        self.check = PushCheck(self.policy, self.env.device, self.policy.config.vocab_size)
+        self.cut = TrainerCut(self.env.bridges.layout.trainers // self.cfg.trainer.sequence_parallel)
+
+    def load(self, w: int) -> dict[str, float]:
+        """θ_w into the policy copy (waiting for it if not staged yet), push-checked; what that took."""
+        if self.loaded == w:
+            return {"wait_weights_s": 0.0, "load_s": 0.0, "push_check_max": 0.0}
+        staged, waited = self.stage.take(w)
+        began = time.perf_counter()
+        load_weights(self.policy, staged)
+        worst = check_loaded(self.policy, staged, self.check, w)
+        self.loaded = w
+        return {"wait_weights_s": waited, "load_s": time.perf_counter() - began, "push_check_max": worst}
+
+    def collect(self, b: int, w: int, timer: StageTimer) -> tuple[Collected, StreamStats | None, list[Group]]:
+        """Batch b with θ_w: the collector's result, its stream figures, the groups cut for the trainer side."""
+        cfg, env, version = self.cfg, self.env, w + 1  # streaming's numbering: θ_w is version w + 1
+        # vLLM loads θ_w from the policy copy (its own push check against that copy); the torch engine samples
+        # from the copy itself.
+        self.engine.wake(lambda dtype=None: iter_full_state_dict(self.policy.hf, dtype=dtype), w)
+        args = (self.sampler, self.engine, self.tokenizer, self.verifier, cfg, env, timer)
+        if cfg.rollout.streaming:
+            collected, stats = stream_groups(b, self.stream, *args, version=version, deal=self.cut)
+        else:
+            collected, stats = collect_groups(b, *args, carried=self.carried, deal=self.cut), None
+            surplus = _tagged(self.cut.leftover, version) if cfg.algorithm.dynamic_sampling else []
+            self.carried = _carried(surplus, env.rank)
+        self.engine.sleep()
+        return collected, stats, _tagged(collected.mini_batches[0], version)
+
+
 def _generate_all(cfg: Config, env: DistEnv) -> None:
-    rc, tc, bridges = cfg.rollout, cfg.trainer, env.bridges
+    bridges = env.bridges
     tokenizer = _checked_tokenizer(cfg, lambda _m: None)
     train_set, _ = build_datasets(cfg.data, tokenizer)
-    sampler = PromptSampler(train_set, tc.gen_batch, tc.seed, cfg.data.shuffle, env.rank, env.world_size)
+    sampler = PromptSampler(train_set, cfg.trainer.gen_batch, cfg.trainer.seed, cfg.data.shuffle, env.rank,
+                            env.world_size)
     policy = _build_policy(cfg, env, tokenizer, True, lambda _m: None)  # the structure; weights are pushed
     engine = _engine(cfg, env, policy, tokenizer)
-    verifier = get_verifier(cfg.algorithm.verifier)
     bridges.wait_key(START_KEY, [0], "the trainer side's start")
     plan = json.loads(bridges.get(START_KEY))
-    start, total, k = int(plan["start"]), int(plan["total"]), rc.max_lag
+    start, total, k = int(plan["start"]), int(plan["total"]), cfg.rollout.max_lag
     run_dir = Path(cfg.logging.run_dir)
     first = int(plan["boundary"]) + 1  # resumed: the batches up to the cut's boundary are queued in it
     if first > total:
         return
     stage = Stage(bridges, last_version=last_pushed_step(total, k, start), first_version=start)
     stage.start()
-    check = PushCheck(policy, env.device, policy.config.vocab_size)
-    cut = TrainerCut(env.bridges.layout.trainers // tc.sequence_parallel)
-    sender = Sender(bridges) if env.rank == 0 else None
-    stream, carried, loaded, recent = StreamState(), [], None, {}
+    side = RolloutSide(cfg, env, tokenizer, sampler, policy, engine, stage)
     if plan["resume"]:
-        stream, carried = _restore(read_rank_state(run_dir, start, env.rank), sampler, cfg)
+        side.stream, side.carried = _restore(read_rank_state(run_dir, start, env.rank), sampler, cfg)
+    sender = Sender(bridges) if env.rank == 0 else None
+    recent: dict[int, bytes] = {}
     for b in range(first, total + 1):
         began = time.perf_counter()
         w = weights_step(b, k, start)
-        waited = load_s = check_max = 0.0
-        if loaded != w:
-            staged, waited = stage.take(w)
-            t = time.perf_counter()
-            load_weights(policy, staged)
-            check_max = check_loaded(policy, staged, check, w)
-            load_s, loaded = time.perf_counter() - t, w
+        loading = side.load(w)
         timer = StageTimer(env.device)
-        # vLLM loads θ_w from the policy copy (its own push check against that copy); the torch engine samples
-        # from the copy itself.
-        engine.wake(lambda dtype=None: iter_full_state_dict(policy.hf, dtype=dtype), w)
-        if rc.streaming:
-            collected, stats = stream_groups(b, stream, sampler, engine, tokenizer, verifier, cfg, env, timer,
-                                             version=w + 1, deal=cut)
-        else:
-            collected, stats = collect_groups(b, sampler, engine, tokenizer, verifier, cfg, env, timer,
-                                              carried=carried, deal=cut), None
-            carried = _carried(_tagged(cut.leftover, w + 1), env.rank) if cfg.algorithm.dynamic_sampling else []
-        engine.sleep()
-        groups = _tagged(collected.mini_batches[0], w + 1)
-        busy = time.perf_counter() - began - waited
-        figures = {"gen_s": timer.seconds.get("gen", 0.0), "reward_s": timer.seconds.get("reward", 0.0),
-                   "wait_weights_s": waited, "load_s": load_s, "push_check_max": check_max, "busy_s": busy,
+        collected, stats, groups = side.collect(b, w, timer)
+        figures = {"gen_s": timer.seconds.get("gen", 0.0), "reward_s": timer.seconds.get("reward", 0.0), **loading,
+                   "busy_s": time.perf_counter() - began - loading["wait_weights_s"],
                    "staged_max": float(stage.max_staged)}
-        figures = {key: value for key, value in zip(figures, _rollout_max(list(figures.values())))}
+        figures = dict(zip(figures, _rollout_max(list(figures.values()))))
         if sender is not None:
             recent[b] = pack(BatchMessage(b, w, groups, _scalars(collected), figures,
                                           vars(stats) if stats is not None else None))
@@ -146,7 +178,7 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
             recent.pop(b - k, None)  # only the last k can be queued at a cut
         for c in parts_due(b, cfg, start):  # the boundary of a checkpoint's cut: this side's part of it
             queue = [recent[j] for j in range(c + 1, b + 1)] if env.rank == 0 else None
-            write_part(run_dir, c, b, env.rank, _state(sampler, carried, stream, cfg), queue)
+            write_part(run_dir, c, b, env.rank, _state(sampler, side.carried, side.stream, cfg), queue)
     if sender is not None:
         sender.close()
     stage.join()
