@@ -80,8 +80,12 @@ def check_layout(cfg: Config, world_size: int) -> None:
     """What a launch of `world_size` ranks needs of `cfg`, on any machine (`flashdapo plan` runs this for a
     cluster it is not on): batch sizes the ranks and data-parallel slots can share, a tensor-parallel size
     the ranks divide into, profiled ranks that exist, data for a model of one's own."""
-    check_batch_layout(cfg, world_size)
-    if cfg.rollout.engine == "vllm" and world_size % cfg.rollout.tensor_parallel_size:
+    if cfg.rollout.placement == "split":
+        check_split_layout(cfg, world_size)
+    else:
+        check_batch_layout(cfg, world_size)
+    if (cfg.rollout.engine == "vllm" and cfg.rollout.placement == "colocated"
+            and world_size % cfg.rollout.tensor_parallel_size):
         raise ConfigError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
                           f"world size {world_size}; use a divisor of it")
     outside = [r for r in cfg.profile.ranks if r >= world_size]
@@ -93,7 +97,26 @@ def check_layout(cfg: Config, world_size: int) -> None:
                           "the toy model: give --data.train-files FILE [FILE ...] (.parquet or .jsonl)")
 
 
-def check_batch_layout(cfg: Config, world_size: int) -> None:
+def check_split_layout(cfg: Config, world_size: int) -> None:
+    """Split placement (rollout.placement=split): the last R = rollout.rollout_ranks ranks run the engines (R /
+    tensor_parallel_size of them), the first T = world_size - R train. One line per check: whole engines, a
+    trainer rank left, gen_batch shared by the engines, and the batch sizes over the T trainer ranks."""
+    rc, tc = cfg.rollout, cfg.trainer
+    r, tp = rc.rollout_ranks, rc.tensor_parallel_size if rc.engine == "vllm" else 1
+    if r % tp:
+        raise ConfigError(f"rollout.rollout_ranks: {r} is not a multiple of rollout.tensor_parallel_size {tp}: "
+                          f"an engine spans {tp} ranks; use a multiple of {tp}")
+    if r >= world_size:
+        raise ConfigError(f"rollout.rollout_ranks: {r} of a launch of {world_size} ranks leaves no rank to train; "
+                          f"use at most {world_size - 1} (or launch more ranks)")
+    engines = r // tp
+    if tc.gen_batch % engines:
+        raise ConfigError(f"trainer.gen_batch: {tc.gen_batch} prompts cannot be shared by {engines} engines "
+                          f"(rollout.rollout_ranks {r} / tensor_parallel_size {tp}); use a multiple of {engines}")
+    check_batch_layout(cfg, world_size - r, generating=False)
+
+
+def check_batch_layout(cfg: Config, world_size: int, generating: bool = True) -> None:
     """Batch sizes the launch's ranks can share. Generation is sharded over every rank (each samples its share
     of gen_batch); training over the data-parallel slots, world_size / sequence_parallel of them (the sp ranks
     of a slot train on the same groups), so train_batch and mini_batch must divide by the slots, not the
@@ -104,8 +127,9 @@ def check_batch_layout(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"trainer.sequence_parallel: {sp} does not divide the world size {world_size}; launch a "
                           f"multiple of {sp} ranks or use a divisor of {world_size}")
     slots = world_size // sp
-    layout = f"{world_size} ranks / sequence_parallel {sp}" if sp > 1 else f"{world_size} ranks"
-    if tc.gen_batch % world_size:
+    ranks = f"{world_size} ranks" if generating else f"{world_size} trainer ranks"
+    layout = f"{ranks} / sequence_parallel {sp}" if sp > 1 else ranks
+    if generating and tc.gen_batch % world_size:
         raise ConfigError(f"trainer.gen_batch: {tc.gen_batch} prompts cannot be shared by {world_size} generating "
                           f"ranks; use a multiple of {world_size} (or launch a divisor of {tc.gen_batch} ranks)")
     for name in ("train_batch", "mini_batch"):

@@ -49,6 +49,7 @@ from .errors import FlashdapoError
 from .rollout.base import derive_seed
 
 __all__ = [
+    "training_reward",
     "MAX_GROUND_TRUTH_CHARS",
     "RANDOM_VERIFIER",
     "REMOVED_EXPRESSIONS",
@@ -376,6 +377,12 @@ def judging_verifier(name: str) -> str:
     """The verifier that judges validation and evaluation for algorithm.verifier `name`: itself, or the
     `dapo` rule when training's reward is random (accuracy on the task stays measurable)."""
     return "dapo" if name == RANDOM_VERIFIER else name
+
+
+def training_reward(name: str, random_p: float, seed: int) -> Verifier | RandomReward:
+    """What scores training's responses for algorithm.verifier `name`: the verifier itself, or the seeded
+    `RandomReward` of the reward-free control (one rule for the co-located and the split rollout side)."""
+    return RandomReward(random_p, seed) if name == RANDOM_VERIFIER else get_verifier(name)
 
 
 @dataclass(frozen=True)

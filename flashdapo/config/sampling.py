@@ -65,6 +65,17 @@ class RolloutConfig(Section):
     max_carry_steps: Positive = 1
     """Streaming: a carried response whose oldest token is more policy versions old than this restarts from
     scratch (counted in rollout/restarted)."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """Where generation runs (docs/split.md). colocated: every rank generates and trains, in turn. split: the
+    last rollout_ranks ranks of the launch only generate, the others only train; the two sides overlap,
+    the rollout side sampling with weights max_lag steps old."""
+    rollout_ranks: NonNegative = 0
+    """Split placement: R, the ranks (the last R of the launch) that run the engines; a multiple of
+    tensor_parallel_size, leaving at least one trainer rank. Ignored when co-located."""
+    max_lag: NonNegative = 1
+    """Split placement: k, the exact lag. Batch b is generated with the weights of step b - 1 - k (those of
+    step 0, the start, while b - 1 - k < 0): no fresher, no older, whatever the timing. 0 is synchronous
+    (the co-located run's numbers, bitwise, on the torch engine); 1 is one-step-off."""
     logprob_check_every: NonNegative = 10
     """Compare vLLM's and the trainer's log-probs on the same tokens every N steps (0 = only at start)."""
     logprob_check_threshold: PositiveFloat = 0.05
@@ -76,7 +87,9 @@ class RolloutConfig(Section):
     RULES = tuple(
         Rule(name, lambda c, name=name: c.engine == "torch" or VLLM_TEMPERATURE[0] <= getattr(c, name)
              <= VLLM_TEMPERATURE[1], lambda c: "a value in [0.01, 2] with engine='vllm' (vLLM's range)")
-        for name in ("temperature", "val_temperature"))
+        for name in ("temperature", "val_temperature")) + (
+        Rule("rollout_ranks", lambda c: c.placement == "colocated" or c.rollout_ranks >= 1,
+             lambda c: "at least 1 with placement='split' (the ranks that generate)"),)
 
 
 @dataclass
@@ -118,7 +131,9 @@ class AlgorithmConfig(Section):
     token's loss by min(rho, C); token_mask drops tokens with rho outside [1/C, C] from the loss;
     sequence_truncate and sequence_mask do the same with the geometric mean of rho over a response.
     auto: none with the torch engine (it samples from the trainer's own weights and kernels),
-    token_truncate with vLLM (none with old_logprobs=rollout, where the ratio is 1)."""
+    token_truncate with vLLM, with streaming's partial rollouts, and in split placement at max_lag >= 1 or
+    with dynamic sampling (tokens sampled by older weights; none with old_logprobs=rollout, where the ratio
+    is 1)."""
     rollout_correction_cap: Annotated[float, gt(1)] = 2.0
     """C of rollout_correction: the truncation cap, and the mask's band [1/C, C]."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",

@@ -44,18 +44,25 @@ class FailFast:
     rank: int
     store: dist.Store | None
     poll_s: float = 0.5
+    role: str = ""
+    """In split placement, how messages name this rank's side ('rollout rank 0'); empty when co-located."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _exiting: threading.Lock = field(default_factory=threading.Lock)
     _thread: threading.Thread | None = None
 
     @classmethod
-    def connect(cls, rank: int, world_size: int, poll_s: float = 0.5) -> FailFast:
-        """Connect to the rendezvous store (a client of its own); no store for one rank without peers."""
+    def connect(cls, rank: int, world_size: int, poll_s: float = 0.5, role: str = "") -> FailFast:
+        """Connect to the rendezvous store (a client of its own); no store for one rank without peers.
+        `rank`, `world_size`: the whole launch's (in split placement too: one blackboard for both sides)."""
         if world_size == 1 or "MASTER_ADDR" not in os.environ:
-            return cls(rank, None, poll_s)
+            return cls(rank, None, poll_s, role)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-        return cls(rank, store, poll_s)
+        return cls(rank, store, poll_s, role)
+
+    @property
+    def _me(self) -> str:
+        return f"rank {self.rank}" + (f" ({self.role})" if self.role else "")
 
     def watch(self) -> None:
         """Start the daemon thread that ends this process when another rank has failed."""
@@ -86,12 +93,12 @@ class FailFast:
             self._stop.set()
             line = None if debug_requested() else user_error_line(err) or lost_peer_line(err)
             if first and line is not None:  # an error the user can fix: its one line (flashdapo/errors.py)
-                print(f"{line} (rank {self.rank}; stopping every rank)", file=sys.stderr, flush=True)
+                print(f"{line} ({self._me}; stopping every rank)", file=sys.stderr, flush=True)
             elif first:
-                print(f"flashdapo: rank {self.rank} failed; stopping every rank", file=sys.stderr, flush=True)
+                print(f"flashdapo: {self._me} failed; stopping every rank", file=sys.stderr, flush=True)
                 traceback.print_exception(err, file=sys.stderr)
             elif not (isinstance(err, FlashdapoError) and err.every_rank):  # raised together: said once above
-                print(f"flashdapo: rank {self.rank} stops ({type(err).__name__}) after rank "
+                print(f"flashdapo: {self._me} stops ({type(err).__name__}) after rank "
                       f"{self._first_rank()} failed (its error is above)", file=sys.stderr, flush=True)
             _exit(getattr(err, "exit_status", _EXIT_STATUS) if isinstance(err, FlashdapoError) else _EXIT_STATUS)
 
@@ -99,6 +106,7 @@ class FailFast:
         try:
             first = self.store.add(_key("count"), 1) == 1
             if first:
+                self.store.set(_key("who"), self._me.removeprefix("rank "))
                 self.store.set(_key("rank"), str(self.rank))
             return first
         except Exception:  # the store is gone with its host: report this error in full
@@ -106,6 +114,8 @@ class FailFast:
 
     def _first_rank(self) -> str:
         try:
+            if self.store.check([_key("who")]):
+                return self.store.get(_key("who")).decode()
             return self.store.get(_key("rank")).decode()
         except Exception:
             return "?"
@@ -120,7 +130,8 @@ class FailFast:
                 if self._stop.is_set():  # a clean close raced the poll
                     self._exiting.release()
                     return
-                print(f"flashdapo: rank {self.rank} stops: rank {failed} failed (its error is above)",
+                print(f"flashdapo: {self._me} stops: rank {self._first_rank() if failed != '?' else '?'} failed "
+                      "(its error is above)",
                       file=sys.stderr, flush=True)
                 _exit()
 

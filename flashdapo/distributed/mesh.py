@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import FlashdapoError
+from .roles import Bridges, Layout, connect_bridges, connect_store, init_partition
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,31 @@ class DistEnv:
     """Ranks per sequence-parallel group (sp)."""
     sp_group: dist.ProcessGroup | None = None
     """This rank's sequence-parallel group (None when sp = 1)."""
+    role: str = "colocated"
+    """colocated (every rank generates and trains), or in split placement trainer or rollout (`roles.py`).
+    In split placement `rank`, `world_size` and `mesh` are this rank's side's (its partition rank and size):
+    the default process group is the side's own, so FSDP2 and every collective see that side alone."""
+    global_rank: int | None = None
+    """The rank in the whole launch (torchrun's RANK); None: `rank` is."""
+    global_world_size: int | None = None
+    """Ranks in the whole launch; None: `world_size` is."""
+    bridges: Bridges | None = None
+    """Split placement: the links to the other side (`roles.py`)."""
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The rank that logs and writes the run's files: rank 0 (in split placement trainer rank 0)."""
+        return self.rank == 0 and self.role != "rollout"
+
+    @property
+    def partition_rank(self) -> int:
+        """This rank's rank on its side (= rank)."""
+        return self.rank
+
+    @property
+    def partition_size(self) -> int:
+        """Ranks on this rank's side (= world_size)."""
+        return self.world_size
 
     @property
     def dp_size(self) -> int:
@@ -60,24 +82,25 @@ class DistEnv:
         return self.rank % self.sequence_parallel
 
 
-def init_distributed(device: str = "auto", timeout_s: int = 1800, sequence_parallel: int = 1) -> DistEnv:
+def init_distributed(device: str = "auto", timeout_s: int = 1800, sequence_parallel: int = 1,
+                     rollout_ranks: int = 0) -> DistEnv:
     """Read the torchrun environment, pick the device, start the process group and the meshes.
 
     NCCL on CUDA, gloo on CPU (with a CPU device mesh). Without torchrun: one rank, a local store.
-    `sequence_parallel` must divide the world size (SequenceParallelError otherwise).
+    `sequence_parallel` must divide the world size (SequenceParallelError otherwise). `rollout_ranks` > 0:
+    split placement, the last R ranks generate (`roles.py`): each side gets its own default group, and the
+    bridges between them are built.
     """
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if rollout_ranks:
+        return _init_split(device, timeout_s, sequence_parallel, rollout_ranks, rank, local_rank, world_size)
     if world_size % sequence_parallel:
         raise SequenceParallelError(f"trainer.sequence_parallel={sequence_parallel} must divide the world size "
                                     f"{world_size}: launch a multiple of {sequence_parallel} ranks or change it")
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but torch.cuda.is_available() is False")
-    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(dev)
+    dev = _device(device, local_rank)
+    use_cuda = dev.type == "cuda"
     if not dist.is_initialized():
         # On GPUs, NCCL for CUDA tensors plus gloo for CPU ones: FSDP2 CPU offload keeps gradients (and
         # so the grad-norm all-reduce) on the CPU, and small host-side reductions need no device copy.
@@ -90,14 +113,54 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800, sequence_paral
             if world_size != 1:
                 raise RuntimeError(f"WORLD_SIZE={world_size} but MASTER_ADDR is unset: launch with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    mesh, sp_group = _meshes(dev, world_size, sequence_parallel)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, mesh=mesh,
+                   sequence_parallel=sequence_parallel, sp_group=sp_group)
+
+
+def _device(device: str, local_rank: int) -> torch.device:
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but torch.cuda.is_available() is False")
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def _meshes(dev: torch.device, world_size: int, sequence_parallel: int):
+    """The 1-D mesh of every rank of the default group, and this rank's sp group (None when sp = 1)."""
     mesh = init_device_mesh(dev.type, (world_size,), mesh_dim_names=("dp",))
     sp_group = None
     if sequence_parallel > 1:
         grid = init_device_mesh(dev.type, (world_size // sequence_parallel, sequence_parallel),
                                 mesh_dim_names=("dp", "sp"))
         sp_group = grid.get_group("sp")
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, mesh=mesh,
-                   sequence_parallel=sequence_parallel, sp_group=sp_group)
+    return mesh, sp_group
+
+
+def _init_split(device: str, timeout_s: int, sequence_parallel: int, rollout_ranks: int, rank: int,
+                local_rank: int, world_size: int) -> DistEnv:
+    """Split placement: this rank's side as the default group, then the bridges (`roles.py`)."""
+    if "MASTER_ADDR" not in os.environ or rollout_ranks >= world_size:
+        raise RuntimeError(f"split placement needs a torchrun launch of more than rollout.rollout_ranks="
+                           f"{rollout_ranks} ranks (WORLD_SIZE={world_size})")
+    layout = Layout(trainers=world_size - rollout_ranks, rollouts=rollout_ranks)
+    dev = _device(device, local_rank)
+    store = connect_store()
+    role = layout.role(rank)
+    sp = sequence_parallel if role == "trainer" else 1  # the rollout side trains nothing
+    if layout.partition(rank)[2] % sp:
+        raise SequenceParallelError(f"trainer.sequence_parallel={sp} must divide the {layout.trainers} trainer "
+                                    f"ranks: launch a multiple of {sp} trainer ranks or change it")
+    backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+    _, part_rank, part_size = init_partition(layout, rank, store, backend, timeout_s,
+                                             dev if dev.type == "cuda" else None)
+    mesh, sp_group = _meshes(dev, part_size, sp)
+    bridges = connect_bridges(layout, rank, store, dev, timeout_s)
+    return DistEnv(rank=part_rank, local_rank=local_rank, world_size=part_size, device=dev, mesh=mesh,
+                   sequence_parallel=sp, sp_group=sp_group, role=role, global_rank=rank,
+                   global_world_size=world_size, bridges=bridges)
 
 
 class SequenceParallelError(FlashdapoError, ValueError):

@@ -23,7 +23,7 @@ from .policy import PolicyModel, parallelize
 def load_sharded_policy(cfg: Config, env: DistEnv) -> PolicyModel:
     """The policy of `cfg.model.path`, FSDP2-sharded over `env`, fp32 master weights."""
     mc = cfg.model
-    if env.is_main:
+    if env.rank == 0:  # the side's rank 0 (split placement's rollout side reads its own copy)
         hf = AutoModelForCausalLM.from_pretrained(mc.path, dtype=torch.float32,
                                                   attn_implementation=mc.attn_implementation)
         full = {k: v for k, v in hf.state_dict().items()}
@@ -37,7 +37,7 @@ def load_sharded_policy(cfg: Config, env: DistEnv) -> PolicyModel:
     policy = parallelize(policy, env, mc, cfg.trainer)
     if env.world_size == 1:
         return policy
-    if not env.is_main:
+    if env.rank != 0:
         policy.to_empty(device=env.device if not cfg.trainer.fsdp_cpu_offload else torch.device("cpu"))
     set_model_state_dict(policy.hf, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buffer in policy.buffers():  # non-persistent buffers are not in the state dict

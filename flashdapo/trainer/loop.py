@@ -16,6 +16,7 @@ profile.steps run under the profiler (flashdapo/profiling/), each stage a named 
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -39,13 +40,19 @@ from .metrics import StageTimer, describe
 from .probe import probe_due, probe_metrics
 from .run import Run, setup_run
 from .sampling import collect_groups
-from .streaming import carries, stream_groups, stream_metrics
+from .split_rollout import run_rollout_side
+from .split_schedule import stale_tokens
+from .streaming import stream_groups, stream_metrics
 from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
 
 
-def train(cfg) -> Run:
-    """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks.
-    Ctrl-C stops after the running step and its checkpoint, raising Interrupted (interrupt.py)."""
+def train(cfg) -> Run | None:
+    """Run DAPO as configured; returns the finished Run (its history, paths) for tests and notebooks (None on
+    split placement's rollout ranks: they only generate, docs/split.md). Ctrl-C stops after the running step
+    and its checkpoint, raising Interrupted (interrupt.py)."""
+    if _rollout_rank(cfg):
+        run_rollout_side(cfg)  # generates and sends every batch; the trainer side is the run
+        return None
     with StopOnInterrupt(lambda: latest_checkpoint(Path(cfg.logging.run_dir))) as stop:
         run = setup_run(cfg, stop.check)  # a stop asked for during setup raises at its next stage
         stop.is_main = run.env.is_main
@@ -71,6 +78,8 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
     """The steps from the start (or the resumed step) to trainer.total_steps, with validation, metrics, plot and
     checkpoints on their intervals; returns the step it stopped after on Ctrl-C (checkpoint saved), else None."""
     cfg = run.cfg
+    if run.split is not None:  # the rollout side starts generating batch start+1 now
+        run.split.begin(run.policy, run.start_step)
     if run.start_step == 0 and cfg.trainer.val_before_train:
         stop.phase = "the validation before step 1"
         run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0), **probe(run, 0)})
@@ -105,22 +114,26 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     profiling = run.profiler.step(step) if run.profiler is not None else nullcontext()  # profile.steps
     beating = heartbeat(step, timer, cfg.logging.heartbeat_s, env.is_main and cfg.logging.progress)
     with profiling, timer("step"), beating:
-        with timer("weight_sync"):
-            run.engine.wake(run.policy_weights, run.policy_version)
         dump = dumping(cfg.logging.dump_rollouts_every, step)
-        stream = None
-        if cfg.rollout.streaming:
-            collected, stream = stream_groups(step, run.stream, run.sampler, run.engine, run.tokenizer,
-                                              run.train_reward, cfg, env, timer, version=step)
+        stream = message = None
+        if run.split is not None:
+            with timer("wait_batch"):
+                collected, stream, message = run.split.receive(step, cfg)
         else:
-            collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.train_reward, cfg, env,
-                                       timer, keep_generated=dump)
-        run.engine.sleep()
+            with timer("weight_sync"):
+                run.engine.wake(run.policy_weights, run.policy_version)
+            if cfg.rollout.streaming:
+                collected, stream = stream_groups(step, run.stream, run.sampler, run.engine, run.tokenizer,
+                                                  run.train_reward, cfg, env, timer, version=step)
+            else:
+                collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.train_reward, cfg, env,
+                                           timer, keep_generated=dump)
+            run.engine.sleep()
         with timer("old_log_prob"):
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
             batch = build_train_batch(collected.mini_batches, old, cfg.algorithm,
-                                      resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, carries(cfg)))
+                                      resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, stale_tokens(cfg)))
         # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip it.
         recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
         rollout_check = {**logprob_agreement(step, batch, cfg.rollout, warn=env.is_main),
@@ -132,13 +145,23 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                 run.scheduler.step()
                 run.policy_version += 1
         stop_after_skips(run, step, update)
+        if run.split is not None:
+            with timer("weight_push"):
+                run.split.after_step(run.policy, step)
     if dump:
         dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env)
     stream_check = stream_metrics(stream, batch, step, env) if stream is not None else {}
+    split = run.split.metrics(step, batch, message, timer) if run.split is not None else {}
     run.totals.add(collected.generated_samples, collected.generated_tokens)  # checkpointed: resumes continue it
     return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check,
-            **stream_check, "train/generated_samples_cum": float(run.totals.generated_samples),
+            **stream_check, **split, "train/generated_samples_cum": float(run.totals.generated_samples),
             "train/generated_tokens_cum": float(run.totals.generated_tokens)}
+
+
+def _rollout_rank(cfg) -> bool:
+    """Whether this process is one of split placement's rollout ranks (the last rollout.rollout_ranks)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return cfg.rollout.placement == "split" and int(os.environ.get("RANK", 0)) >= world - cfg.rollout.rollout_ranks
 
 
 def stop_after_skips(run: Run, step: int, update: UpdateResult) -> None:
@@ -224,6 +247,9 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
          "perf/throughput": tokens / max(seconds, 1e-9) / env.world_size,
          "perf/max_memory_allocated_gb": (torch.cuda.max_memory_allocated(env.device) / 2**30
                                           if env.device.type == "cuda" else 0.0)}
+    if not collected.groups_generated:  # split placement: a batch of groups rolled over, nothing generated
+        m = {k: v for k, v in m.items() if not k.startswith(("train/gen_", "train/kept_fraction",
+                                                             "train/all_equal_fraction"))}
     if not len(scores):  # no group kept: no score, length or advantage to report (never a fake 0)
         m = {k: v for k, v in m.items() if not k.startswith(("critic/", "response_length/", "prompt_length/"))}
     if not update.taken:  # no optimizer step: no loss, gradient norm or token statistics

@@ -61,6 +61,11 @@ class StageTimer:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
 
 
+def _kept(m: dict) -> str:
+    """The kept fraction, or '-' for a split-placement batch of rolled-over groups (nothing generated)."""
+    return f"{m['train/kept_fraction']:.2f}" if "train/kept_fraction" in m else "-"
+
+
 def describe(prefix: str, values: torch.Tensor) -> dict[str, float]:
     """mean / max / min of a tensor under `prefix/` (0 for an empty tensor)."""
     v = values.double()
@@ -204,7 +209,7 @@ def format_line(m: dict, total_steps: int) -> str:
         learned += f"skipped {int(m['actor/skipped_steps'])} "
     line = (
         f"step {int(m['step']):>4}/{total_steps} | {learned}| "
-        f"kept {m['train/kept_fraction']:.2f} rounds {int(m['train/num_gen_batches'])} | "
+        f"kept {_kept(m)} rounds {int(m['train/num_gen_batches'])} | "
         f"{m['perf/throughput']:.0f} tok/s | {m['timing_s/step']:.1f}s ({stages})"
     )
     val = _val_part(m)

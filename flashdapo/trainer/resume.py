@@ -31,7 +31,7 @@ import torch
 from ..config import Config, OptimConfig
 from ..data import PromptSampler
 from ..distributed.mesh import DistEnv
-from .checkpoint import TrainerState, load_first_loadable, marker_run_id
+from .checkpoint import StateCheck, TrainerState, load_first_loadable, marker_run_id
 from .run_settings import ResumeRefused, compare_settings, describe_changes
 
 _ORDER_KEYS = ("num_prompts", "seed", "shuffle")
@@ -94,9 +94,10 @@ def restore_sampler(sampler: PromptSampler, resumed: Resumed, log: Callable[[str
 
 
 def load_resume(candidates: list[Path], cfg: Config, settings: dict[str, Any], env: DistEnv, model,
-                optimizer, warn: Callable[[str], None]) -> Resumed | None:
+                optimizer, warn: Callable[[str], None], also: StateCheck | None = None) -> Resumed | None:
     """Load the first candidate that loads, refusing it (before its weights load) when its recorded settings
-    differ from `settings` beyond checkpoint.allow_changes."""
+    differ from `settings` beyond checkpoint.allow_changes. `also`: a further check (a CheckpointError from
+    it skips the candidate for an older one)."""
     accepted: list[tuple[str, Any, Any]] = []
 
     def check(state: TrainerState, path: Path) -> None:
@@ -104,6 +105,8 @@ def load_resume(candidates: list[Path], cfg: Config, settings: dict[str, Any], e
             warn(f"warning: {path} records no run settings (written by an older flashdapo): model, data, "
                  "batch and optimizer settings cannot be checked against it")
         accepted[:] = compare_settings(state.settings, settings, cfg.checkpoint.allow_changes, path)
+        if also is not None:
+            also(state, path)
 
     loaded = load_first_loadable(candidates, env, model, optimizer, warn, check=check)
     if loaded is None:

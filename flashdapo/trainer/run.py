@@ -19,6 +19,7 @@ from ..data import Prompt, PromptSampler
 from ..distributed.collectives import all_gather_objects
 from ..distributed.failfast import FailFast
 from ..distributed.mesh import DistEnv, before_destroy, init_distributed, shutdown
+from ..distributed.roles import Liveness
 from ..model_dir import check_model_dir
 from ..preflight import check_launch, check_model, resolve_auto
 from ..profiling import StepProfiler
@@ -39,6 +40,8 @@ from .probe import ProbeSet, build_probe_set
 from .resume import Resumed, apply_optim_config, describe_resume, load_resume, restore_sampler
 from .run_settings import run_settings
 from .rundir import RunDirClaim, new_run_id, record_start
+from .split_cut import require_part
+from .split_trainer import SplitTrainer
 from .startup import StartPlan, agree_on_start, set_collective_timeout
 from .streaming import StreamState
 from .warmup import warm_up_built_in
@@ -101,11 +104,17 @@ class Run:
     """The probe's fixed prompts and responses (None: logging.probe_every = 0)."""
     totals: RunTotals = field(default_factory=RunTotals)
     """Counts over the whole run (resumed runs continue them), saved with every checkpoint."""
+    split: SplitTrainer | None = None
+    """Split placement (rollout.placement=split): the trainer side's links to the rollout side; None co-located."""
+    liveness: Liveness | None = None
+    """Split placement: this rank's liveness counter, read by the other side while it waits."""
 
     def close(self, error: BaseException | None) -> None:
         """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
         (failfast: ends this process when there are peers), else meet them and close the process group."""
         self.logger.close()
+        if self.liveness is not None:
+            self.liveness.close()
         if self.claim is not None:
             self.claim.release()
         if error is not None:
@@ -215,10 +224,14 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
     point where a stop asked for meanwhile (Ctrl-C, SIGTERM: interrupt.py) raises."""
     check_launch(cfg)  # before the process group: a config this launch cannot run is one line
     # The start-up checks wait at most setup_timeout_s for the other ranks (startup.py), the rest longer.
-    env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, cfg.trainer.sequence_parallel)
+    split = cfg.rollout.placement == "split"
+    env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, cfg.trainer.sequence_parallel,
+                           cfg.rollout.rollout_ranks if split else 0)
     cfg = resolve_auto(cfg, env.device.type == "cuda")
-    failfast = FailFast.connect(env.rank, env.world_size)
+    failfast = (FailFast.connect(env.global_rank, env.global_world_size, role=f"trainer rank {env.rank}") if split
+                else FailFast.connect(env.rank, env.world_size))
     failfast.watch()
+    liveness = Liveness(env.bridges.store, env.global_rank) if split else None
     run_dir = Path(cfg.logging.run_dir)
     log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
     plan, run = None, None
@@ -228,6 +241,7 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
         attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         run = _build_run(cfg, env, failfast, run_dir, log, plan, checkpoint)
+        run.liveness = liveness
         if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's files alone
             record_start(run_dir, run.run_id, run.start_step, cfg.to_yaml(), run.resumed and run.resumed.path,
                          run.resumed.changes if run.resumed else [], fresh=not cfg.checkpoint.resume)
@@ -237,6 +251,8 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
             run.logger.close()
         if plan is not None and plan.claim is not None:
             plan.claim.release()
+        if liveness is not None:
+            liveness.close()
         failfast.fail(err)  # with peers: reports and ends this process (and, through the store, the others)
         shutdown(synchronize=False)
         raise
@@ -267,7 +283,9 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     start_step, run_id = 0, plan.dir_run_id or all_gather_objects(new_run_id())[0]
     settings = run_settings(cfg, policy.hf, tokenizer)
     checkpoint()
-    resumed = load_resume(plan.candidates, cfg, settings, env, policy, optimizer, log)
+    split_part = ((lambda state, path: require_part(run_dir, state.step, path)) if cfg.rollout.placement == "split"
+                  else None)  # a split checkpoint resumes only with the rollout side's part of its cut
+    resumed = load_resume(plan.candidates, cfg, settings, env, policy, optimizer, log, also=split_part)
     if resumed is not None:
         scheduler.load_state_dict(resumed.state.scheduler)
         restore_sampler(sampler, resumed, log)
@@ -296,7 +314,22 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
                profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device),
                totals=RunTotals(**resumed.state.totals) if resumed is not None else RunTotals(),
                probe=(build_probe_set(val_set.prompts if val_set is not None else train_set.prompts, tokenizer,
-                                      cfg.logging.probe_prompts) if cfg.logging.probe_every else None))
+                                      cfg.logging.probe_prompts) if cfg.logging.probe_every else None),
+               split=_split_trainer(cfg, env, policy, log, run_dir, start_step if resumed is not None else None))
+
+
+def _split_trainer(cfg: Config, env: DistEnv, policy: PolicyModel, log, run_dir: Path,
+                   resumed_at: int | None) -> SplitTrainer | None:
+    """Split placement's trainer side; resumed, holding the batches its checkpoint's cut queued."""
+    if cfg.rollout.placement != "split":
+        return None
+    from .logprob_check import PushCheck
+
+    split = SplitTrainer(env, cfg.rollout.max_lag, cfg.trainer.total_steps,
+                         PushCheck(policy, env.device, policy.config.vocab_size, log))
+    if resumed_at is not None and resumed_at < cfg.trainer.total_steps:
+        split.resume(run_dir, resumed_at)
+    return split
 
 
 def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:

@@ -119,18 +119,24 @@ def unanimous(group: Group) -> tuple[int, int]:
 
 
 def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tokenizer, verifier: Verifier,
-                   cfg: Config, env: DistEnv, timer: StageTimer, keep_generated: bool = False) -> Collected:
+                   cfg: Config, env: DistEnv, timer: StageTimer, keep_generated: bool = False,
+                   carried: Sequence[Group] = (), deal=None) -> Collected:
     """Generate rounds until train_batch informative groups are kept (globally), then deal them out.
-    `keep_generated` also returns every generated group (Collected.generated)."""
+    `keep_generated` also returns every generated group (Collected.generated). Split placement
+    (`split_rollout.py`): `carried`, this rank's informative groups kept past the last batch's target, first
+    in line (round 0); no round runs when they already fill train_batch; `deal` replaces `_deal_out`."""
     tc, algo = cfg.trainer, cfg.algorithm
-    kept_per_round: list[list[Group]] = []
+    kept_per_round: list[list[Group]] = [list(carried)] if carried else []
     generated: list[tuple[Group, bool]] = []
-    total_kept = rounds = all_equal = 0
+    # Every rank of split placement's rollout side passes `deal` (and its carried groups, maybe none) together.
+    total_kept = int(all_reduce(torch.tensor([len(carried)])).item()) if deal is not None else 0
+    carried_total = total_kept
+    rounds = all_equal = 0
     unanimity = torch.zeros(2, dtype=torch.long)  # all-correct, all-wrong groups (this rank)
     started = time.perf_counter()
     # Sums over all generated responses (this rank): correct, score, truncated, count, tokens.
     gen_sums = torch.zeros(5, dtype=torch.float64)
-    while True:
+    while total_kept < tc.train_batch:
         rounds += 1
         prompts = sampler.next_batch()
         sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -177,10 +183,10 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     all_equal, all_correct, all_wrong = (int(v) for v in all_reduce(torch.cat([torch.tensor([all_equal]),
                                                                                 unanimity])).tolist())
     return Collected(
-        mini_batches=_deal_out(kept_per_round, cfg, env),
+        mini_batches=(deal or _deal_out)(kept_per_round, cfg, env),
         num_gen_batches=rounds,
         groups_generated=rounds * tc.gen_batch,
-        groups_informative=total_kept,
+        groups_informative=total_kept - carried_total,  # found this step (the carried were counted before)
         gen_acc=totals[0].item() / count,
         gen_score=totals[1].item() / count,
         gen_truncated=totals[2].item() / count,

@@ -138,9 +138,11 @@ class StreamStats:
 
 
 def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine, tokenizer, verifier: Verifier,
-                  cfg: Config, env: DistEnv, timer: StageTimer, version: int) -> tuple[Collected, StreamStats]:
+                  cfg: Config, env: DistEnv, timer: StageTimer, version: int,
+                  deal=_deal_out) -> tuple[Collected, StreamStats]:
     """Stream until train_batch informative groups are kept (globally), then deal them out; `state` carries
-    what is left into the next step. `version`: the policy version sampling this step."""
+    what is left into the next step. `version`: the policy version sampling this step. `deal`: split
+    placement's cut for the trainer side in place of `_deal_out` (`split_rollout.py`)."""
     rc, tc = cfg.rollout, cfg.trainer
     stats = StreamStats()
     sampling = SamplingParams(n=1, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
@@ -156,7 +158,7 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     with timer("gen"):
         _carry(state, engine.abort(), cfg, stats, version)
     _check_bound(step, len(kept), cfg, env)
-    mini_batches, leftover = _deal_out([kept], cfg, env, with_leftover=True)
+    mini_batches, leftover = deal([kept], cfg, env, with_leftover=True)
     if cfg.algorithm.dynamic_sampling:  # past the target: first in line next step, in order
         state.ready = leftover
     _reduce(stats)

@@ -22,7 +22,7 @@ from ..distributed.mesh import DistEnv
 from ..errors import FlashdapoError
 from .batch import Group, TrainBatch, flat_prompts, flat_responses, plan_micro_batches
 from .policy import PolicyModel, per_token_split
-from .streaming import carries
+from .split_schedule import stale_tokens
 
 
 def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int,
@@ -48,7 +48,7 @@ def on_policy(cfg: Config) -> bool:
     the ones that sampled the batch, so pi_old is pi_theta itself and needs no pass of its own. Not with a
     rollout correction: its weights need pi_old's values before the update."""
     return (cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batch == cfg.trainer.train_batch
-            and resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, carries(cfg)) == "none")
+            and resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, stale_tokens(cfg)) == "none")
 
 
 def old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, pad_id: int,

@@ -1,0 +1,210 @@
+"""Roles of split placement (rollout.placement=split): trainer ranks and rollout ranks under one torchrun.
+
+The choices, before the code:
+
+- **Partitioned default groups.** Ranks 0..T-1 train, ranks T..W-1 generate. Each side initializes its own
+  default process group over a prefixed view of torchrun's store (`flashdapo/trainer`, `flashdapo/rollout`),
+  with partition ranks 0..T-1 and 0..R-1. So FSDP2, the collectives (`collectives.py`) and the dealing of
+  groups see the trainer side alone, and an engine that builds groups over the default group (vLLM's
+  external launcher) sees the rollout side alone: neither side enters the other's collectives.
+- **Bridges** are process groups built directly from the store, never registered as torch.distributed
+  groups (no `dist.*` call takes them; their own `broadcast/send/recv` with their own ranks do):
+  `ctl`, gloo over all W ranks in global rank order, for the batches; `weights`, trainer rank 0 plus every
+  rollout rank (bridge rank 0 is trainer rank 0, bridge rank 1 + i is rollout rank i), gloo on CPU and NCCL
+  on GPU, for the weights.
+- **Waits poll, never block in a collective.** A side that waits for the other (a batch, a weight version)
+  polls a store key (`wait_key`) instead of sitting in a collective with a timeout, so a generation of any
+  length trips nothing; the data moves only once the key says the sender is there. While it polls it reads
+  the peers' liveness counters (each rank's `Liveness` thread bumps its own every second): a peer whose
+  counter stops for `stale_s` (a stopped or wedged process) ends the job in one line naming its rank and
+  role. A peer that dies outright is caught sooner by fail-fast (`failfast.py`), which watches the same
+  store unprefixed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import FlashdapoError
+
+ROLES = ("colocated", "trainer", "rollout")
+
+
+class PeerHungError(FlashdapoError, RuntimeError):
+    """A rank of the other side stopped answering while this one waited for it."""
+
+
+def _key(name: str) -> str:
+    # One namespace per (elastic) attempt, as fail-fast's: a restarted worker group must not read stale keys.
+    return f"flashdapo/split/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which global ranks train and which generate: the first `trainers`, then `rollouts`."""
+
+    trainers: int
+    rollouts: int
+
+    @property
+    def world_size(self) -> int:
+        return self.trainers + self.rollouts
+
+    def role(self, global_rank: int) -> str:
+        return "trainer" if global_rank < self.trainers else "rollout"
+
+    def partition(self, global_rank: int) -> tuple[str, int, int]:
+        """(role, rank in its partition, partition size) of a global rank."""
+        if global_rank < self.trainers:
+            return "trainer", global_rank, self.trainers
+        return "rollout", global_rank - self.trainers, self.rollouts
+
+    def describe(self, global_rank: int) -> str:
+        """'rank 2 (rollout rank 0)': how a message names a rank."""
+        role, rank, _ = self.partition(global_rank)
+        return f"rank {global_rank} ({role} rank {rank})"
+
+    @property
+    def weights_members(self) -> list[int]:
+        """Global ranks of the weights bridge, in bridge rank order: trainer rank 0, then the rollout ranks."""
+        return [0, *range(self.trainers, self.world_size)]
+
+
+def connect_store(timeout_s: float = 60.0) -> dist.Store:
+    """A client of torchrun's rendezvous store (MASTER_ADDR / MASTER_PORT)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_partition(layout: Layout, global_rank: int, store: dist.Store, backend: str, timeout_s: float,
+                   device_id: torch.device | None = None) -> tuple[str, int, int]:
+    """Initialize this rank's side as the default process group; (role, partition rank, partition size)."""
+    role, rank, size = layout.partition(global_rank)
+    dist.init_process_group(backend, store=dist.PrefixStore(_key(role), store), rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+    return role, rank, size
+
+
+class Liveness:
+    """A daemon thread bumping this rank's counter in the store every `every_s`: what `wait_key` reads to
+    tell a slow peer (counting) from a stopped one (not)."""
+
+    def __init__(self, store: dist.Store, global_rank: int, every_s: float = 1.0):
+        self.store, self.key, self.every_s = store, _key(f"alive/{global_rank}"), every_s
+        self._stop = threading.Event()
+        self.store.add(self.key, 1)
+        self._thread = threading.Thread(target=self._beat, name="flashdapo-liveness", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # the store went with the job: fail-fast reports it
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Bridges:
+    """This rank's links to the other side: the unprefixed store, the control and the weights bridges."""
+
+    layout: Layout
+    global_rank: int
+    store: dist.Store
+    ctl: dist.ProcessGroup
+    weights: dist.ProcessGroup | None
+    """None on trainer ranks other than 0."""
+    stale_s: float = 60.0
+    poll_s: float = 0.02
+
+    @property
+    def weights_rank(self) -> int:
+        """This rank's rank in the weights bridge (0: trainer rank 0)."""
+        return self.layout.weights_members.index(self.global_rank)
+
+    def set(self, name: str, value: bytes | str) -> None:
+        self.store.set(_key(name), value)
+
+    def get(self, name: str) -> bytes:
+        return self.store.get(_key(name))
+
+    def delete(self, name: str) -> None:
+        self.store.delete_key(_key(name))
+
+    def wait_key(self, name: str, peers: list[int], what: str) -> float:
+        """Poll until key `name` exists; seconds waited. `peers` (global ranks) must keep their liveness
+        counters moving meanwhile: one that stops for stale_s raises PeerHungError naming it and `what`."""
+        start = time.perf_counter()
+        seen = {p: (-1, start) for p in peers}
+        while not self.store.check([_key(name)]):
+            now = time.perf_counter()
+            for p in peers:
+                count = self.store.add(_key(f"alive/{p}"), 0)
+                if count != seen[p][0]:
+                    seen[p] = (count, now)
+                elif now - seen[p][1] > self.stale_s:
+                    raise PeerHungError(f"{self.layout.describe(p)} has not answered for {self.stale_s:.0f} s while "
+                                        f"{self.layout.describe(self.global_rank)} waited for {what}: it is stopped "
+                                        "or hung; resume with --checkpoint.resume auto")
+            time.sleep(self.poll_s)
+        return time.perf_counter() - start
+
+    def send_bytes(self, payload: bytes, dst: int, tag: int) -> None:
+        """`payload` to global rank `dst` over the control bridge (its length first)."""
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+        self.ctl.send([torch.tensor([len(payload)], dtype=torch.int64)], dst, tag).wait()
+        if len(payload):
+            self.ctl.send([data], dst, tag).wait()
+
+    def recv_bytes(self, src: int, tag: int) -> bytes:
+        """What global rank `src` sent with `send_bytes` and `tag`."""
+        size = torch.zeros(1, dtype=torch.int64)
+        self.ctl.recv([size], src, tag).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        if len(data):
+            self.ctl.recv([data], src, tag).wait()
+        return data.numpy().tobytes()
+
+    def broadcast_weights(self, tensor: torch.Tensor) -> None:
+        """Trainer rank 0's `tensor` into every rollout rank's (same shape and dtype), over the weights bridge."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.weights.broadcast([tensor], options).wait()
+
+
+def _bridge_group(store: dist.Store, name: str, rank: int, size: int, device: torch.device,
+                  timeout_s: float) -> dist.ProcessGroup:
+    prefixed = dist.PrefixStore(_key(name), store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+def connect_bridges(layout: Layout, global_rank: int, store: dist.Store, device: torch.device,
+                    timeout_s: float = 1800.0, stale_s: float = 60.0) -> Bridges:
+    """Build the control bridge (every rank) and the weights bridge (its members); every rank calls this once,
+    after its partition is up. The bridges' own timeout only bounds a transfer whose key said both sides are
+    there: waits for the other side are `wait_key`'s."""
+    ctl = _bridge_group(store, "bridge/ctl", global_rank, layout.world_size, torch.device("cpu"), timeout_s)
+    members = layout.weights_members
+    weights = (_bridge_group(store, "bridge/weights", members.index(global_rank), len(members), device, timeout_s)
+               if global_rank in members else None)
+    return Bridges(layout=layout, global_rank=global_rank, store=store, ctl=ctl, weights=weights, stale_s=stale_s)
+
+
+__all__ = ["Bridges", "Layout", "Liveness", "PeerHungError", "ROLES", "connect_bridges", "connect_store",
+           "init_partition"]
