@@ -109,7 +109,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         stream = None
         if cfg.rollout.streaming:
             collected, stream = stream_groups(step, run.stream, run.sampler, run.engine, run.tokenizer, run.verifier,
-                                              cfg, env, timer, version=step)
+                                              cfg, env, timer, version=step, keep_generated=dump)
         else:
             collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.verifier, cfg, env, timer,
                                        keep_generated=dump)
@@ -131,7 +131,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                 run.policy_version += 1
         stop_after_skips(run, step, update)
     if dump:
-        dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env)
+        dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env,
+                            past_target="next_step" if cfg.rollout.streaming else "unused")
     stream_check = stream_metrics(stream, batch, step, env) if stream is not None else {}
     return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check,
             **stream_check}
