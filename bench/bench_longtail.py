@@ -58,6 +58,9 @@ SMOKE = {
     "trainer": {"total_steps": 2, "train_batch": 4, "gen_batch": 8, "mini_batch": 2},
 }
 """--smoke: a tiny model briefly warmed up, short responses, two steps."""
+VLLM = {"model": {"toy": {"num_heads": 2}}, "rollout": {"kv_cache_gib": 0.5}}
+"""--engine vllm: head size 32 (vLLM's CPU attention has no 16), a KV cache of 0.5 GiB (the toy's 384 rows
+of 200 tokens need ~10 MiB): a model of its own, so its arms compare with its own rounds."""
 FROZEN_LR = 1e-12
 """--frozen: a learning rate whose AdamW steps (~lr per weight) are far below the fp32 spacing of the weights."""
 
@@ -81,13 +84,14 @@ class ArmResult:
     """The 1-minute load average when the run started."""
 
 
-def workload(smoke: bool):
-    """The longtail preset with the bench's settings (and the smoke shape), torch engine: the built-in toy
-    model has no path for vLLM to load until `prepare` saves it."""
+def workload(smoke: bool, engine: str = "torch"):
+    """The longtail preset with the bench's settings (the smoke shape, the vLLM shape), torch engine: the
+    built-in toy model has no path for vLLM to load until `prepare` saves it."""
     from flashdapo.config import merge, preset
 
     cfg = merge(preset("longtail"), COMMON)
-    return merge(cfg, SMOKE) if smoke else cfg
+    cfg = merge(cfg, SMOKE) if smoke else cfg
+    return merge(cfg, VLLM) if engine == "vllm" else cfg
 
 
 def prepare(cfg, work: Path, log=print):
@@ -269,7 +273,7 @@ def main(argv=None) -> int:
 
     commit = git_commit()  # of the code that runs (edits made while it runs do not count)
     work = Path(args.work)
-    cfg = merge(workload(args.smoke), {"trainer": {"total_steps": args.steps}})
+    cfg = merge(workload(args.smoke, args.engine), {"trainer": {"total_steps": args.steps}})
     cfg = merge(cfg, {"optim": {"lr": FROZEN_LR}}) if args.frozen else cfg
     base = merge(prepare(cfg, work), {"rollout": {"engine": args.engine}})
     results = run_all(base, ranks, arms, args.repeats, work, in_process=args.smoke, timeout=args.timeout)
