@@ -60,7 +60,7 @@ SMOKE = {
 """--smoke: a tiny model briefly warmed up, short responses, two steps."""
 VLLM = {"model": {"toy": {"num_heads": 2}}, "rollout": {"kv_cache_gib": 0.5}}
 """--engine vllm: head size 32 (vLLM's CPU attention has no 16), a KV cache of 0.5 GiB (the toy's 384 rows
-of 200 tokens need ~10 MiB): a model of its own, so its arms compare with its own rounds."""
+of ~200 tokens need ~75 MiB in fp32): a model of its own, so its arms compare with its own rounds."""
 FROZEN_LR = 1e-12
 """--frozen: a learning rate whose AdamW steps (~lr per weight) are far below the fp32 spacing of the weights."""
 
