@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flashdapo.config import merge, toy
+from flashdapo.config import toy
 from flashdapo.reward import Verdict
 from flashdapo.trainer.batch import build_train_batch
 from flashdapo.distributed.mesh import DistEnv
