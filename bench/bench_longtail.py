@@ -58,6 +58,9 @@ SMOKE = {
     "trainer": {"total_steps": 2, "train_batch": 4, "gen_batch": 8, "mini_batch": 2},
 }
 """--smoke: a tiny model briefly warmed up, short responses, two steps."""
+VLLM = {"model": {"toy": {"num_heads": 2}}, "rollout": {"kv_cache_gib": 0.5}}
+"""--engine vllm: head size 32 (vLLM's CPU attention has no 16), a KV cache of 0.5 GiB (the toy's 384 rows
+of ~200 tokens need ~75 MiB in fp32): a model of its own, so its arms compare with its own rounds."""
 FROZEN_LR = 1e-12
 """--frozen: a learning rate whose AdamW steps (~lr per weight) are far below the fp32 spacing of the weights."""
 
@@ -75,15 +78,20 @@ class ArmResult:
     carried_per_step: float
     dropped_per_step: float
     lag_mean: float
+    wait_s: float
+    """Mean `timing_s/wait_after_target` over steps 2..: the stream's time past its target."""
+    load: float
+    """The 1-minute load average when the run started."""
 
 
-def workload(smoke: bool, engine: str):
-    """The longtail preset with the bench's settings (and the smoke shape)."""
+def workload(smoke: bool, engine: str = "torch"):
+    """The longtail preset with the bench's settings (the smoke shape, the vLLM shape), torch engine: the
+    built-in toy model has no path for vLLM to load until `prepare` saves it."""
     from flashdapo.config import merge, preset
 
     cfg = merge(preset("longtail"), COMMON)
     cfg = merge(cfg, SMOKE) if smoke else cfg
-    return merge(cfg, {"rollout": {"engine": engine}})
+    return merge(cfg, VLLM) if engine == "vllm" else cfg
 
 
 def prepare(cfg, work: Path, log=print):
@@ -122,7 +130,7 @@ def run_arm(cfg, ranks: int, in_process: bool, timeout: int) -> list[dict]:
     return [r for r in read_history(run_dir / "metrics.jsonl") if r.get("step", 0) >= 1]
 
 
-def summarize(history: list[dict], n: int) -> ArmResult:
+def summarize(history: list[dict], n: int, load: float = 0.0) -> ArmResult:
     """A run's figures from its step records (see the module docstring)."""
     timed = history[1:] or history
     trained = sum(r["response_length/mean"] * r["train/kept_groups"] * n for r in history)
@@ -135,7 +143,8 @@ def summarize(history: list[dict], n: int) -> ArmResult:
         samples_per_step=statistics.fmean(r["train/kept_groups"] for r in history),
         carried_per_step=sum(r.get("stream/carried", 0.0) for r in history) / steps,
         dropped_per_step=sum(r.get("stream/dropped_groups", 0.0) for r in history) / steps,
-        lag_mean=statistics.fmean(r.get("stream/lag_mean", 0.0) for r in history))
+        lag_mean=statistics.fmean(r.get("stream/lag_mean", 0.0) for r in history),
+        wait_s=statistics.fmean(r.get("timing_s/wait_after_target", 0.0) for r in timed), load=load)
 
 
 def engine_streams(engine: str) -> bool:
@@ -160,11 +169,13 @@ def run_all(base, ranks: list[int], arms: list[str], repeats: int, work: Path, i
                 cfg = merge(base, ARMS[arm])
                 cfg = merge(cfg, {"trainer": {"seed": rep},
                                   "logging": {"run_dir": str(work / "runs" / f"{arm}-w{w}-r{rep}")}})
-                result = summarize(run_arm(cfg, w, in_process, timeout), cfg.rollout.n)
+                load = os.getloadavg()[0]
+                result = summarize(run_arm(cfg, w, in_process, timeout), cfg.rollout.n, load)
                 results[(w, arm)].append(result)
                 log(f"bench_longtail: repeat {rep} ranks {w} {arm}: {result.s_per_step:.2f} s/step, "
                     f"gen {result.gen_s_per_step:.2f} s, {result.samples_per_step:.1f} groups, "
-                    f"length {result.mean_length:.2f}, generated/trained {result.generated_per_trained:.2f}")
+                    f"length {result.mean_length:.2f}, generated/trained {result.generated_per_trained:.2f}, "
+                    f"load {load:.1f}")
     return results
 
 
@@ -183,8 +194,8 @@ def table(results: dict[tuple[int, str], list[ArmResult]], ranks: list[int], arm
     """The markdown table: per (ranks, arm) medians [min, max] over repeats, and paired ratios to rounds."""
     lines = ["| ranks | arm | s/step | gen s/step | s/step / rounds | generated / trained tokens | ratio | "
              "mean trained length | ratio | trained groups / step | ratio | carried / step | dropped groups / step "
-             "| token lag |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| token lag | wait after target s/step |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in ranks:
         rounds = results.get((w, "rounds"))
         for arm in arms:
@@ -195,7 +206,7 @@ def table(results: dict[tuple[int, str], list[ArmResult]], ranks: list[int], arm
                 cells += [_spread([getattr(r, name) for r in rs], fmt),
                           _spread(_ratios(rs, rounds, name), ".3f") if rounds else ""]
             cells += [_spread([r.carried_per_step for r in rs], ".1f"), _spread([r.dropped_per_step for r in rs], ".1f"),
-                      _spread([r.lag_mean for r in rs], ".3f")]
+                      _spread([r.lag_mean for r in rs], ".3f"), _spread([r.wait_s for r in rs], ".2f")]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -209,20 +220,27 @@ def report(results, ranks: list[int], arms: list[str], cfg, args, commit: str) -
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     tc, rc = cfg.trainer, cfg.rollout
+    loads = sorted(r.load for rs in results.values() for r in rs)
     return "\n".join([
         f"# Long-tail streaming benchmark: {machine_tag('cpu')}, commit {commit}, {datetime.date.today()}", "",
-        f"{cpu}; {os.cpu_count()} CPUs, shared; torch {torch.__version__}; engine {rc.engine}; load average at "
-        f"the end {os.getloadavg()[0]:.1f}. `{' '.join(['python -m bench.bench_longtail', *sys.argv[1:]])}`", "",
+        f"{cpu}; {os.cpu_count()} CPUs, shared; torch {torch.__version__}; engine {rc.engine}; 1-minute load "
+        f"average at the runs' starts {statistics.median(loads):.1f} [{loads[0]:.1f}, {loads[-1]:.1f}], at the end "
+        f"{os.getloadavg()[0]:.1f}. `{' '.join(['python -m bench.bench_longtail', *sys.argv[1:]])}`", "",
         f"Workload: preset `longtail` (filler median {cfg.data.toy.filler_median:g}, sigma "
         f"{cfg.data.toy.filler_sigma:g}), n {rc.n}, max_response_length {rc.max_response_length}, "
-        f"train_batch {tc.train_batch}, gen_batch {tc.gen_batch} (= max_in_flight), max_num_seqs {rc.max_num_seqs}; "
+        f"train_batch {tc.train_batch}, gen_batch {tc.gen_batch} (= max_in_flight), max_num_seqs {rc.max_num_seqs}, "
+        f"agree_every {rc.agree_every}"
+        + (f", toy num_heads {cfg.model.toy.num_heads} (head size 32 for vLLM's CPU attention), kv_cache_gib "
+           f"{rc.kv_cache_gib:g}" if rc.engine == "vllm" else "") + "; "
         f"{args.steps} steps per run, {args.repeats} repeats, seed = repeat"
         + (f"; **frozen policy** (optim.lr {FROZEN_LR:g}, updates below the weights' fp32 resolution: every run "
            "samples the base model, so the trained-length ratios measure the collection's length bias alone)."
            if args.frozen else f"; optim.lr {cfg.optim.lr:g}."), "",
         "Measured. Each cell: median over repeats [min, max]; ratios are to the same repeat's `rounds` run. "
         "s/step: mean `timing_s/step` over steps 2.. of a run; mean trained length: `response_length/mean` over "
-        "every step; token lag: mean policy versions between a trained token's sampling and the update.", "",
+        "every step; token lag: mean policy versions between a trained token's sampling and the update; wait "
+        "after target: mean `timing_s/wait_after_target` over steps 2.. (the engine steps run until the ranks' "
+        "next agreement, and the abort).", "",
         *table(results, ranks, arms), ""])
 
 
@@ -259,9 +277,9 @@ def main(argv=None) -> int:
     work = Path(args.work)
     cfg = merge(workload(args.smoke, args.engine), {"trainer": {"total_steps": args.steps}})
     cfg = merge(cfg, {"optim": {"lr": FROZEN_LR}}) if args.frozen else cfg
-    base = prepare(cfg, work)
+    base = merge(prepare(cfg, work), {"rollout": {"engine": args.engine}})
     results = run_all(base, ranks, arms, args.repeats, work, in_process=args.smoke, timeout=args.timeout)
-    text = report(results, ranks, arms, cfg, args, commit)
+    text = report(results, ranks, arms, base, args, commit)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,12 @@ class RolloutConfig(Section):
     max_carry_steps: Positive = 1
     """Streaming: a carried response whose oldest token is more policy versions old than this restarts from
     scratch (counted in rollout/restarted)."""
+    agree_every: Positive = 8
+    """Streaming: engine steps between the ranks' agreements on the stop (and on pulling prompts): the stop
+    waits for the next agreement after train_batch groups are kept, so a few more steps run (their work is
+    kept: groups past the target and carried responses). Fewer agreements cost fewer collectives, which on
+    a loaded CPU cost as much as the steps themselves (docs/algorithm.md, "Streaming"). The same at every
+    world size, so a run's stop rule does not depend on it."""
     placement: Literal["colocated", "split"] = "colocated"
     """Where generation runs (docs/split.md). colocated: every rank generates and trains, in turn. split: the
     last rollout_ranks ranks of the launch only generate, the others only train; the two sides overlap,

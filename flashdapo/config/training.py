@@ -152,8 +152,8 @@ class LoggingConfig(Section):
     run has no validation set), each with the response 'Answer: <reference answer>'."""
     dump_rollouts_every: NonNegative = 0
     """Every N steps write the step's rollouts (prompt, responses, scores, advantages, trained / filtered /
-    unused) and, at validations on such steps, the validation generations as jsonl under RUN_DIR/rollouts/
-    (0: never)."""
+    unused, or next_step under rollout.streaming) and, at validations on such steps, the validation
+    generations as jsonl under RUN_DIR/rollouts/ (0: never)."""
     move_old_run: bool = False
     """A fresh run whose run_dir holds a previous run's checkpoints, metrics or export: move those files to
     `<run_dir>.old-<UTC time>/` (nothing is deleted) and start. Off: refuse, naming the choices."""

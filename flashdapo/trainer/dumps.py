@@ -6,7 +6,10 @@ included) rank 0 writes
   order (round, rank, position): the prompt, the responses, their shaped scores, correctness and
   truncation, and its status: "trained" (with the advantages it was trained with), "filtered"
   (dynamic sampling dropped it: every response equally right) or "unused" (kept, but beyond
-  train_batch);
+  train_batch). Under rollout.streaming the step's groups are those that finished in it, after those
+  kept past the last step's target (listed again, now trained); "round" is the sampler batch counted over
+  the run; a group kept past this step's target is "next_step" (it trains at the next step); a group
+  still waiting for a carried response is listed at the step it finishes;
 - `RUN_DIR/rollouts/val_step_XXXXXX.jsonl`: one line per validation prompt, as `flashdapo eval` writes
   them to samples.jsonl.
 A file is replaced whole, so a resumed run rewrites the steps it repeats. A dump is a record for people,
@@ -54,9 +57,10 @@ def _write_lines(path: Path, rows: list[dict]) -> None:
 
 
 def dump_train_rollouts(run_dir: Path, step: int, generated: list[tuple[Group, bool]], batch: TrainBatch,
-                        tokenizer, env: DistEnv) -> None:
+                        tokenizer, env: DistEnv, past_target: str = "unused") -> None:
     """Gather every rank's generated groups (each with whether the filter kept it) and the advantages its
-    groups were trained with; rank 0 writes the step's file."""
+    groups were trained with; rank 0 writes the step's file. `past_target`: the status of a kept group
+    that did not train ("next_step" under streaming, where it rolls into the next step)."""
     trained: dict[tuple[int, int, int], dict[int, float]] = {}  # origin -> {response in the group: advantage}
     start = 0
     for g in batch.groups:  # a group's responses may train on several slots: each holds some of them
@@ -79,7 +83,7 @@ def dump_train_rollouts(run_dir: Path, step: int, generated: list[tuple[Group, b
     out = sorted((row for part, _ in everyone for row in part), key=lambda r: (r["round"], r["rank"], r["index"]))
     for row in out:
         adv = advantages.get((row["round"], row["rank"], row["index"]))
-        row["status"] = "trained" if adv is not None else "unused" if row.pop("kept") else "filtered"
+        row["status"] = "trained" if adv is not None else past_target if row.pop("kept") else "filtered"
         row["advantages"] = adv
     _write_lines(run_dir / DUMP_DIR / f"train_step_{step:06d}.jsonl", out)
 

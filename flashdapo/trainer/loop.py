@@ -124,7 +124,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                 run.engine.wake(run.policy_weights, run.policy_version)
             if cfg.rollout.streaming:
                 collected, stream = stream_groups(step, run.stream, run.sampler, run.engine, run.tokenizer,
-                                                  run.train_reward, cfg, env, timer, version=step)
+                                                  run.train_reward, cfg, env, timer, version=step,
+                                                  keep_generated=dump)
             else:
                 collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.train_reward, cfg, env,
                                            timer, keep_generated=dump)
@@ -149,7 +150,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             with timer("weight_push"):
                 run.split.after_step(run.policy, step)
     if dump:
-        dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env)
+        dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env,
+                            past_target="next_step" if cfg.rollout.streaming else "unused")
     stream_check = stream_metrics(stream, batch, step, env) if stream is not None else {}
     split = run.split.metrics(step, batch, message, timer) if run.split is not None else {}
     run.totals.add(collected.generated_samples, collected.generated_tokens)  # checkpointed: resumes continue it

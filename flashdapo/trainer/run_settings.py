@@ -11,8 +11,9 @@ checkpoint records, as a flat `{field path: plain value}` dict (`trainer_state.p
   truncation, dedup and shuffle; the built-in task and its settings when there are no train files;
 - the batch geometry (`trainer.train_batch`, `gen_batch`, `mini_batch`, `ppo_epochs`, `seed`), the group
   size and sampling of the rollouts (`rollout.n`, `temperature`, `top_p`, `top_k`, `max_response_length`,
-  and how they are collected: `streaming`, `max_in_flight`, `partial_rollouts`, `max_carry_steps`; the
-  placement, and in split placement the rollout ranks R and the lag k: `rollout_ranks`, `max_lag`),
+  and how they are collected: `streaming`, `max_in_flight`, `partial_rollouts`, `max_carry_steps`,
+  `agree_every`; the placement, and in split placement the rollout ranks R and the lag k: `rollout_ranks`,
+  `max_lag`),
   and every field of the `algorithm` and `optim` sections.
 
 Not recorded, free to change on resume: total_steps, validation (files, k, intervals), logging, checkpoint
@@ -46,7 +47,7 @@ FIXED_PREFIXES = ("model.architecture", "model.config.", "model.parameters")
 
 _TRAINER_FIELDS = ("train_batch", "gen_batch", "mini_batch", "ppo_epochs", "seed")
 _ROLLOUT_FIELDS = ("n", "temperature", "top_p", "top_k", "max_response_length", "streaming", "max_in_flight",
-                   "partial_rollouts", "max_carry_steps")
+                   "partial_rollouts", "max_carry_steps", "agree_every")
 _SPLIT_FIELDS = ("rollout_ranks", "max_lag")
 """Recorded in split placement only (co-located runs ignore them)."""
 _DATA_FIELDS = ("max_prompt_length", "truncation", "dedup", "shuffle")

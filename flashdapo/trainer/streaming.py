@@ -8,9 +8,13 @@ The choices, before the code:
 - **Top-up.** Each rank keeps at most max_in_flight / world prompts in flight; prompts come from the
   shared sampler a global batch at a time (every rank pulls together, so the samplers stay at one
   position), and a rank's unsubmitted prompts wait in its queue.
-- **Stop at enough.** After every engine step one all-reduce sums the ranks' kept groups; at train_batch
-  the stream stops and every request still running is aborted. The decision reads only the outputs, in
-  their completion order, never the clock: a fixed seed repeats bitwise.
+- **Stop at enough.** Every rollout.agree_every engine steps one all-reduce sums the ranks' kept groups
+  (and settles pulls); once they reach train_batch the stream stops and every request still running is
+  aborted. The decision reads only the outputs, in their completion order, and the step count, never the
+  clock: a fixed seed repeats bitwise. Why not every step: each agreement waits for the slowest rank, and
+  on a loaded CPU such waits (scheduling, pack rebuilds at different steps) cost about as much as the
+  steps themselves; the few steps run past the target are not lost (their groups roll into the next step,
+  their tokens are carried).
 - **Order.** Which groups are kept is decided by completion; their order is that of submission: a
   group's origin is (the sampler batch its prompt came from, counted over the run; rank; its position in
   the rank's share). So without an early stop the step trains on the groups rounds would, in the same
@@ -135,28 +139,39 @@ class StreamStats:
     restarted: int = 0
     dropped: int = 0
     carried_age_max: int = 0
+    ticks_after_target: int = 0
+    """Engine steps run after the one after which train_batch groups were kept (over all ranks): until the
+    ranks' next agreement."""
+    wait_after_target_s: float = 0.0
+    """From the end of the engine step after which train_batch groups were kept (over all ranks) to the end
+    of the stream (the steps until the ranks agreed, then the abort and carry-over); the max over ranks."""
 
 
 def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine, tokenizer, verifier: Verifier,
                   cfg: Config, env: DistEnv, timer: StageTimer, version: int,
-                  deal=_deal_out) -> tuple[Collected, StreamStats]:
+                  deal=_deal_out, keep_generated: bool = False) -> tuple[Collected, StreamStats]:
     """Stream until train_batch informative groups are kept (globally), then deal them out; `state` carries
     what is left into the next step. `version`: the policy version sampling this step. `deal`: split
-    placement's cut for the trainer side in place of `_deal_out` (`split_rollout.py`)."""
+    placement's cut for the trainer side in place of `_deal_out` (`split_rollout.py`). `keep_generated`:
+    Collected.generated lists this rank's groups of the step (for dumps): those kept past the last step's
+    target, then every group that finished, each with whether the filter kept it."""
     rc, tc = cfg.rollout, cfg.trainer
     stats = StreamStats()
     sampling = SamplingParams(n=1, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                               max_new_tokens=rc.max_response_length, seed=derive_seed(tc.seed, step, 1))
     kept: list[Group] = list(state.ready)  # kept past the last step's target: first in line
+    generated = [(g, True) for g in state.ready]
     state.ready = []
     gen_sums = torch.zeros(4, dtype=torch.float64)  # correct, score, truncated, count over finished responses
     with timer("gen"):
         engine.open_stream(sampling)
         engine.submit(_resubmissions(state, version, cfg, stats, env.rank, step))
-    pulls = _until_enough(step, state, sampler, engine, kept, gen_sums, stats, tokenizer, verifier, cfg, env, timer,
-                          version)
+    pulls, met = _until_enough(step, state, sampler, engine, kept, generated, gen_sums, stats, tokenizer, verifier,
+                               cfg, env, timer, version)
     with timer("gen"):
         _carry(state, engine.abort(), cfg, stats, version)
+    if met is not None:
+        stats.ticks_after_target, stats.wait_after_target_s = met[0], _clock() - met[1]
     _check_bound(step, len(kept), cfg, env)
     mini_batches, leftover = deal([kept], cfg, env, with_leftover=True)
     if cfg.algorithm.dynamic_sampling:  # past the target: first in line next step, in order
@@ -170,35 +185,49 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
                           gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
                           gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups,
                           groups_all_correct=stats.all_correct_groups, groups_all_wrong=stats.all_wrong_groups,
-                          generated_samples=int(totals[3].item()), generated_tokens=stats.generated_tokens)
+                          generated_samples=int(totals[3].item()), generated_tokens=stats.generated_tokens,
+                          generated=generated if keep_generated else [])
     return collected, stats
 
 
 def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine, kept: list[Group],
-                  gen_sums: torch.Tensor, stats: StreamStats, tokenizer, verifier: Verifier, cfg: Config,
-                  env: DistEnv, timer: StageTimer, version: int) -> int:
-    """Top up, step the engine, score and filter finished groups into `kept`, until train_batch are kept on
-    all ranks together or nothing is left to run; the sampler batches pulled. One all-reduce per tick: every
-    rank takes every branch together."""
+                  generated: list[tuple[Group, bool]], gen_sums: torch.Tensor, stats: StreamStats, tokenizer,
+                  verifier: Verifier, cfg: Config, env: DistEnv, timer: StageTimer,
+                  version: int) -> tuple[int, tuple[int, float] | None]:
+    """Top up, step the engine, score and filter finished groups into `kept` (and all of them, with whether
+    kept, into `generated`), until train_batch are kept on all ranks together or nothing is left to run;
+    the sampler batches pulled, and (engine steps run since, the clock at) the end of the engine step after
+    which the target was first met (None: never met). The ranks agree (one all-reduce) every
+    rollout.agree_every engine steps, so every rank takes every branch together; between agreements a rank
+    tops up from its own queue."""
     per_rank = max(1, (cfg.rollout.max_in_flight or cfg.trainer.gen_batch) // env.world_size)
-    pulls, started, totals = 0, time.perf_counter(), None
+    every, target = cfg.rollout.agree_every, cfg.trainer.train_batch
+    pulls, started, totals, due = 0, time.perf_counter(), None, True
+    marks = [(_clock(), len(kept))]  # since the last agreement: (clock, kept) at it and after each engine step
     while True:
         with timer("gen"):
             more = _wants_more(totals, cfg)
             submitted = _top_up(state, engine, per_rank, cfg, env.rank, step) if more else 0
-            need_pull = more and not state.queue and len(state.pending) < per_rank
-            totals = all_reduce(torch.tensor([len(kept), engine.pending(), int(need_pull), len(state.pending)]))
-            if int(totals[0]) >= cfg.trainer.train_batch:
-                return pulls
-            if int(totals[2]) and (cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches):
-                if pulls and env.is_main:  # a progress line on long steps; a warning every 20 unbounded pulls
-                    _report_round(step, pulls, int(totals[0]), cfg, time.perf_counter() - started)
-                state.pulls += 1  # some rank is out of prompts: every rank pulls the next batch
-                state.queue += [((state.pulls, env.rank, i), p) for i, p in enumerate(sampler.next_batch())]
-                pulls += 1
-                continue
-            if int(totals[1]) == 0 and not submitted:  # nothing in flight anywhere, nothing left to submit
-                return pulls
+            if due or len(marks) > every:  # agree: the first time, after a pull, then every `every` steps
+                due = False
+                need_pull = more and not state.queue and len(state.pending) < per_rank
+                kept_after = [k for _, k in marks] + [marks[-1][1]] * (every + 1 - len(marks))
+                totals = all_reduce(torch.tensor([len(kept), engine.pending(), int(need_pull), len(state.pending),
+                                                  int(submitted), *kept_after]))
+                if int(totals[0]) >= target:  # met at the first mark whose kept groups (over ranks) reach it
+                    first = next(i for i, k in enumerate(totals[5:].tolist()) if k >= target)
+                    return pulls, (len(marks) - 1 - first, marks[first][0])
+                marks = [(_clock(), len(kept))]
+                if int(totals[2]) and (cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches):
+                    if pulls and env.is_main:  # a progress line on long steps; a warning every 20 unbounded pulls
+                        _report_round(step, pulls, int(totals[0]), cfg, time.perf_counter() - started)
+                    state.pulls += 1  # some rank is out of prompts: every rank pulls the next batch
+                    state.queue += [((state.pulls, env.rank, i), p) for i, p in enumerate(sampler.next_batch())]
+                    pulls += 1
+                    due = True  # agree again before the next engine step
+                    continue
+                if int(totals[1]) == 0 and not int(totals[4]):  # nothing in flight anywhere, nothing submitted
+                    return pulls, None
             stats.ticks += 1
             finished = engine.step()
         if finished:
@@ -210,18 +239,28 @@ def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine,
                     correct, wrong = unanimous(group)
                     stats.all_correct_groups += correct
                     stats.all_wrong_groups += wrong
-                    if informative or not cfg.algorithm.dynamic_sampling:
+                    keep = informative or not cfg.algorithm.dynamic_sampling
+                    if keep:
                         kept.append(group)
+                    generated.append((group, keep))
+        marks.append((_clock(), len(kept)))
+
+
+def _clock() -> float:
+    """The stream's clock (timing_s/wait_after_target); tests replace it with one that counts engine steps."""
+    return time.perf_counter()
 
 
 def _reduce(stats: StreamStats) -> None:
-    """The step's stream figures summed (the carried age: the max) over ranks, in place."""
+    """The step's stream figures summed (the carried age and the wait after the target: the max) over ranks,
+    in place."""
     summed = all_reduce(torch.tensor([stats.finished_groups, stats.all_equal_groups, stats.all_correct_groups,
                                       stats.all_wrong_groups, stats.carried, stats.restarted, stats.dropped,
                                       stats.generated_tokens]))
     (stats.finished_groups, stats.all_equal_groups, stats.all_correct_groups, stats.all_wrong_groups, stats.carried,
      stats.restarted, stats.dropped, stats.generated_tokens) = (int(v) for v in summed.tolist())
-    stats.carried_age_max = int(all_reduce(torch.tensor([stats.carried_age_max]), "max").item())
+    peaks = all_reduce(torch.tensor([stats.carried_age_max, stats.wait_after_target_s], dtype=torch.float64), "max")
+    stats.carried_age_max, stats.wait_after_target_s = int(peaks[0].item()), peaks[1].item()
 
 
 def _wants_more(totals: torch.Tensor | None, cfg: Config) -> bool:
@@ -357,8 +396,8 @@ def carries(cfg: Config) -> bool:
 
 def stream_metrics(stats: StreamStats, batch, step: int, env: DistEnv) -> dict[str, float]:
     """stream/* metrics of one step (global): generated vs trained tokens, carried / restarted / dropped
-    responses, the lag (in steps) of every trained token behind the weights it trains, the all-equal share of
-    the finished groups."""
+    responses, the lag (in steps) of every trained token behind the weights it trains, the time the stream ran
+    on after its target was met, the all-equal share of the finished groups."""
     lags = [step - v for g in batch.groups for v in (g.versions or [])]
     flat = torch.cat(lags) if lags else torch.zeros(0, dtype=torch.long)
     # The sp ranks of a sequence-parallel group hold the same responses: count one of them.
@@ -372,6 +411,8 @@ def stream_metrics(stats: StreamStats, batch, step: int, env: DistEnv) -> dict[s
             "stream/carried": float(stats.carried), "stream/restarted": float(stats.restarted),
             "stream/dropped_groups": float(stats.dropped), "stream/carried_age_max": float(stats.carried_age_max),
             "stream/lag_mean": sums[1].item() / max(trained, 1.0), "stream/lag_max": float(peak),
+            "stream/ticks_after_target": float(stats.ticks_after_target),
+            "timing_s/wait_after_target": stats.wait_after_target_s,
             "stream/all_equal_fraction": stats.all_equal_groups / max(stats.finished_groups, 1)}
 
 

@@ -1,5 +1,5 @@
-"""logging.dump_rollouts_every: training rollouts (trained / filtered / unused, with advantages) and
-validation generations written as jsonl in the run dir."""
+"""logging.dump_rollouts_every: training rollouts (trained / filtered / unused, with advantages; under
+streaming also next_step) and validation generations written as jsonl in the run dir."""
 
 import errno
 import json
@@ -9,11 +9,14 @@ import torch
 
 from flashdapo.config import toy
 from flashdapo.distributed.mesh import DistEnv
+from flashdapo.reward import Verdict
 from flashdapo.trainer.batch import build_train_batch
 from flashdapo.trainer.dumps import dump_train_rollouts
 from flashdapo.trainer.loop import train
+from flashdapo.trainer.metrics import StageTimer
+from flashdapo.trainer.streaming import StreamState, stream_groups
 
-from .scripted import PlainTokenizer
+from .scripted import PlainTokenizer, ScriptedStream
 from .test_loop import _collect, tiny_config
 
 
@@ -38,6 +41,50 @@ def test_every_generated_group_is_dumped_with_its_status_and_advantages(tmp_path
     assert trained["acc"] == [True, False, False, False] and trained["scores"][0] > trained["scores"][1]
     assert trained["advantages"][0] > 0 > trained["advantages"][1] and len(trained["responses"]) == 4
     assert all(r["advantages"] is None for r in rows if r["status"] != "trained")
+
+
+def one_in_three_all_wrong(text: str, truth: str) -> Verdict:
+    """Prompts 0, 3, 6, ...: every response wrong (filtered); the others: response 0 right."""
+    prompt, member = map(int, text.split()[:2])
+    ok = prompt % 3 != 0 and member == 0
+    return Verdict(1.0 if ok else -1.0, ok, text)
+
+
+def test_streaming_dumps_every_finished_group_and_those_kept_for_the_next_step(tmp_path):
+    from .test_streaming import ENV, N, _cfg, _sampler, long_tail
+
+    cfg = _cfg(carry=True)
+    state, sampler, engine = StreamState(), _sampler(cfg), ScriptedStream(long_tail, N)
+    earlier: list[str] = []  # the previous step's next_step prompts
+    rolled = 0
+    for step in range(1, 6):
+        engine.version = step
+        collected, stats = stream_groups(step, state, sampler, engine, PlainTokenizer(), one_in_three_all_wrong, cfg,
+                                         ENV, StageTimer(ENV.device), version=step, keep_generated=True)
+        responses = [r for g in collected.groups for r in g.responses]
+        batch = build_train_batch(collected.mini_batches, [torch.zeros(len(r)) for r in responses], cfg.algorithm)
+        dump_train_rollouts(tmp_path, step, collected.generated, batch, PlainTokenizer(), ENV, past_target="next_step")
+        rows = _lines(tmp_path / "rollouts" / f"train_step_{step:06d}.jsonl")
+        by_status = {s: [r["prompt"] for r in rows if r["status"] == s] for s in ("trained", "filtered", "next_step")}
+        # Those kept past the last target (first in line: they train), and every group that finished in this step.
+        assert set(earlier) <= set(by_status["trained"])
+        assert len(rows) == len(earlier) + stats.finished_groups == sum(map(len, by_status.values()))
+        assert len(by_status["trained"]) == 4 and by_status["trained"] == [str(int(g.prompt[0])) for g in collected.groups]
+        assert all(int(p) % 3 == 0 for p in by_status["filtered"])
+        assert len(by_status["filtered"]) == stats.all_equal_groups > 0
+        assert [str(int(g.prompt[0])) for g in state.ready] == by_status["next_step"]
+        earlier = by_status["next_step"]
+        rolled += len(earlier)
+    assert rolled, "some step kept groups past its target"
+
+
+def test_a_streaming_run_dumps_its_groups(tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(run_dir, trainer={"total_steps": 1, "val_every": 0}, checkpoint={"export_hf": False},
+                      rollout={"streaming": True}, logging={"dump_rollouts_every": 1, "plot": False}))
+    rows = _lines(run_dir / "rollouts" / "train_step_000001.jsonl")
+    # Without dynamic sampling every group of the batch trains, as in rounds.
+    assert len(rows) == 4 and all(r["status"] == "trained" and len(r["advantages"]) == 4 for r in rows)
 
 
 def test_training_run_dumps_rollouts_and_validation_per_source(tmp_path):

@@ -67,7 +67,7 @@ def test_carried_responses_keep_each_tokens_version_and_log_prob():
     steps, _, _ = _steps(cfg, 6, ScriptedStream(long_tail, N))
     mixed = 0
     for step, (collected, stats) in enumerate(steps, start=1):
-        assert stats.finished_groups >= 4
+        assert len(collected.groups) == 4 and stats.finished_groups >= 1  # some kept past the last step's target
         for group in collected.groups:
             for tokens, versions, logps in zip(group.responses, group.versions, group.sampler_logprobs):
                 assert len(tokens) == len(versions) == len(logps) == long_tail(int(tokens[0]), int(tokens[1]))
@@ -103,9 +103,37 @@ def test_early_stop_without_carry_biases_toward_short_responses_and_carry_does_n
 
     population = sum(long_tail(p, m) for p in range(480) for m in range(N)) / (480 * N)
     without, with_carry = mean_trained_length(False), mean_trained_length(True)
-    # Measured: 9.57 without carry, 12.65 with, 13.21 over the prompts (0.72x and 0.96x).
+    # Measured: 10.05 without carry, 12.65 with, 13.21 over the prompts (0.76x and 0.96x).
     assert without < 0.8 * population  # the long responses were aborted and never trained
     assert abs(with_carry - population) < 0.06 * population
+
+
+class CountingStream(ScriptedStream):
+    """A ScriptedStream that counts its engine steps: the clock of the wait-after-target test."""
+
+    steps = 0
+
+    def step(self):
+        self.steps += 1
+        return super().step()
+
+
+@pytest.mark.parametrize("every", [1, 7])
+def test_the_wait_after_the_target_is_the_steps_run_until_the_ranks_agree(monkeypatch, every):
+    from flashdapo.trainer import streaming
+
+    # One pull of 8 prompts, all informative: the 4th group to complete meets the target of 4, at the step
+    # where its longest response finishes (one token per step, every request from the first step on).
+    cfg = merge(_cfg(carry=True), {"algorithm": {"max_gen_batches": 1}, "rollout": {"agree_every": every}})
+    met = sorted(max(long_tail(p, m) for m in range(N)) for p in range(8))[3]
+    engine = CountingStream(long_tail, N)
+    monkeypatch.setattr(streaming, "_clock", lambda: float(engine.steps))  # one unit per engine step
+    (collected, stats), = _steps(cfg, 1, engine)[0]
+    after = -met % every  # the stop waits for the next multiple of `every` steps
+    assert (every == 1) == (after == 0), "the lengths give the 7-step run a wait"
+    assert stats.ticks == met + after and stats.ticks_after_target == after
+    assert stats.wait_after_target_s == float(after)  # the abort takes no step
+    assert len(collected.groups) == 4
 
 
 def test_stream_state_round_trips_through_a_checkpoint_file(tmp_path):
