@@ -14,8 +14,8 @@ run one after another in an order that rotates between repeats, with the same se
 figure's median over repeats [min, max] and its ratio to the same repeat's co-located run.
 
 Per run, from metrics.jsonl: s/step = mean `timing_s/step` over steps 2..; the split arms' own metrics
-(`split/trainer_idle_fraction`, `split/rollout_idle_fraction`, `split/lag_mean`, `split/lag_max`,
-`split/weight_broadcast_s`, `split/weight_broadcast_bytes`, `split/batch_transfer_s`) where logged. The
+(`split/trainer_idle`, `split/rollout_idle`, `split/lag_mean`, `split/lag_max`,
+`split/weight_push_s`, `split/weight_push_bytes`, `split/batch_transfer_s`) where logged. The
 co-located arm's trainer idles while it generates (idle = `timing_s/gen` / `timing_s/step`) and its
 rollout while it trains (1 - that); its lag is 0.
 
@@ -46,8 +46,8 @@ REPO = Path(__file__).resolve().parent.parent
 ARMS = {"colocated": None, "split-k0": 0, "split-k1": 1}
 """Each arm's max lag (None: co-located)."""
 WORKLOADS = ("toy", "longtail")
-SPLIT_KEYS = ("split/trainer_idle_fraction", "split/rollout_idle_fraction", "split/lag_mean", "split/lag_max",
-              "split/weight_broadcast_s", "split/weight_broadcast_bytes", "split/batch_transfer_s")
+SPLIT_KEYS = ("split/trainer_idle", "split/rollout_idle", "split/lag_mean", "split/lag_max",
+              "split/weight_push_s", "split/weight_push_bytes", "split/batch_transfer_s")
 
 
 @dataclass(frozen=True)
@@ -125,12 +125,12 @@ def summarize(history: list[dict], colocated: bool) -> ArmResult:
         gen_share = statistics.fmean(r["timing_s/gen"] / r["timing_s/step"] for r in timed)
         idle = (gen_share, 1 - gen_share, 0.0, 0.0)
     else:
-        idle = (_mean(timed, "split/trainer_idle_fraction"), _mean(timed, "split/rollout_idle_fraction"),
+        idle = (_mean(timed, "split/trainer_idle"), _mean(timed, "split/rollout_idle"),
                 _mean(history, "split/lag_mean"), max(r.get("split/lag_max", float("nan")) for r in history))
     return ArmResult(
         s_per_step=statistics.fmean(r["timing_s/step"] for r in timed), trainer_idle=idle[0], rollout_idle=idle[1],
-        lag_mean=idle[2], lag_max=idle[3], weight_broadcast_s=_mean(timed, "split/weight_broadcast_s"),
-        weight_broadcast_bytes=_mean(timed, "split/weight_broadcast_bytes"),
+        lag_mean=idle[2], lag_max=idle[3], weight_broadcast_s=_mean(timed, "split/weight_push_s"),
+        weight_broadcast_bytes=_mean(timed, "split/weight_push_bytes"),
         batch_transfer_s=_mean(timed, "split/batch_transfer_s"),
         trained_groups=statistics.fmean(r.get("train/kept_groups", float("nan")) for r in history))
 

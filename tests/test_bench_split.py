@@ -26,8 +26,8 @@ def test_colocated_idle_fractions_come_from_the_gen_share_of_each_step():
 
 
 def test_split_runs_read_the_split_metrics():
-    split = {"split/trainer_idle_fraction": 0.1, "split/rollout_idle_fraction": 0.3, "split/lag_mean": 1.0,
-             "split/lag_max": 1.0, "split/weight_broadcast_s": 0.02, "split/weight_broadcast_bytes": 4e5,
+    split = {"split/trainer_idle": 0.1, "split/rollout_idle": 0.3, "split/lag_mean": 1.0,
+             "split/lag_max": 1.0, "split/weight_push_s": 0.02, "split/weight_push_bytes": 4e5,
              "split/batch_transfer_s": 0.001}
     r = bench_split.summarize([_record(1, **{**split, "split/lag_max": 0.0, "split/lag_mean": 0.0}),
                                _record(2, **split), _record(3, **split)], colocated=False)
