@@ -1,5 +1,5 @@
-"""`flashdapo ablate [--out DIR] [--seeds S] [--arms A ...] [TRAIN OPTIONS]`: the options of AblateOptions, then
-any `flashdapo train` option (--preset, --config, --SECTION.FIELD VALUE) for the base config of the arms."""
+"""`flashdapo ablate [--out DIR] [--seeds S] [--quick] [--panels P ...] [--ladder [--arms A ...]] [TRAIN
+OPTIONS]`: the options of AblateOptions, then any `flashdapo train` option (--preset, --config, --SECTION.FIELD VALUE) for the base config of the arms."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import tyro
 
 from ..config import PRESETS, Config, starting_point
 from .options import DEFAULT_ABLATION_PRESET, AblateOptions
+from .panel_runner import PanelRun, run_panels
 from .runner import ArmRun, run_ablation
 
 
@@ -22,7 +23,9 @@ def parse_ablate_args(argv: list[str]) -> tuple[AblateOptions, Config]:
     return opts, config
 
 
-def ablate_main(argv: list[str]) -> list[ArmRun]:
-    """`flashdapo ablate`: parse, then run the ladder (runner.run_ablation)."""
+def ablate_main(argv: list[str]) -> list[ArmRun] | list[PanelRun]:
+    """`flashdapo ablate`: parse, then run the panels (panel_runner.run_panels) or, with --ladder, the ladder
+    (runner.run_ablation)."""
     opts, config = parse_ablate_args(argv)
-    return run_ablation(config, opts, log=lambda m: print(f"flashdapo: {m}", flush=True))
+    log = lambda m: print(f"flashdapo: {m}", flush=True)  # noqa: E731
+    return run_ablation(config, opts, log=log) if opts.ladder else run_panels(config, opts, log=log)
