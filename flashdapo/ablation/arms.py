@@ -311,8 +311,9 @@ PANELS: tuple[Panel, ...] = (
           # often right. 64 tokens hold every long-hand answer; no overlong shaping.
           {"rollout.max_response_length": 64, "data.scratchpad.slip_fraction": 0.3,
            "data.scratchpad.verbose_slip_fraction": 0.0, "algorithm.overlong_buffer": False,
-           "algorithm.overlong_filter": False, "trainer.total_steps": 40, "trainer.val_every": 20},
-          (PanelArm("sample-level", "seq-mean-token-mean", {}),
+           "algorithm.overlong_filter": False, "algorithm.loss_agg_mode": "seq-mean-token-mean",
+           "trainer.total_steps": 40, "trainer.val_every": 20},
+          (PanelArm("sample-level", "seq-mean-token-mean"),
            PanelArm("token-level", "token-mean", {"algorithm.loss_agg_mode": "token-mean"})),
           Measure("slope of wrong responses' length (tokens/step)", "response_length/wrong_mean",
                   slope_over_run("response_length/wrong_mean")),
@@ -345,13 +346,20 @@ def panel_by_name(name: str) -> Panel:
     return PANELS[PANEL_NAMES.index(name)]
 
 
-def panel_arm_fields(panel: Panel, arm: PanelArm, base: Config) -> dict[str, Any]:
-    """Every dotted field an arm of `panel` sets: the common settings, the panel's, then the arm's one change."""
-    fields = {**PANEL_COMMON, **panel.settings, **arm.change}
+def varied_fields(panel: Panel) -> set[str]:
+    """The fields the panel's treatments change."""
+    return {k for arm in panel.arms for k in arm.change}
+
+
+def panel_arm_fields(panel: Panel, arm: PanelArm, base: Config,
+                     overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every dotted field an arm of `panel` sets: the common settings, the panel's, the user's `overrides` (the
+    fields given on the command line, which win over the panel's regime), then the arm's one change."""
+    fields = {**PANEL_COMMON, **panel.settings, **(overrides or {}), **arm.change}
     stand_ins = {GEN_BATCH_OF_BASE: base.trainer.gen_batch, TRAIN_BATCH_OF_BASE: base.trainer.train_batch}
     return {k: stand_ins.get(v, v) if isinstance(v, str) else v for k, v in fields.items()}
 
 
-def panel_arm_config(panel: Panel, arm: PanelArm, base: Config) -> Config:
+def panel_arm_config(panel: Panel, arm: PanelArm, base: Config, overrides: dict[str, Any] | None = None) -> Config:
     """The base config with the arm's fields set (checked like any config)."""
-    return merge(base, nested(panel_arm_fields(panel, arm, base)))
+    return merge(base, nested(panel_arm_fields(panel, arm, base, overrides)))

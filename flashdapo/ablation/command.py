@@ -13,6 +13,13 @@ from .runner import ArmRun, run_ablation
 
 def parse_ablate_args(argv: list[str]) -> tuple[AblateOptions, Config]:
     """Split argv into the ablation's own options and the base training config (preset default 'scratchpad')."""
+    opts, config, _ = parse_ablate_command(argv)
+    return opts, config
+
+
+def parse_ablate_command(argv: list[str]) -> tuple[AblateOptions, Config, Config]:
+    """(options, the base training config, its starting point: the preset and config file before the command
+    line's fields)."""
     base, rest, start = starting_point(argv, DEFAULT_ABLATION_PRESET)
     description = (f"{AblateOptions.__doc__}\n\nBase config: {start} (presets: {', '.join(PRESETS)}). Every "
                    "`flashdapo train --help` field is accepted after these options.")
@@ -20,12 +27,12 @@ def parse_ablate_args(argv: list[str]) -> tuple[AblateOptions, Config]:
                              return_unknown_args=True, config=(tyro.conf.FlagConversionOff,))
     config = tyro.cli(Config, default=base, args=unknown, prog="flashdapo ablate",
                       config=(tyro.conf.FlagConversionOff,))
-    return opts, config
+    return opts, config, base
 
 
 def ablate_main(argv: list[str]) -> list[ArmRun] | list[PanelRun]:
     """`flashdapo ablate`: parse, then run the panels (panel_runner.run_panels) or, with --ladder, the ladder
     (runner.run_ablation)."""
-    opts, config = parse_ablate_args(argv)
+    opts, config, start = parse_ablate_command(argv)
     log = lambda m: print(f"flashdapo: {m}", flush=True)  # noqa: E731
-    return run_ablation(config, opts, log=log) if opts.ladder else run_panels(config, opts, log=log)
+    return run_ablation(config, opts, log=log) if opts.ladder else run_panels(config, opts, log=log, start=start)

@@ -13,13 +13,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ..config import Config, ConfigError, merge
-from .arms import PANELS, Panel, PanelArm, panel_arm_config, panel_by_name
+from ..config import Config, ConfigError, differences, merge
+from .arms import PANELS, Panel, PanelArm, panel_arm_config, panel_by_name, varied_fields
 from .base import base_settings, build_base, write_task_files
 from .final_eval import FinalScore, final_evaluation, read_final_evaluation
 from .options import AblateOptions, panel_seeds
-from .runner import train_or_reuse
+from .runner import AblationError, train_or_reuse
 
 
 @dataclass
@@ -65,15 +66,36 @@ def selected_panels(opts: AblateOptions) -> list[tuple[Panel, tuple[PanelArm, ..
     return [(panel_by_name(n), panel_by_name(n).arms) for n in sorted(opts.panels, key=[p.name for p in PANELS].index)]
 
 
-def plan_panels(base: Config, opts: AblateOptions) -> Plan:
-    """Every run's config, the bases they need, and the panels this build cannot configure."""
+def user_overrides(base: Config, start: Config | None) -> dict[str, Any]:
+    """The dotted fields where `base` (the command line's config) differs from `start` (its preset and config
+    file): what the user asked for, which wins over a panel's settings."""
+    if start is None:
+        return {}
+    flat: dict[str, Any] = {}
+
+    def walk(tree: dict, prefix: str) -> None:
+        for k, v in tree.items():
+            walk(v, f"{prefix}{k}.") if isinstance(v, dict) else flat.__setitem__(f"{prefix}{k}", v)
+    walk(differences(base, start), "")
+    return flat
+
+
+def plan_panels(base: Config, opts: AblateOptions, start: Config | None = None) -> Plan:
+    """Every run's config, the bases they need, and the panels this build cannot configure. Fields in which
+    `base` differs from `start` (given on the command line) win over the panels' settings, except the field a
+    panel varies."""
     out = Path(opts.out)
     runs, unavailable, bases = [], {}, {}
     by_settings: dict[str, Path] = {}
+    overrides = user_overrides(base, start)
     for panel, arms in selected_panels(opts):
+        clash = sorted(varied_fields(panel) & set(overrides))
+        if clash:
+            raise AblationError(f"--{clash[0].replace('_', '-')}: panel {panel.name} varies this field itself; "
+                                "leave it out, or choose other panels with --panels")
         try:
-            control = panel_arm_config(panel, panel.control, base)
-            arm_cfgs = [(arm, panel_arm_config(panel, arm, base)) for arm in arms]
+            control = panel_arm_config(panel, panel.control, base, overrides)
+            arm_cfgs = [(arm, panel_arm_config(panel, arm, base, overrides)) for arm in arms]
         except ConfigError as err:
             unavailable[panel.name] = str(err).split("; allowed")[0]
             continue
@@ -94,13 +116,15 @@ def plan_panels(base: Config, opts: AblateOptions) -> Plan:
     return Plan(runs, unavailable, bases)
 
 
-def run_panels(base: Config, opts: AblateOptions, log: Callable[[str], None] = print) -> list[PanelRun]:
-    """The panels: bases, every (panel, arm, seed) run, final evaluations, ablation.md and a picture per panel."""
+def run_panels(base: Config, opts: AblateOptions, log: Callable[[str], None] = print,
+               start: Config | None = None) -> list[PanelRun]:
+    """The panels: bases, every (panel, arm, seed) run, final evaluations, ablation.md and a picture per panel.
+    `start`: the preset (and config file) `base` was made from; what differs wins over the panels' settings."""
     from .panel_report import write_panel_report
 
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = plan_panels(base, opts)
+    plan = plan_panels(base, opts, start)
     for name, error in plan.unavailable.items():
         log(f"ablation: panel {name} not run: this build lacks a field it needs ({error})")
     for base_dir, cfg in plan.bases.items():
