@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 
 from flashdapo.ablation.arms import (
-    PANEL_COMMON, PANELS, degenerate, mean_over_last, mean_over_run, nested, panel_arm_config, panel_arm_fields,
+    PANEL_COMMON, PANELS, PROBE_AND_RANDOM_VERIFIER_FIELDS, degenerate, mean_over_last, mean_over_run, nested, panel_arm_config, panel_arm_fields,
     sample_budget, slope_over_run, val_auc_per_sample)
 from flashdapo.config import ConfigError, merge, preset
 
 BASE = preset("scratchpad")
-LOGGING_BRANCH_FIELDS = {"algorithm.verifier", "algorithm.random_reward_p", "logging.probe_every"}
-"""Fields of the random verifier and the probe set; a build without them cannot configure the Clip-Higher panels."""
+LOGGING_BRANCH_FIELDS = PROBE_AND_RANDOM_VERIFIER_FIELDS
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -219,7 +219,7 @@ class Measure:
     """What the picture draws `key` against: the step, or another logged counter."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: the panels are module constants, used as keys
 class PanelArm:
     """One arm of a panel: the control, or a treatment changing exactly one field of the control."""
 
@@ -229,7 +229,7 @@ class PanelArm:
     """The one dotted field (and its value) this arm changes from the panel's control; {} for the control."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Panel:
     """A mechanism test: a control and treatments on panel-wide settings, judged by a metric fixed in advance."""
 
@@ -358,6 +358,11 @@ def panel_arm_fields(panel: Panel, arm: PanelArm, base: Config,
     fields = {**PANEL_COMMON, **panel.settings, **(overrides or {}), **arm.change}
     stand_ins = {GEN_BATCH_OF_BASE: base.trainer.gen_batch, TRAIN_BATCH_OF_BASE: base.trainer.train_batch}
     return {k: stand_ins.get(v, v) if isinstance(v, str) else v for k, v in fields.items()}
+
+
+PROBE_AND_RANDOM_VERIFIER_FIELDS = frozenset({"algorithm.verifier", "algorithm.random_reward_p", "logging.probe_every"})
+"""The fields of the random verifier and the probe set the Clip-Higher panels need (a build without them cannot
+configure those panels; the runner says so and runs the others)."""
 
 
 def panel_arm_config(panel: Panel, arm: PanelArm, base: Config, overrides: dict[str, Any] | None = None) -> Config:

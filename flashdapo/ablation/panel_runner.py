@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, ConfigError, differences, merge
-from .arms import PANELS, Panel, PanelArm, panel_arm_config, panel_by_name, varied_fields
+from .arms import (
+    PANELS, PROBE_AND_RANDOM_VERIFIER_FIELDS, Panel, PanelArm, nested, panel_arm_config, panel_arm_fields,
+    panel_by_name, varied_fields)
 from .base import base_settings, build_base, write_task_files
 from .final_eval import FinalScore, final_evaluation, read_final_evaluation
 from .options import AblateOptions, panel_seeds
@@ -97,6 +99,8 @@ def plan_panels(base: Config, opts: AblateOptions, start: Config | None = None) 
             control = panel_arm_config(panel, panel.control, base, overrides)
             arm_cfgs = [(arm, panel_arm_config(panel, arm, base, overrides)) for arm in arms]
         except ConfigError as err:
+            if not _builds_without_newer_fields(panel, base, overrides):
+                raise
             unavailable[panel.name] = str(err).split("; allowed")[0]
             continue
         key = repr(base_settings(control))
@@ -114,6 +118,18 @@ def plan_panels(base: Config, opts: AblateOptions, start: Config | None = None) 
                                 "run_dir": str(out / "panels" / panel.name / arm.name / f"seed{seed}")}}),
                     base_dir))
     return Plan(runs, unavailable, bases)
+
+
+def _builds_without_newer_fields(panel: Panel, base: Config, overrides: dict[str, Any]) -> bool:
+    """Whether the panel's configs build once the random verifier's and the probe's fields are left out: then
+    only those are missing from this build (any other config error is the user's, and is raised)."""
+    try:
+        for arm in panel.arms:
+            fields = panel_arm_fields(panel, arm, base, overrides)
+            merge(base, nested({k: v for k, v in fields.items() if k not in PROBE_AND_RANDOM_VERIFIER_FIELDS}))
+    except ConfigError:
+        return False
+    return True
 
 
 def run_panels(base: Config, opts: AblateOptions, log: Callable[[str], None] = print,
