@@ -138,3 +138,24 @@ def test_tiny_quick_end_to_end(tmp_path, capsys):
     again = run_panels(base, opts, start=BASE)
     assert all(r.skipped for r in again) and [r.history for r in again] == [r.history for r in runs]
     assert (tmp_path / "ablation.md").read_text().split("Runs:")[0] == text.split("Runs:")[0]
+
+
+@pytest.mark.slow
+def test_tiny_dynamic_sampling_panel_with_its_final_evaluation(tmp_path):
+    base = merge(BASE, TINY)
+    opts = AblateOptions(out=str(tmp_path), panels=["dynamic-sampling"], seeds=2, final_eval_k=2)
+    runs = run_panels(base, opts, start=BASE)
+    assert [(r.arm.name, r.seed) for r in runs] == [("off", 0), ("off", 1), ("on", 0), ("on", 1)]
+    assert [r.config.algorithm.dynamic_sampling for r in runs] == [False, False, True, True]
+    files = [tmp_path / "panels" / "dynamic-sampling" / r.arm.name / f"seed{r.seed}" / "final_eval.json" for r in runs]
+    for run, path in zip(runs, files, strict=True):
+        scores = json.loads(path.read_text())["scores"]
+        assert [(s["top_p"], s["k"], s["problems"]) for s in scores] == [(1.0, 2, 4), (0.7, 2, 4)]
+        assert [(f.mean, f.pass_at_k) for f in run.final] == [(s["mean"], s["pass_at_k"]) for s in scores]
+        assert all(0 <= s["mean"] <= s["pass_at_k"] <= 1 for s in scores)
+    assert "| final evaluation (4 problems) | mean@2 top_p 1 | pass@2 top_p 1 | mean@2 top_p 0.7 |" in \
+        (tmp_path / "ablation.md").read_text()
+    stamps = [p.stat().st_mtime_ns for p in files]
+    again = run_panels(base, opts, start=BASE)  # finished: neither trained nor evaluated again
+    assert all(r.skipped for r in again) and [p.stat().st_mtime_ns for p in files] == stamps
+    assert [r.final for r in again] == [r.final for r in runs]
