@@ -97,6 +97,14 @@ TINY = {
 }
 
 
+def test_quick_and_ladder_stand_alone_or_take_a_value(tmp_path):
+    assert parse_ablate_command(["--quick", "--out", str(tmp_path)])[0].quick
+    assert not parse_ablate_command(["--quick", "False"])[0].quick
+    opts = parse_ablate_command(["--ladder", "--arms", "naive-grpo"])[0]
+    assert opts.ladder and opts.arms == ["naive-grpo"] and not opts.quick
+    assert parse_ablate_command(["--trainer.total-steps", "3", "--ladder"])[0].ladder
+
+
 def test_command_line_fields_win_over_the_panels_but_not_the_varied_one(tmp_path):
     opts, cfg, start = parse_ablate_command(["--out", str(tmp_path), "--panels", "overlong",
                                              "--trainer.total-steps", "7"])

@@ -17,10 +17,26 @@ def parse_ablate_args(argv: list[str]) -> tuple[AblateOptions, Config]:
     return opts, config
 
 
+SWITCHES = ("--quick", "--ladder")
+"""Options that may stand alone (`--quick` = `--quick True`); every other boolean takes its value, as in
+`flashdapo train`."""
+
+
+def bare_switches(argv: list[str]) -> list[str]:
+    """argv with a value after each SWITCHES option given without one."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        following = argv[i + 1] if i + 1 < len(argv) else ""
+        if arg in SWITCHES and following.lower() not in ("true", "false"):
+            out.append("True")
+    return out
+
+
 def parse_ablate_command(argv: list[str]) -> tuple[AblateOptions, Config, Config]:
     """(options, the base training config, its starting point: the preset and config file before the command
     line's fields)."""
-    base, rest, start = starting_point(argv, DEFAULT_ABLATION_PRESET)
+    base, rest, start = starting_point(bare_switches(argv), DEFAULT_ABLATION_PRESET)
     description = (f"{AblateOptions.__doc__}\n\nBase config: {start} (presets: {', '.join(PRESETS)}). Every "
                    "`flashdapo train --help` field is accepted after these options.")
     opts, unknown = tyro.cli(AblateOptions, args=rest, prog="flashdapo ablate", description=description,
