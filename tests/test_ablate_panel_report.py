@@ -167,3 +167,14 @@ def test_tiny_dynamic_sampling_panel_with_its_final_evaluation(tmp_path):
     again = run_panels(base, opts, start=BASE)  # finished: neither trained nor evaluated again
     assert all(r.skipped for r in again) and [p.stat().st_mtime_ns for p in files] == stamps
     assert [r.final for r in again] == [r.final for r in runs]
+
+
+def test_the_panels_are_the_default_and_ladder_runs_the_ladder(monkeypatch):
+    import flashdapo.ablation.command as command
+
+    called = []
+    monkeypatch.setattr(command, "run_panels", lambda cfg, opts, log, start: called.append("panels"))
+    monkeypatch.setattr(command, "run_ablation", lambda cfg, opts, log: called.append("ladder"))
+    command.ablate_main(["--out", "unused"])
+    command.ablate_main(["--ladder", "--out", "unused"])
+    assert called == ["panels", "ladder"]
