@@ -6,8 +6,19 @@ from __future__ import annotations
 import pytest
 
 from flashdapo.ablation.arms import (
-    PANEL_COMMON, PANELS, PROBE_AND_RANDOM_VERIFIER_FIELDS, degenerate, mean_over_last, mean_over_run, nested, panel_arm_config, panel_arm_fields,
-    sample_budget, slope_over_run, val_auc_per_sample)
+    PANEL_COMMON,
+    PANELS,
+    PROBE_AND_RANDOM_VERIFIER_FIELDS,
+    degenerate,
+    mean_over_last,
+    mean_over_run,
+    nested,
+    panel_arm_config,
+    panel_arm_fields,
+    sample_budget,
+    slope_over_run,
+    val_auc_per_sample,
+)
 from flashdapo.config import ConfigError, merge, preset
 
 BASE = preset("scratchpad")

@@ -17,8 +17,16 @@ from typing import Any
 
 from ..config import Config, ConfigError, differences, merge
 from .arms import (
-    PANELS, PROBE_AND_RANDOM_VERIFIER_FIELDS, Panel, PanelArm, nested, panel_arm_config, panel_arm_fields,
-    panel_by_name, varied_fields)
+    PANELS,
+    PROBE_AND_RANDOM_VERIFIER_FIELDS,
+    Panel,
+    PanelArm,
+    nested,
+    panel_arm_config,
+    panel_arm_fields,
+    panel_by_name,
+    varied_fields,
+)
 from .base import base_settings, build_base, write_task_files
 from .final_eval import FinalScore, final_evaluation, read_final_evaluation
 from .options import AblateOptions, panel_seeds
