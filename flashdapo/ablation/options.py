@@ -28,10 +28,10 @@ class AblateOptions(Section):
     """Seeds per arm (trainer.seed = 0 .. seeds-1, shared by a panel's arms: paired); 0: 5 for the panels, 3 for
     --quick and for --ladder."""
     ladder: bool = False
-    """Run the paper's six-rung cumulative ladder (DAPO Table 1) instead of the panels."""
+    """Run the paper's six-rung cumulative ladder (DAPO Table 1) instead of the panels (`--ladder` alone: True)."""
     quick: bool = False
     """The short variant: the Clip-Higher panel with random rewards (clip_high 0.2 and 0.28) and the overlong
-    panel, 3 seeds unless --seeds says otherwise."""
+    panel, 3 seeds unless --seeds says otherwise (`--quick` alone: True)."""
     panels: Annotated[list[str], Check(lambda names: bool(names) and all(n in PANEL_NAMES for n in names)
                                        and len(set(names)) == len(names),
                                        "distinct panel names among " + ", ".join(PANEL_NAMES))] = \
