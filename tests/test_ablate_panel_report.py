@@ -178,3 +178,13 @@ def test_the_panels_are_the_default_and_ladder_runs_the_ladder(monkeypatch):
     command.ablate_main(["--out", "unused"])
     command.ablate_main(["--ladder", "--out", "unused"])
     assert called == ["panels", "ladder"]
+
+
+def test_quick_and_default_share_bases_and_runs(tmp_path):
+    quick = plan_panels(BASE, AblateOptions(out=str(tmp_path), quick=True, seeds=5))
+    full = plan_panels(BASE, AblateOptions(out=str(tmp_path), seeds=5))
+    configs = {(r.panel.name, r.arm.name, r.seed): r.config for r in full.runs}
+    assert quick.runs and all(configs[(r.panel.name, r.arm.name, r.seed)] == r.config for r in quick.runs)
+    assert set(quick.bases) <= set(full.bases)
+    # the token-level panel's task setting differs: its own base; the others share one
+    assert len(full.bases) == 2

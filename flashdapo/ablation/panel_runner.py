@@ -1,14 +1,16 @@
 """`flashdapo ablate` (the default): the mechanism panels of arms.py, every arm for every seed, then the report.
 
 Each run is a plain `flashdapo train` run (its config.yaml reruns it alone) in OUT/panels/PANEL/ARM/seedS/, from a
-warmed-up base model: one per distinct task and model setting (OUT/base-PANEL/, named after the first panel that
-needs it), on that task's problems written as data files. Resumable as the ladder is: a rerun skips finished runs
+warmed-up base model: one per distinct task and model setting (OUT/base-TAG/, TAG a hash of those settings, so
+--quick and the default share it), on that task's problems written as data files (OUT/data-TAG/). Resumable as the ladder is: a rerun skips finished runs
 (arm.json), continues an interrupted one, and refuses a directory holding a run with another config. Arms of a
 panel share `trainer.seed` = s for seed s: the same data order and sampling seeds (pairs).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,13 +92,19 @@ def user_overrides(base: Config, start: Config | None) -> dict[str, Any]:
     return flat
 
 
+def settings_tag(cfg: Config) -> str:
+    """A short name for cfg's base-model settings (task, model, warm-up): panels, or a --quick and a default
+    run, that share the settings share the base directory, whichever ran first."""
+    text = json.dumps(base_settings(cfg), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
 def plan_panels(base: Config, opts: AblateOptions, start: Config | None = None) -> Plan:
     """Every run's config, the bases they need, and the panels this build cannot configure. Fields in which
     `base` differs from `start` (given on the command line) win over the panels' settings, except the field a
     panel varies."""
     out = Path(opts.out)
     runs, unavailable, bases = [], {}, {}
-    by_settings: dict[str, Path] = {}
     overrides = user_overrides(base, start)
     for panel, arms in selected_panels(opts):
         clash = sorted(varied_fields(panel) & set(overrides))
@@ -111,10 +119,10 @@ def plan_panels(base: Config, opts: AblateOptions, start: Config | None = None) 
                 raise
             unavailable[panel.name] = str(err).split("; allowed")[0]
             continue
-        key = repr(base_settings(control))
-        base_dir = by_settings.setdefault(key, out / f"base-{panel.name}")
+        tag = settings_tag(control)
+        base_dir = out / f"base-{tag}"
         bases.setdefault(base_dir, control)
-        train_file, val_file = write_task_files(control, out / f"data-{base_dir.name.removeprefix('base-')}")
+        train_file, val_file = write_task_files(control, out / f"data-{tag}")
         for arm, cfg in arm_cfgs:
             for seed in range(panel_seeds(opts)):
                 runs.append(PlannedRun(panel, arm, seed, merge(cfg, {
