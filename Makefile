@@ -46,7 +46,7 @@ demo: setup  ## the main job on the built-in default: DAPO on the toy task, a fe
 ablate: setup  ## the mechanism panels (5 panels x 5 paired seeds) on the scratchpad task: runs/ablate/ablation.md, panel-*.png
 	$(VENV)/bin/flashdapo ablate $(ABLATE_ARGS)
 
-ablate-quick: setup  ## the short variant: Clip-Higher with random rewards and the overlong panel, 3 seeds: runs/ablate/
+ablate-quick: setup  ## the short variant: Clip-Higher with random rewards and the overlong panel: runs/ablate/
 	$(VENV)/bin/flashdapo ablate --quick $(ABLATE_ARGS)
 
 ablate-ladder: setup  ## the paper's cumulative ladder (6 arms x 3 seeds): runs/ablate-ladder/ablation.{md,png}

@@ -9,8 +9,8 @@ from ..config.checks import Check, Section, ge, register_tree
 from .arms import ARM_NAMES, PANEL_NAMES
 
 DEFAULT_ABLATION_PRESET = "scratchpad"
-PANEL_SEEDS, QUICK_SEEDS, LADDER_SEEDS = 5, 3, 3
-"""Seeds when --seeds is 0 (its default): the panels, --quick, --ladder."""
+PANEL_SEEDS, LADDER_SEEDS = 5, 3
+"""Seeds when --seeds is 0 (its default): the panels (--quick too), --ladder."""
 
 
 @dataclass
@@ -25,13 +25,13 @@ class AblateOptions(Section):
     """Output directory: the base models, one run directory per (panel, arm, seed) or (arm, seed), the report.
     A rerun with the same OUT skips finished runs and resumes an interrupted one."""
     seeds: Annotated[int, ge(0)] = 0
-    """Seeds per arm (trainer.seed = 0 .. seeds-1, shared by a panel's arms: paired); 0: 5 for the panels, 3 for
-    --quick and for --ladder."""
+    """Seeds per arm (trainer.seed = 0 .. seeds-1, shared by a panel's arms: paired); 0: 5 for the panels (--quick
+    too), 3 for --ladder."""
     ladder: bool = False
     """Run the paper's six-rung cumulative ladder (DAPO Table 1) instead of the panels (`--ladder` alone: True)."""
     quick: bool = False
     """The short variant: the Clip-Higher panel with random rewards (clip_high 0.2 and 0.28) and the overlong
-    panel, 3 seeds unless --seeds says otherwise (`--quick` alone: True)."""
+    panel (`--quick` alone: True). Its runs are the default's: the default after it runs only the rest."""
     panels: Annotated[list[str], Check(lambda names: bool(names) and all(n in PANEL_NAMES for n in names)
                                        and len(set(names)) == len(names),
                                        "distinct panel names among " + ", ".join(PANEL_NAMES))] = \
@@ -53,8 +53,8 @@ class AblateOptions(Section):
 
 
 def panel_seeds(opts: AblateOptions) -> int:
-    """The seeds the panels run: --seeds, or its default for the panels or --quick."""
-    return opts.seeds or (QUICK_SEEDS if opts.quick else PANEL_SEEDS)
+    """The seeds the panels run: --seeds, or its default."""
+    return opts.seeds or PANEL_SEEDS
 
 
 def ladder_seeds(opts: AblateOptions) -> int:
