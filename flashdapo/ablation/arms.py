@@ -124,14 +124,15 @@ def _series(history: list[dict], key: str, last: int | None = None) -> list[tupl
     return points
 
 
-def _last_steps(cfg: Config) -> int:
+def last_steps(cfg: Config) -> int:
+    """How many of the final steps "over the last steps" covers."""
     return max(1, round(cfg.trainer.total_steps * LAST_FRACTION))
 
 
 def mean_over_last(key: str) -> Callable[[list[dict], Config], float | None]:
     """The mean of `key` over the last steps (LAST_FRACTION of the run); None when never logged."""
     def measure(history: list[dict], cfg: Config) -> float | None:
-        points = _series(history, key, _last_steps(cfg))
+        points = _series(history, key, last_steps(cfg))
         return statistics.fmean(v for _, v in points) if points else None
     return measure
 

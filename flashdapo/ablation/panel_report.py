@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from .arms import LAST_FRACTION, Measure, Panel, PanelArm
+from .arms import LAST_FRACTION, Measure, Panel, PanelArm, last_steps
 from .options import AblateOptions
 from .panel_runner import PanelRun
 from .stats import PairedTest, StatsError, holm, paired_test
@@ -181,7 +181,8 @@ def plot_panel(runs: list[PanelRun], measure: Measure, path: Path) -> None:
             ax.plot(xs, ys, color=colours(index), linewidth=2.4, label=f"{arm.label} (mean of {len(curves)})")
     if measure.x == "step" and runs and "last steps" in measure.name:
         total = runs[0].config.trainer.total_steps
-        ax.axvspan(total * (1 - LAST_FRACTION), total, color="grey", alpha=0.12, label="the metric's last steps")
+        ax.axvspan(total - last_steps(runs[0].config) + 0.5, total + 0.5, color="grey", alpha=0.12,
+                   label="the metric's last steps")
     ax.set_xlabel("samples generated" if measure.x != "step" else "step")
     ax.set_ylabel(measure.key)
     ax.set_title(f"{runs[0].panel.title}: {measure.key}" if runs else measure.key, fontsize=10)
