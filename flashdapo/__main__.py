@@ -27,7 +27,8 @@ USAGE = """usage: flashdapo {train,config,plan,eval,generate,ablate} [options]  
   plan     will a launch start and fit: flashdapo plan [--preset NAME] [--nodes N] [--gpus-per-node G] [--gpu h20] [train options]
   eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32] [--config FILE]
   generate a saved model's answers: flashdapo generate --model DIR (--prompt TEXT ... | --data FILE [--limit N] | --examples) [--n 4] [--out FILE]
-  ablate   the paper's ablation ladder: flashdapo ablate [--out DIR] [--seeds 3] [--arms NAME ...] [train options]
+  ablate   the mechanism panels: flashdapo ablate [--out DIR] [--quick] [--panels NAME ...] [--seeds 5]
+           [train options]; the paper's ladder: flashdapo ablate --ladder [--arms NAME ...]
 
 presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field; " \
     "--debug (or FLASHDAPO_DEBUG=1) shows the traceback of an error."

@@ -117,3 +117,18 @@ def test_warmed_up_base_truncates_and_makes_all_equal_groups(tmp_path):
     assert stats.all_right + stats.all_wrong > 0.2
     assert 0 < stats.accuracy < 0.9
     assert not build_base(PRESET, tmp_path / "base", log=print)  # same settings: reused
+
+
+def test_long_hand_slip_chance_of_its_own():
+    cfg = ScratchpadTaskConfig(num_train=300, num_val=20, max_digits=2, slip_fraction=0.3, verbose_fraction=0.4)
+    examples = scratchpad_sft_examples(cfg, 600, random.Random(1))
+    # Unset, long-hand work slips like compact work: the same examples as setting it to slip_fraction.
+    same = ScratchpadTaskConfig(**{**cfg.__dict__, "verbose_slip_fraction": 0.3})
+    assert scratchpad_sft_examples(same, 600, random.Random(1)) == examples
+    careful = ScratchpadTaskConfig(**{**cfg.__dict__, "verbose_slip_fraction": 0.0})
+    verify = get_verifier("dapo")
+    right = {True: [], False: []}
+    for record, text in scratchpad_sft_examples(careful, 600, random.Random(1)):
+        right[text.splitlines()[0].endswith(":")].append(verify(text, record.ground_truth).acc)
+    assert all(right[True]) and len(right[True]) > 150  # long-hand never slips: longer work is more often right
+    assert 0.4 < sum(right[False]) / len(right[False]) < 0.9

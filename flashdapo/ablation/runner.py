@@ -1,4 +1,4 @@
-"""`flashdapo ablate`: the base model once, then every (arm, seed) run in its own directory, then the report.
+"""`flashdapo ablate --ladder`: the base model once, then every (arm, seed) run in its own directory, then the report.
 
 Each arm's run is a plain `flashdapo train` run (its config.yaml reruns it alone) from the saved base
 (`model.path` = OUT/base) on the task's problems written as data files (OUT/data/train.jsonl, val.jsonl),
@@ -19,7 +19,7 @@ from ..config import Config, merge
 from ..errors import FlashdapoError
 from .arms import ARMS, Arm, arm_config, arm_fields, arm_index
 from .base import BaseStatistics, base_settings, base_statistics, build_base, write_task_files
-from .options import AblateOptions
+from .options import AblateOptions, ladder_seeds
 
 DONE_MARKER = "arm.json"
 
@@ -58,7 +58,7 @@ def planned_runs(base: Config, opts: AblateOptions, base_dir: Path) -> list[tupl
     runs = []
     for arm in sorted((ARMS[arm_index(n)] for n in opts.arms), key=lambda a: arm_index(a.name)):
         arm_cfg = arm_config(arm_index(arm.name), common)
-        for seed in range(opts.seeds):
+        for seed in range(ladder_seeds(opts)):
             cfg = merge(arm_cfg, {"trainer": {"seed": seed},
                                   "logging": {"run_dir": str(arm_run_dir(out, arm, seed))}})
             runs.append((arm, seed, cfg))
@@ -127,6 +127,14 @@ def _base_stats(base: Config, base_dir: Path, opts: AblateOptions, out: Path, lo
 
 
 def _run_arm(arm: Arm, seed: int, cfg: Config) -> ArmRun:
+    history, wall, skipped = train_or_reuse(cfg, arm.name, seed)
+    return ArmRun(arm, seed, cfg, Path(cfg.logging.run_dir), history, wall, skipped=skipped)
+
+
+def train_or_reuse(cfg: Config, name: str, seed: int) -> tuple[list[dict], float, bool]:
+    """Train cfg in its run directory, or read back a run an earlier `flashdapo ablate` finished there with the
+    same config (its arm.json): (history, wall seconds, skipped). An interrupted run resumes from its newest
+    checkpoint (`checkpoint.resume auto`); a run finished with another config is refused."""
     from ..trainer.loop import train
     from ..trainer.metrics import read_history
 
@@ -135,16 +143,16 @@ def _run_arm(arm: Arm, seed: int, cfg: Config) -> ArmRun:
     if marker.is_file():
         done = json.loads(marker.read_text())
         if done["config"] != cfg.to_dict():
-            raise AblationError(f"{marker}: this arm finished with a different config than the ladder now asks for; "
-                                "choose another --out, or delete that arm's directory to rerun it")
-        return ArmRun(arm, seed, cfg, run_dir, read_history(run_dir / "metrics.jsonl"), done["wall_s"], skipped=True)
+            raise AblationError(f"{marker}: this arm finished with a different config than the ablation now asks "
+                                "for; choose another --out, or delete that arm's directory to rerun it")
+        return read_history(run_dir / "metrics.jsonl"), done["wall_s"], True
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     start = time.perf_counter()
     finished = train(cfg)
     wall = time.perf_counter() - start
-    marker.write_text(json.dumps({"arm": arm.name, "seed": seed, "wall_s": wall, "config": cfg.to_dict()}))
-    return ArmRun(arm, seed, cfg, run_dir, list(finished.logger.history), wall)
+    marker.write_text(json.dumps({"arm": name, "seed": seed, "wall_s": wall, "config": cfg.to_dict()}))
+    return list(finished.logger.history), wall, False
 
 
 def progress_line(number: int, total: int, run: ArmRun, elapsed: float) -> str:

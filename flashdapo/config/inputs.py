@@ -127,6 +127,9 @@ class ScratchpadTaskConfig(Section):
     slip_fraction: Fraction = 0.2
     """Warm-up demonstrations: chance that a column's written sum is off by one (the answer then follows the
     written work): long problems are right less often than short ones."""
+    verbose_slip_fraction: Annotated[float | None, within(0, 1)] = None
+    """The same chance for long-hand demonstrations (None: slip_fraction). Below slip_fraction, longer work is
+    more often right (the token-level loss panel of `flashdapo ablate`)."""
     verbose_fraction: Fraction = 0.35
     """Warm-up demonstrations written long-hand (the problem restated, each column's digit and carry spelled
     out): on long problems these run past the response limit."""

@@ -127,15 +127,18 @@ def worked_answer(a: int, b: int, *, verbose: bool = False, slips: frozenset[int
 
 def scratchpad_sft_examples(cfg: ScratchpadTaskConfig, n: int, rng: random.Random) -> list[tuple[Record, str]]:
     """`n` (prompt record, response) pairs from the train split: compact worked answers, long-hand with
-    probability cfg.verbose_fraction, each column slipping with probability cfg.slip_fraction."""
+    probability cfg.verbose_fraction, each column slipping with probability cfg.slip_fraction (long-hand ones:
+    cfg.verbose_slip_fraction when set)."""
     train, _ = scratchpad_problems(cfg)
     out = []
     for i in range(n):
         a, b = train[rng.randrange(len(train))]
         columns = max(len(str(a)), len(str(b)))
-        slips = frozenset(k for k in range(columns) if rng.random() < cfg.slip_fraction)
-        worked = worked_answer(a, b, verbose=rng.random() < cfg.verbose_fraction, slips=slips,
-                               slip_sign=rng.choice((-1, 1)))
+        draws = [rng.random() for _ in range(columns)]  # drawn before `verbose`: the default's stream unchanged
+        verbose = rng.random() < cfg.verbose_fraction
+        chance = cfg.verbose_slip_fraction if verbose and cfg.verbose_slip_fraction is not None else cfg.slip_fraction
+        slips = frozenset(k for k, u in enumerate(draws) if u < chance)
+        worked = worked_answer(a, b, verbose=verbose, slips=slips, slip_sign=rng.choice((-1, 1)))
         out.append((_record((a, b), cfg, f"scratchpad:sft:{i}"), worked.text))
     return out
 
