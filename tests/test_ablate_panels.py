@@ -80,7 +80,11 @@ def test_panel_regimes():
         assert BASE.trainer.train_batch // fields["trainer.mini_batch"] == 16  # 16 updates per batch
         assert [a.change.get("algorithm.clip_high", fields["algorithm.clip_high"]) for a in by[name].arms][:2] \
             == [0.2, 0.28]
-    assert [a.change for a in by["clip-higher-random"].arms][2] == {"algorithm.clip_high": 0.35}
+    assert [a.change for a in by["clip-higher-random"].arms][2:] == [{"algorithm.clip_high": 0.5},
+                                                                     {"algorithm.clip_high": 2.0}]
+    # A': one batch trained 64 times (16 mini-batches x 4 epochs), judged on that batch's trained tokens
+    assert random_clip["trainer.total_steps"] == 1 and random_clip["trainer.ppo_epochs"] == 4
+    assert by["clip-higher-random"].metric.key == "actor/entropy"
     # dynamic sampling: both arms generate train_batch prompts a round, so the treatment refills
     ds = [panel_arm_config(by["dynamic-sampling"], a, BASE) for a in by["dynamic-sampling"].arms]
     assert [c.trainer.gen_batch for c in ds] == [BASE.trainer.train_batch] * 2

@@ -283,12 +283,29 @@ CLIP_ARMS = (PanelArm("clip-0.20", "clip_high 0.2"),
 FIG2 = "Fig. 2 (entropy of the actor with and without Clip-Higher: it collapses without)"
 ENTROPY_KEPT = "higher with the wider upper clip (entropy kept)"
 
+ONE_BATCH_DOSE: dict[str, Any] = {
+    # The reward-free control as one batch (bench/results/2026-12-02-cpu-2core-clip-higher-pilot.md): under
+    # random rewards each arm's entropy drifts at random from step to step, so whole runs add noise faster than
+    # the clip adds signal; one batch trained 64 times (16 mini-batches x 4 epochs) at a high learning rate,
+    # the same tokens in every arm of a seed, shows the clip's own effect on the entropy of the tokens trained.
+    "trainer.mini_batch": 1, "trainer.ppo_epochs": 4, "optim.lr": 1e-3, "trainer.total_steps": 1,
+    "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.2, "logging.probe_every": 1,
+    "algorithm.verifier": "random", "algorithm.random_reward_p": 0.5,
+    "algorithm.overlong_buffer": False, "algorithm.overlong_filter": False,
+    "trainer.val_every": 0, "trainer.val_before_train": False,
+}
+BATCH_ENTROPY = Measure("entropy of the trained tokens (the one batch)", "actor/entropy", mean_over_run("actor/entropy"))
+CLIP_DOSE_ARMS = (PanelArm("clip-0.20", "clip_high 0.2"),
+                  PanelArm("clip-0.28", "clip_high 0.28", {"algorithm.clip_high": 0.28}),
+                  PanelArm("clip-0.50", "clip_high 0.5", {"algorithm.clip_high": 0.5}),
+                  PanelArm("clip-2.00", "clip_high 2.0 (the upper clip nearly off)", {"algorithm.clip_high": 2.0}))
+
 PANELS: tuple[Panel, ...] = (
-    Panel("clip-higher-random", "Clip-Higher, random rewards (A')", FIG2,
-          {**CLIP_SIXTEEN_UPDATES, "algorithm.verifier": "random", "algorithm.random_reward_p": 0.5,
-           "algorithm.overlong_buffer": False, "algorithm.overlong_filter": False,
-           "trainer.val_every": 0, "trainer.val_before_train": False},
-          CLIP_ARMS, PROBE_ENTROPY, ENTROPY_KEPT, CLIP_SECONDARY, quick_arms=("clip-0.20", "clip-0.28")),
+    Panel("clip-higher-random", "Clip-Higher, random rewards (A'), one batch, a dose series", FIG2,
+          ONE_BATCH_DOSE, CLIP_DOSE_ARMS, BATCH_ENTROPY, ENTROPY_KEPT,
+          (Measure("probe-set entropy after the batch", "probe/entropy", mean_over_run("probe/entropy")),
+           *CLIP_SECONDARY[:2]),
+          quick_arms=("clip-0.20", "clip-0.28", "clip-0.50")),
     Panel("clip-higher-task", "Clip-Higher, on the task", FIG2,
           {**CLIP_SIXTEEN_UPDATES, "trainer.val_every": 15},
           CLIP_ARMS[:2], PROBE_ENTROPY, ENTROPY_KEPT,
