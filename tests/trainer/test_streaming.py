@@ -180,9 +180,11 @@ def test_streaming_without_an_early_stop_trains_as_rounds_do(tmp_path):
 def test_streaming_repeats_and_resumes_bitwise_with_carried_responses(tmp_path, ranks):
     common = [*TINY, *STREAM, "--algorithm.dynamic-sampling", "True", "--algorithm.max-gen-batches", "0",
               "--trainer.gen-batch", "8", "--checkpoint.save-every", "2"]
-    straight, again, resumed = tmp_path / "a", tmp_path / "b", tmp_path / "r"
-    for run in (straight, again):
-        torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(run))
+    # The interrupted run's steps 1-2 come from a process of their own: equal to the straight run's, they are
+    # the fixed-seed repeat; its steps 3-4, after the resume, are the resume's check.
+    straight, resumed = tmp_path / "a", tmp_path / "r"
+    torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir",
+             str(straight))
     if ranks == 1:  # SIGKILL inside step 3 (after its generation), after the checkpoint of step 2
         proc = subprocess.run([sys.executable, str(SCRIPTS / "kill_during_step.py"), "3", *common,
                                "--trainer.total-steps", "4", "--logging.run-dir", str(resumed)],
@@ -195,8 +197,8 @@ def test_streaming_repeats_and_resumes_bitwise_with_carried_responses(tmp_path, 
     torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(resumed),
              "--checkpoint.resume", "auto")
     keep = ("timing_s/", "perf/")
-    a, b, r = (_rows(d, keep) for d in (straight, again, resumed))
-    assert a == b  # a fixed seed repeats
+    a, r = (_rows(d, keep) for d in (straight, resumed))
+    assert len(a) == len(r) == 4
     assert any(row.get("stream/carried", 0) > 0 for row in a[:2]), "the checkpoint held carried responses"
     # The 2-step run validated at its last step; the straight one did not.
     strip = lambda rows: [{k: v for k, v in row.items() if not k.startswith("val/")} for row in rows]
