@@ -293,6 +293,17 @@ def machine_tag(device: str) -> str:
     return f"cpu-{os.cpu_count()}core"
 
 
+def write_result(text: str, out: str | Path, commit: str, name: str, device: str = "cpu") -> Path:
+    """Print a benchmark's table and write it to OUT/<date>-<machine>-<commit>-<name>.md (the results' naming)."""
+    print(text)
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{datetime.date.today()}-{machine_tag(device)}-{commit}-{name}.md"
+    path.write_text(text + "\n")
+    print(f"written to {path}")
+    return path
+
+
 def git_commit() -> str:
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()

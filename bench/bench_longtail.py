@@ -245,7 +245,7 @@ def report(results, ranks: list[int], arms: list[str], cfg, args, commit: str) -
 
 
 def main(argv=None) -> int:
-    from bench.bench_kernels import git_commit, machine_tag
+    from bench.bench_kernels import git_commit, write_result
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="1,2", help="comma-separated world sizes (torchrun, gloo)")
@@ -280,13 +280,7 @@ def main(argv=None) -> int:
     base = merge(prepare(cfg, work), {"rollout": {"engine": args.engine}})
     results = run_all(base, ranks, arms, args.repeats, work, in_process=args.smoke, timeout=args.timeout)
     text = report(results, ranks, arms, base, args, commit)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    suffix = "-frozen" * args.frozen + "-smoke" * args.smoke
-    path = out / f"{datetime.date.today()}-{machine_tag('cpu')}-{commit}-longtail{suffix}.md"
-    path.write_text(text + "\n")
-    print(f"written to {path}")
+    write_result(text, args.out, commit, "longtail" + "-frozen" * args.frozen + "-smoke" * args.smoke)
     return 0
 
 

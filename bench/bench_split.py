@@ -201,7 +201,7 @@ def report(results, workloads: list[str], arms: list[str], args, commit: str) ->
 
 
 def main(argv=None) -> int:
-    from bench.bench_kernels import git_commit, machine_tag
+    from bench.bench_kernels import git_commit, write_result
     from flashdapo.config import merge
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -233,12 +233,7 @@ def main(argv=None) -> int:
              for w in workloads}
     results = run_all(bases, arms, args.repeats, ranks, work, in_process=args.smoke, timeout=args.timeout)
     text = report(results, workloads, arms, args, commit)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{datetime.date.today()}-{machine_tag('cpu')}-{commit}-split{'-smoke' * args.smoke}.md"
-    path.write_text(text + "\n")
-    print(f"written to {path}")
+    write_result(text, args.out, commit, f"split{'-smoke' * args.smoke}")
     return 0
 
 

@@ -362,7 +362,7 @@ def _trl_version() -> str:
 
 
 def main(argv=None) -> int:
-    from bench.bench_kernels import git_commit, machine_tag
+    from bench.bench_kernels import git_commit, write_result
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="W1,W2", help=f"comma-separated, of {sorted(WORKLOADS)}")
@@ -384,12 +384,7 @@ def main(argv=None) -> int:
         ["trl"] if "not installed" not in _trl_version() else [])
     commit = git_commit()
     table = build_table(names, frameworks, args.repeats, args.steps, args.timeout, commit)
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{datetime.date.today()}-{machine_tag('cpu')}-{commit}-step-{'-'.join(names)}.md"
-    path.write_text(table + "\n")
-    print(f"written to {path}")
+    write_result(table, args.out, commit, f"step-{'-'.join(names)}")
     return 0
 
 

@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,17 +105,22 @@ class BaseStatistics:
                 f"{self.rare_right:.3f}, mean length {self.mean_length:.1f} tokens")
 
 
+def cpu_engine(model_dir: Path, max_batch: int) -> tuple[Any, TorchEngine]:
+    """The tokenizer and a CPU torch engine over the HF model saved in `model_dir` (a base or a run's export)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return tokenizer, TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, torch.device("cpu"),
+                                  max_batch=max_batch)
+
+
 def base_statistics(cfg: Config, base_dir: Path, prompts: int = 64, seed: int = 0) -> BaseStatistics:
     """Sample the first `prompts` training prompts of cfg's task with the base in `base_dir`, rollout.n responses
     each at the training temperature and top_p, and count truncation and all-equal groups."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    tokenizer, engine = cpu_engine(base_dir, cfg.rollout.max_num_seqs)
     train, _ = build_datasets(cfg.data, tokenizer)
     rc = cfg.rollout
-    engine = TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, torch.device("cpu"),
-                         max_batch=rc.max_num_seqs)
     sampling = EvalSampling(k=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                             max_new_tokens=rc.max_response_length, seed=seed, prompts_per_call=prompts)
     results = sample_prompts(engine, list(train.prompts)[:prompts], tokenizer, get_verifier(cfg.algorithm.verifier),

@@ -8,14 +8,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from ..config import Config
 from ..eval.sampling import EvalSampling, sample_prompts
 from ..reward import get_verifier
-from ..rollout.torch_engine import TorchEngine
 from ..tasks import build_datasets
-from ..tokenizer import eos_token_ids
+from .base import cpu_engine
 
 FINAL_EVAL = "final_eval.json"
 FINAL_EVAL_SEED = 12345
@@ -61,14 +58,9 @@ def read_final_evaluation(run_dir: Path) -> list[FinalScore]:
 
 
 def _score(cfg: Config, model_dir: Path, k: int, top_p: float) -> FinalScore:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer, engine = cpu_engine(model_dir, cfg.rollout.max_num_seqs)
     _, val = build_datasets(cfg.data, tokenizer)
     rc = cfg.rollout
-    engine = TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, torch.device("cpu"),
-                         max_batch=rc.max_num_seqs)
     prompts = list(val.prompts)
     sampling = EvalSampling(k=k, temperature=rc.val_temperature, top_p=top_p, top_k=rc.top_k,
                             max_new_tokens=rc.max_response_length, seed=FINAL_EVAL_SEED,
