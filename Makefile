@@ -69,7 +69,7 @@ bench-step:  ## end-to-end DAPO step vs TRL's GRPOTrainer (W1, W2; ~15 min on 2 
 	$(MAKE) setup EXTRAS=dev,bench
 	$(PY) -m bench.bench_step $(BENCH_STEP_ARGS)
 
-bench-longtail: setup  ## rounds vs streaming (early stop, carry) on the long-tail toy, 1 and 2 ranks (~40 min on 2 cores); table -> bench/results/
+bench-longtail: setup  ## rounds vs streaming (early stop, carry) on the long-tail toy, 1 and 2 ranks (~50 min on 2 cores); table -> bench/results/
 	$(PY) -m bench.bench_longtail $(BENCH_LONGTAIL_ARGS)
 	$(PY) -m bench.longtail_model
 

@@ -42,8 +42,10 @@ ARMS = {
     "rounds": {"rollout": {"streaming": False}},
     "stream": {"rollout": {"streaming": True, "partial_rollouts": False}},
     "carry": {"rollout": {"streaming": True, "partial_rollouts": True}},
+    "carry4": {"rollout": {"streaming": True, "partial_rollouts": True, "max_carry_steps": 4}},
 }
-"""Each arm's fields on top of the workload."""
+"""Each arm's fields on top of the workload. carry4: a carried response restarts from scratch only once its
+oldest token is over 4 policy versions old (the default, 1, restarts the longest responses: a length bias)."""
 COMMON = {"trainer": {"val_every": 0, "val_before_train": False},
           "checkpoint": {"save_every": 0, "export_hf": False, "keep_last": 1},
           "logging": {"plot": False}}
