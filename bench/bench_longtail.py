@@ -108,14 +108,16 @@ def prepare(cfg, work: Path, log=print):
                        "data": {"train_files": [str(train_file.resolve())], "val_files": []}})
 
 
-def run_arm(cfg, ranks: int, in_process: bool, timeout: int) -> list[dict]:
-    """One `flashdapo train` run (fresh run directory); its metrics.jsonl records."""
+def run_arm(cfg, ranks: int, in_process: bool, timeout: int, preset: str = "longtail", flags: tuple[str, ...] = (),
+            env: dict[str, str] | None = None, bench: str = "bench_longtail") -> list[dict]:
+    """One `flashdapo train` run (fresh run directory); its metrics.jsonl records. `flags` follow the config
+    on the command line (they need a subprocess) and `env` joins the subprocess's environment."""
     from flashdapo.trainer.metrics import read_history
 
     run_dir = Path(cfg.logging.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    if in_process and ranks == 1:
+    if in_process and ranks == 1 and not flags:
         from flashdapo.trainer.loop import train
 
         train(cfg)
@@ -124,11 +126,12 @@ def run_arm(cfg, ranks: int, in_process: bool, timeout: int) -> list[dict]:
         config.write_text(cfg.to_yaml())
         launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
                   if ranks > 1 else [sys.executable])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([*launch, "-m", "flashdapo", "train", "--preset", "longtail", "--config", str(config)],
+        env = {**os.environ, **(env or {}),
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([*launch, "-m", "flashdapo", "train", "--preset", preset, "--config", str(config), *flags],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
-            raise RuntimeError(f"bench_longtail: {run_dir.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"{bench}: {run_dir.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return [r for r in read_history(run_dir / "metrics.jsonl") if r.get("step", 0) >= 1]
 
 

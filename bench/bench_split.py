@@ -33,9 +33,7 @@ import argparse
 import dataclasses
 import datetime
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,28 +87,10 @@ def workload(name: str, smoke: bool):
 
 def run_arm(cfg, preset: str, lag: int | None, ranks: int, in_process: bool, timeout: int) -> list[dict]:
     """One `flashdapo train` run (fresh run directory, one thread per process); its step records."""
-    from flashdapo.trainer.metrics import read_history
+    from bench.bench_longtail import run_arm as run_train
 
-    run_dir = Path(cfg.logging.run_dir)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    if in_process and ranks == 1 and lag is None:
-        from flashdapo.trainer.loop import train
-
-        train(cfg)
-    else:
-        config = run_dir.parent / f"{run_dir.name}.yaml"
-        config.write_text(cfg.to_yaml())
-        launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-                  if ranks > 1 else [sys.executable])
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([*launch, "-m", "flashdapo", "train", "--preset", preset, "--config", str(config),
-                               *split_flags(lag)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"bench_split: {run_dir.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return [r for r in read_history(run_dir / "metrics.jsonl") if r.get("step", 0) >= 1]
+    return run_train(cfg, ranks, in_process, timeout, preset=preset, flags=tuple(split_flags(lag)),
+                     env={"OMP_NUM_THREADS": "1"}, bench="bench_split")
 
 
 def _mean(history: list[dict], key: str) -> float:
