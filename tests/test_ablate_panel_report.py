@@ -16,6 +16,7 @@ from flashdapo.ablation.panel_runner import PanelRun, plan_panels, run_panels
 from flashdapo.ablation.runner import AblationError
 from flashdapo.ablation.stats import holm, paired_test
 from flashdapo.config import merge, preset
+from tests.test_ablate import TINY as LADDER_TINY
 
 BASE = preset("scratchpad")
 CFG = merge(BASE, {"trainer": {"total_steps": 8}})
@@ -86,15 +87,8 @@ def test_a_metric_not_logged_is_said_not_tested(tmp_path):
     assert "| metric not logged by these runs | | | | | no |" in text
 
 
-TINY = {
-    "model": {"toy": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-                      "intermediate_size": 64, "sft_steps": 4, "sft_batch": 8}},
-    "data": {"scratchpad": {"num_train": 40, "num_val": 4, "max_digits": 2}},
-    "rollout": {"n": 4, "val_n": 2, "max_response_length": 24},
-    "algorithm": {"overlong_buffer_len": 8},
-    "trainer": {"total_steps": 3, "train_batch": 4, "gen_batch": 4, "mini_batch": 2},
-    "checkpoint": {"save_every": 0},
-}
+# The ladder tests' tiny sizes, with a batch that one generation round fills.
+TINY = {**LADDER_TINY, "trainer": {"total_steps": 3, "train_batch": 4, "gen_batch": 4, "mini_batch": 2}}
 
 
 def test_quick_and_ladder_stand_alone_or_take_a_value(tmp_path):
