@@ -39,13 +39,24 @@ def shared_base(args: argparse.Namespace) -> dict[str, str]:
     from flashdapo.ablation.base import build_base, write_task_files
     from flashdapo.config.presets import preset
 
-    cfg = preset(args.preset)
+    from flashdapo.ablation.arms import nested
+    from flashdapo.config import merge
+
+    cfg = merge(preset(args.preset), nested({k: v for k, v in base_fields(args).items()}))
     cfg.trainer.seed = args.base_seed
     base_dir = Path(args.out) / "base"
     build_base(cfg, base_dir)
     train_file, val_file = write_task_files(cfg, Path(args.out) / "data")
     return {"model.path": str(base_dir.resolve()), "data.train_files": str(train_file.resolve()),
             "data.val_files": str(val_file.resolve())}
+
+
+def base_fields(args: argparse.Namespace) -> dict:
+    """--set fields the base model depends on (model.toy.*, data.*): given to the warm-up too."""
+    import yaml
+
+    return {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)
+            if k.startswith(("model.toy.", "data."))}
 
 
 def flag(field: str, value: str) -> list[str]:

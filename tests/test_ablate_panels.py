@@ -42,15 +42,15 @@ def _configs(panel, strip: set[str] = frozenset()):
 
 
 def test_panels_are_named_pairs_or_dose_series_with_a_control_first():
-    assert [p.name for p in PANELS] == ["clip-higher-random", "clip-higher-task", "dynamic-sampling",
-                                        "token-level-loss", "overlong"]
+    assert [p.name for p in PANELS] == ["clip-higher-random", "clip-higher-random-t1", "clip-higher-task",
+                                        "dynamic-sampling", "token-level-loss", "overlong"]
     for panel in PANELS:
         assert panel.control.change == {} and len(panel.arms) >= 2, panel.name
         assert len({a.name for a in panel.arms}) == len(panel.arms)
         assert all(len(arm.change) == 1 for arm in panel.arms[1:]), panel.name
         assert panel.figure.startswith("Fig. ") and panel.metric.name and panel.expected
         assert set(panel.quick_arms) <= {a.name for a in panel.arms}
-    assert [p.name for p in PANELS if p.quick_arms] == ["clip-higher-random", "overlong"]
+    assert [p.name for p in PANELS if p.quick_arms] == ["clip-higher-random", "clip-higher-random-t1", "overlong"]
 
 
 def test_each_treatment_differs_from_its_control_in_exactly_one_field():
@@ -68,23 +68,28 @@ def test_each_treatment_differs_from_its_control_in_exactly_one_field():
             flat = _flat(cfg.to_dict())
             changed = {k for k in flat if flat[k] != control[k]}
             assert changed == set(arm.change), (panel.name, arm.name, changed)
-    assert set(unbuildable) <= {"clip-higher-random", "clip-higher-task"}
+    assert set(unbuildable) <= {"clip-higher-random", "clip-higher-random-t1", "clip-higher-task"}
 
 
 def test_panel_regimes():
     by = {p.name: p for p in PANELS}
     random_clip = panel_arm_fields(by["clip-higher-random"], by["clip-higher-random"].control, BASE)
     assert random_clip["algorithm.verifier"] == "random" and random_clip["algorithm.random_reward_p"] == 0.5
-    for name in ("clip-higher-random", "clip-higher-task"):
-        fields = panel_arm_fields(by[name], by[name].control, BASE)
-        assert BASE.trainer.train_batch // fields["trainer.mini_batch"] == 16  # 16 updates per batch
-        assert [a.change.get("algorithm.clip_high", fields["algorithm.clip_high"]) for a in by[name].arms][:2] \
-            == [0.2, 0.28]
-    assert [a.change for a in by["clip-higher-random"].arms][2:] == [{"algorithm.clip_high": 0.5},
-                                                                     {"algorithm.clip_high": 2.0}]
-    # A': one batch trained 64 times (16 mini-batches x 4 epochs), judged on that batch's trained tokens
-    assert random_clip["trainer.total_steps"] == 1 and random_clip["trainer.ppo_epochs"] == 4
-    assert by["clip-higher-random"].metric.key == "actor/entropy"
+    for name in ("clip-higher-random", "clip-higher-random-t1", "clip-higher-task"):
+        cfg = panel_arm_config(by[name], by[name].control, BASE)
+        assert cfg.trainer.train_batch // cfg.trainer.mini_batch * cfg.trainer.ppo_epochs == 16  # 16 updates a batch
+        assert [a.change.get("algorithm.clip_high", cfg.algorithm.clip_high) for a in by[name].arms][:2] == [0.2, 0.28]
+    assert [a.change for a in by["clip-higher-random"].arms][2:] == [{"algorithm.clip_high": 0.35}]
+    # A': one batch, trained as a whole (one mini-batch, 16 epochs), judged on that batch's trained tokens
+    assert random_clip["trainer.total_steps"] == 1 and random_clip["trainer.ppo_epochs"] == 16
+    assert random_clip["trainer.mini_batch"] == BASE.trainer.train_batch
+    for name in ("clip-higher-random", "clip-higher-random-t1"):
+        assert by[name].metric.key == "actor/entropy"
+    # ... at temperature 1.5 (a sampled tail), beside the same panel at 1.0: the two differ in that field only
+    tail, t1 = (_flat(panel_arm_config(by[n], by[n].control, BASE).to_dict())
+                for n in ("clip-higher-random", "clip-higher-random-t1"))
+    assert {k for k in tail if tail[k] != t1[k]} == {"rollout.temperature"}
+    assert (tail["rollout.temperature"], t1["rollout.temperature"]) == (1.5, 1.0)
     # dynamic sampling: both arms generate train_batch prompts a round, so the treatment refills
     ds = [panel_arm_config(by["dynamic-sampling"], a, BASE) for a in by["dynamic-sampling"].arms]
     assert [c.trainer.gen_batch for c in ds] == [BASE.trainer.train_batch] * 2
