@@ -106,7 +106,7 @@ def paired(diffs: list[float]) -> tuple[float, float, float]:
 def analyse(args: argparse.Namespace) -> None:
     first = args.steps - args.window + 1
     keys = ["probe/entropy", "probe/top1_prob", "actor/entropy", "actor/clipfrac_upper", "actor/clipfrac_lower",
-            "actor/upclip_old_prob", "actor/ppo_kl", "response_length/mean"]
+            "actor/upclip_old_prob", "actor/upclip_tail_fraction", "actor/ppo_kl", "response_length/mean"]
     print(f"window: steps {first}..{args.steps}")
     for key in keys:
         rows, diffs = [], []
@@ -129,7 +129,8 @@ def main() -> None:
     p.add_argument("--probe-every", type=int, default=2)
     p.add_argument("--low", default="0.2")
     p.add_argument("--high", default="0.28")
-    p.add_argument("--set", action="append", default=[], help="FIELD=VALUE (dotted field), repeatable")
+    p.add_argument("--set", action="append", default=[],
+                   help="FIELD=VALUE (dotted field), repeatable; model.toy.* and data.* fields shape the warm-up too")
     p.add_argument("--base-seed", type=int, default=0, help="seed of the one shared warm-up")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default="runs/pilot_clip_higher")

@@ -253,6 +253,11 @@ class LossStats:
     """Tokens with A < 0 and r > c (the dual clip; equals pg_clipfrac_lower)."""
     upclip_old_prob: torch.Tensor
     """Sum of exp(logp_old) over the up-clipped tokens (clip_upper): their mean old-policy probability."""
+    upclip_tail: torch.Tensor
+    """Up-clipped tokens in the tail of their position's distribution: probability below exp(-H), H the
+    position's entropy (both under the current policy; needs `entropy`). Raising such a token always raises H
+    (dH along e_a - pi is -pi_a (log pi_a + H) + Cov_pi(pi, log pi), both terms >= 0), so this share says how
+    much of what the upper clip holds back would have kept entropy up (docs/ablation.md, A')."""
     tokens_correct: torch.Tensor
     """Valid tokens of responses the verifier judged correct."""
     entropy_correct: torch.Tensor
@@ -291,8 +296,8 @@ class LossStats:
         return out
 
 
-CONDITIONAL_MEANS = {"upclip_old_prob": "clip_upper", "entropy_correct": "tokens_correct",
-                     "entropy_wrong": "tokens_wrong"}
+CONDITIONAL_MEANS = {"upclip_old_prob": "clip_upper", "upclip_tail": "clip_upper",
+                     "entropy_correct": "tokens_correct", "entropy_wrong": "tokens_wrong"}
 """LossStats sums whose mean is over the tokens of another count (value -> its count)."""
 
 
@@ -377,6 +382,7 @@ def _loss_stats(new, old, adv, valid, ratio, clips, entropy, correct) -> LossSta
         clip_dual=count(dual_clipped),
         # where(): a masked token's old log-prob may be anything, and must not leak into the sum.
         upclip_old_prob=torch.where(upper & (valid > 0), old.exp(), torch.zeros_like(old)).sum(),
+        upclip_tail=count(upper & (new + ent < 0)) if ent is not None else zero,
         tokens_correct=count(right) if right is not None else zero,
         entropy_correct=(ent * right).sum() if ent is not None and right is not None else zero,
         tokens_wrong=count(~right) if right is not None else zero,

@@ -11,7 +11,7 @@ import pytest
 from flashdapo.ablation.arms import PANELS, panel_by_name
 from flashdapo.ablation.command import parse_ablate_command
 from flashdapo.ablation.options import AblateOptions
-from flashdapo.ablation.panel_report import all_comparisons, write_panel_report
+from flashdapo.ablation.panel_report import all_comparisons, paired_by_arm, plot_panel, write_panel_report
 from flashdapo.ablation.panel_runner import PanelRun, plan_panels, run_panels
 from flashdapo.ablation.runner import AblationError
 from flashdapo.ablation.stats import holm, paired_test
@@ -19,7 +19,7 @@ from flashdapo.config import merge, preset
 from tests.test_ablate import TINY as LADDER_TINY
 
 BASE = preset("scratchpad")
-CFG = merge(BASE, {"trainer": {"total_steps": 8}})
+CFG = merge(BASE, {"trainer": {"total_steps": 8, "ppo_epochs": 4}})
 KEYS = {"clip-higher-random": "actor/entropy", "overlong": "response_length/clip_ratio"}
 SHIFT = {"clip-0.20": 0.0, "clip-0.28": 0.05, "clip-0.35": 0.1, "none": 0.0, "filter": 0.04, "soft": -0.01}
 
@@ -74,9 +74,26 @@ def test_report_tables_from_synthetic_histories(tmp_path):
         assert row.endswith("| yes |" if want.separated else "| no |")
     assert [c.test.separated for c in comparisons] == [True, True, True, False]
     assert "Fig. 2" in text and "Fig. 5" in text and "Panel `clip-higher-task` was not run" in text
+    # 16 prompts in mini-batches of 4, 4 epochs: 16 optimizer steps a batch
+    assert "8 steps of 16 prompts x 8, 16 optimizer steps per batch, lr 0.0003, temperature 1." in text
     assert "| up-clipped token fraction | 0.02 ± 0 | 0.025 ± 0 | 0.03 ± 0 |" in text
     for name in KEYS:
         assert (tmp_path / f"panel-{name}.png").stat().st_size > 5000 and f"(panel-{name}.png)" in text
+
+
+def test_one_step_panels_are_drawn_as_paired_differences_across_arms(tmp_path):
+    panel = panel_by_name("clip-higher-random")
+    one_step = merge(BASE, {"trainer": {"total_steps": 1}})
+    values = {("clip-0.20", 0): 0.60, ("clip-0.28", 0): 0.61, ("clip-0.35", 0): 0.63,
+              ("clip-0.20", 1): 0.70, ("clip-0.28", 1): 0.70, ("clip-0.35", 1): 0.69,
+              ("clip-0.20", 2): 0.50, ("clip-0.28", 2): 0.52}  # seed 2 lacks an arm: left out
+    runs = [PanelRun(panel, arm, seed, one_step, [{"step": 1, "actor/entropy": values[arm.name, seed]}], 1.0)
+            for arm in panel.arms for seed in range(3) if (arm.name, seed) in values]
+    arms, paired = paired_by_arm(runs, panel.metric)
+    assert [a.name for a in arms] == ["clip-0.20", "clip-0.28", "clip-0.35"] and sorted(paired) == [0, 1]
+    assert paired[0] == pytest.approx([0.0, 0.01, 0.03]) and paired[1] == pytest.approx([0.0, 0.0, -0.01])
+    plot_panel(runs, panel.metric, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 5000
 
 
 def test_a_metric_not_logged_is_said_not_tested(tmp_path):

@@ -218,6 +218,25 @@ def test_clip_fractions_by_region_on_a_hand_computed_batch():
     assert means["upclip_old_prob"] == pytest.approx((0.20 + 0.40) / 2, rel=1e-12)
 
 
+def test_up_clipped_tail_share_on_a_hand_computed_batch():
+    """The share of up-clipped tokens whose current probability is below exp(-H) at their position."""
+    logp, old, adv, mask = _clip_case()
+    entropy = torch.full_like(logp, 0.05)
+    entropy[0] = 0.5  # upper, new probability 0.30: log 0.30 + 0.5 = -0.70 < 0, in the tail
+    entropy[1] = 1.0  # upper, new probability 0.516: log 0.516 + 1.0 = +0.34, not in the tail
+    entropy[2] = 0.1  # inside the band (new probability 0.55): in the tail, but not up-clipped
+    entropy[11] = 0.5  # masked would-be upper (new probability 0.30): in the tail, but masked
+    algo = AlgorithmConfig(clip_low=0.2, clip_high=0.28, clip_ratio_c=10.0)
+    _, stats = token_loss(logp, old, adv, mask, algo, entropy=entropy)
+    assert stats.clip_upper.item() == 2 and stats.upclip_tail.item() == 1
+    assert stats.means()["upclip_tail"] == pytest.approx(0.5)
+    entropy[1] = 0.6  # now log 0.516 + 0.6 = -0.06: in the tail too
+    _, stats = token_loss(logp, old, adv, mask, algo, entropy=entropy)
+    assert stats.means()["upclip_tail"] == pytest.approx(1.0)
+    _, stats = token_loss(logp, old, adv, mask, AlgorithmConfig(clip_high=5.0), entropy=entropy)
+    assert stats.clip_upper.item() == 0 and "upclip_tail" not in stats.means()
+
+
 def test_clip_fractions_without_dual_clip_count_no_dual():
     logp, old, adv, mask = _clip_case()
     _, stats = token_loss(logp, old, adv, mask, AlgorithmConfig(clip_low=0.2, clip_high=0.28, clip_ratio_c=None))

@@ -307,6 +307,8 @@ CLIP_DOSE_ARMS = (PanelArm("clip-0.20", "clip_high 0.2"),
                   PanelArm("clip-0.35", "clip_high 0.35", {"algorithm.clip_high": 0.35}))
 RANDOM_SECONDARY = (Measure("probe-set entropy after the batch", "probe/entropy", mean_over_run("probe/entropy")),
                     *CLIP_SECONDARY[:2],
+                    Measure("share of up-clipped tokens in the tail (probability below exp(-H))",
+                            "actor/upclip_tail_fraction", mean_over_run("actor/upclip_tail_fraction")),
                     Measure("low-clipped token fraction", "actor/clipfrac_lower", mean_over_run("actor/clipfrac_lower")))
 
 PANELS: tuple[Panel, ...] = (

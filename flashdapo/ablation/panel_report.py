@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,16 +115,22 @@ def final_rows(runs: list[PanelRun], panel: Panel) -> list[str]:
     return rows
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def panel_section(runs: list[PanelRun], panel: Panel, comparisons: list[Comparison], holm_p: dict[int, float],
                   picture: str) -> list[str]:
     mine = [r for r in runs if r.panel.name == panel.name]
     seeds = len({r.seed for r in mine})
     cfg = mine[0].config
+    updates = cfg.trainer.train_batch // cfg.trainer.mini_batch * cfg.trainer.ppo_epochs
     changes = "; ".join(f"{a.label}: `{k}` = {v}" for a in panel.arms[1:] for k, v in a.change.items())
     lines = [f"## {panel.title} (`{panel.name}`)", "",
              f"Mirrors the paper's {panel.figure}. Control: {panel.control.label}; {changes}. {seeds} seed(s), "
-             f"{cfg.trainer.total_steps} steps of {cfg.trainer.train_batch} prompts x {cfg.rollout.n}, "
-             f"{cfg.trainer.train_batch // cfg.trainer.mini_batch} optimizer steps per batch, lr {cfg.optim.lr:g}.", "",
+             f"{_count(cfg.trainer.total_steps, 'step')} of {cfg.trainer.train_batch} prompts x {cfg.rollout.n}, "
+             f"{_count(updates, 'optimizer step')} per batch, lr {cfg.optim.lr:g}, temperature "
+             f"{cfg.rollout.temperature:g}.", "",
              f"Metric, fixed before any run: **{panel.metric.name}** (`{panel.metric.key}`). "
              f"Expected: {panel.expected}.", "",
              *comparison_rows(comparisons, holm_p), ""]
@@ -164,14 +171,61 @@ def write_panel_report(out: Path, runs: list[PanelRun], unavailable: dict[str, s
 
 
 def plot_panel(runs: list[PanelRun], measure: Measure, path: Path) -> None:
-    """The metric's key against its x (step or samples): each seed a thin line, each arm's mean a thick one."""
+    """The panel's picture: its metric over steps (or samples), or, for one-step panels, each seed's paired
+    difference from its control across the arms."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colours = plt.get_cmap("tab10")
+    if runs and all(r.config.trainer.total_steps == 1 for r in runs):
+        _plot_paired_arms(ax, runs, measure)
+    else:
+        _plot_over_steps(ax, runs, measure, plt.get_cmap("tab10"))
+    title = f"{runs[0].panel.title}: {measure.key}" if runs else measure.key
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def paired_by_arm(runs: list[PanelRun], measure: Measure) -> tuple[list[PanelArm], dict[int, list[float]]]:
+    """The panel's arms that ran (its order) and, per seed that has them all, each arm's value of `measure`
+    minus the same seed's control's (the control's own entry is 0)."""
+    panel = runs[0].panel
+    arms = [a for a in panel.arms if any(r.arm == a for r in runs)]
+    by_seed: dict[int, dict[PanelArm, float]] = {}
+    for r in runs:
+        value = r.value(measure)
+        if value is not None:
+            by_seed.setdefault(r.seed, {})[r.arm] = value
+    return arms, {seed: [values[a] - values[panel.control] for a in arms] for seed, values in sorted(by_seed.items())
+                  if panel.control in values and all(a in values for a in arms)}
+
+
+def _plot_paired_arms(ax, runs: list[PanelRun], measure: Measure) -> None:
+    """One-step panels (a curve over steps would be a single point): each seed's metric minus its own
+    control's, across the arms in the panel's order (a thin line per seed), and the mean over seeds (thick)."""
+    arms, paired = paired_by_arm(runs, measure)
+    xs = list(range(len(arms)))
+    for ys in paired.values():
+        ax.plot(xs, ys, color="tab:blue", linewidth=0.7, alpha=0.4)
+    if paired:
+        mean = [statistics.fmean(ys[i] for ys in paired.values()) for i in xs]
+        ax.plot(xs, mean, color="tab:blue", linewidth=2.4, marker="o", label=f"mean of {len(paired)} seeds")
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xticks(xs, [a.label for a in arms], fontsize=8)
+    ax.set_ylabel(f"{measure.key} minus the control's (same seed)")
+
+
+def _plot_over_steps(ax, runs: list[PanelRun], measure: Measure, colours) -> None:
+    """The metric's key against its x (step or samples): each seed a thin line, each arm's mean a thick one."""
     for index, arm in enumerate(dict.fromkeys(r.arm for r in runs)):
         curves = [_curve(r.history, measure) for r in runs if r.arm == arm]
         for xs, ys in curves:
@@ -185,15 +239,6 @@ def plot_panel(runs: list[PanelRun], measure: Measure, path: Path) -> None:
                    label="the metric's last steps")
     ax.set_xlabel("samples generated" if measure.x != "step" else "step")
     ax.set_ylabel(measure.key)
-    ax.set_title(f"{runs[0].panel.title}: {measure.key}" if runs else measure.key, fontsize=10)
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(path)
 
 
 def _curve(history: list[dict], measure: Measure) -> tuple[list[float], list[float]]:

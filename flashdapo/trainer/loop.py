@@ -261,13 +261,13 @@ def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, time
 
 
 def split_metrics(means: dict[str, float], acc: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
-    """The clip fractions by region, the up-clipped tokens' old probability, and length and entropy split by
-    the verdict (trained responses). A mean over nothing (no up-clipped token, no correct response) is left
-    out, never reported as 0."""
+    """The clip fractions by region, the up-clipped tokens' old probability and tail share, and length and
+    entropy split by the verdict (trained responses). A mean over nothing (no up-clipped token, no correct
+    response) is left out, never reported as 0."""
     out = {"actor/clipfrac_upper": means["clip_upper"], "actor/clipfrac_lower": means["clip_lower"],
            "actor/clipfrac_dual": means["clip_dual"]}
-    for key, name in (("upclip_old_prob", "actor/upclip_old_prob"), ("entropy_correct", "actor/entropy_correct"),
-                      ("entropy_wrong", "actor/entropy_wrong")):
+    for key, name in (("upclip_old_prob", "actor/upclip_old_prob"), ("upclip_tail", "actor/upclip_tail_fraction"),
+                      ("entropy_correct", "actor/entropy_correct"), ("entropy_wrong", "actor/entropy_wrong")):
         if key in means:
             out[name] = means[key]
     for flags, name in ((acc, "response_length/correct_mean"), (~acc, "response_length/wrong_mean")):

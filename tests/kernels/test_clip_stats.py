@@ -55,6 +55,8 @@ def _expected(old, ref_entropy, correct):
     valid, correct = mask.bool(), correct.cpu()
     return {"clip_upper": 4 / 28, "clip_lower": 4 / 28, "clip_dual": 4 / 28, "pg_clipfrac": 12 / 28,
             "pg_clipfrac_lower": 4 / 28, "upclip_old_prob": old.cpu()[upper].exp().mean().item(),
+            # the up-clipped tokens below exp(-H) at their position (new log-prob + entropy < 0)
+            "upclip_tail": ((old.cpu() + ratio.double().log() + ref_entropy)[upper] < 0).double().mean().item(),
             "entropy_correct": ref_entropy[valid & correct].mean().item(),
             "entropy_wrong": ref_entropy[valid & ~correct].mean().item()}
 

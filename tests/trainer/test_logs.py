@@ -45,12 +45,12 @@ def test_all_equal_share_counts_generated_groups_with_or_without_dynamic_samplin
 
 
 def test_split_metrics_by_verdict_and_region():
-    means = {"clip_upper": 0.1, "clip_lower": 0.2, "clip_dual": 0.03, "upclip_old_prob": 0.4,
+    means = {"clip_upper": 0.1, "clip_lower": 0.2, "clip_dual": 0.03, "upclip_old_prob": 0.4, "upclip_tail": 0.25,
              "entropy_correct": 1.5}
     acc = torch.tensor([True, False, False, True])
     out = split_metrics(means, acc, torch.tensor([2, 10, 20, 4]))
     assert out == {"actor/clipfrac_upper": 0.1, "actor/clipfrac_lower": 0.2, "actor/clipfrac_dual": 0.03,
-                   "actor/upclip_old_prob": 0.4, "actor/entropy_correct": 1.5,
+                   "actor/upclip_old_prob": 0.4, "actor/upclip_tail_fraction": 0.25, "actor/entropy_correct": 1.5,
                    "response_length/correct_mean": 3.0, "response_length/wrong_mean": 15.0}
     # No wrong response, no entropy of wrong tokens: those keys are absent, never 0.
     out = split_metrics(means, torch.tensor([True, True]), torch.tensor([3, 5]))
@@ -87,7 +87,7 @@ def test_a_step_logs_every_new_metric_consistently(run):
     assert metrics["train/generated_tokens_cum"] == metrics["train/generated_tokens"]
     assert ("response_length/correct_mean" in metrics) == (metrics["train/gen_acc"] > 0)
     if "actor/upclip_old_prob" in metrics:
-        assert 0 < metrics["actor/upclip_old_prob"] <= 1
+        assert 0 < metrics["actor/upclip_old_prob"] <= 1 and 0 <= metrics["actor/upclip_tail_fraction"] <= 1
     second = train_step(run, 2)
     assert second["train/generated_samples_cum"] == 2 * cfg.trainer.gen_batch * cfg.rollout.n
     assert second["train/generated_tokens_cum"] == metrics["train/generated_tokens"] + second["train/generated_tokens"]
