@@ -36,13 +36,12 @@ export or plot (the panel's metric is the probe; these only cost time)."""
 def shared_base(args: argparse.Namespace) -> dict[str, str]:
     """As `flashdapo ablate` does: warm the preset's model up once (seed --base-seed) and write the task as
     data files; every run starts from that base (model.path) on those files, so seeds differ only in RL."""
+    from flashdapo.ablation.arms import nested
     from flashdapo.ablation.base import build_base, write_task_files
+    from flashdapo.config import merge
     from flashdapo.config.presets import preset
 
-    from flashdapo.ablation.arms import nested
-    from flashdapo.config import merge
-
-    cfg = merge(preset(args.preset), nested({k: v for k, v in base_fields(args).items()}))
+    cfg = merge(preset(args.preset), nested(base_fields(args)))
     cfg.trainer.seed = args.base_seed
     base_dir = Path(args.out) / "base"
     build_base(cfg, base_dir)
