@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -221,9 +220,9 @@ def report(results, ranks: list[int], arms: list[str], cfg, args, commit: str) -
     import torch
 
     from bench.bench_kernels import machine_tag
+    from flashdapo.machine import cpu_name
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     tc, rc = cfg.trainer, cfg.rollout
     loads = sorted(r.load for rs in results.values() for r in rs)
     return "\n".join([

@@ -32,7 +32,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -324,9 +323,9 @@ def build_table(names: list[str], frameworks: list[str], repeats: int, steps: in
     import torch
 
     from bench.bench_kernels import machine_tag
+    from flashdapo.machine import cpu_name
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     lines = [f"# Step benchmark: {machine_tag('cpu')}, commit {commit}, {datetime.date.today()}", "",
              f"{cpu}; {os.cpu_count()} CPUs; torch {torch.__version__}; {_trl_version()}; "
              f"load average at start {os.getloadavg()[0]:.1f}", "",

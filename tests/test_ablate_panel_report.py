@@ -3,12 +3,15 @@ end to end."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
 import pytest
+import torch
 
 from flashdapo.ablation.arms import PANELS, panel_by_name
+from flashdapo.ablation.base import weights_digest
 from flashdapo.ablation.command import parse_ablate_command
 from flashdapo.ablation.options import AblateOptions
 from flashdapo.ablation.panel_report import all_comparisons, paired_by_arm, plot_panel, write_panel_report
@@ -199,3 +202,22 @@ def test_quick_and_default_share_bases_and_runs(tmp_path):
     assert set(quick.bases) <= set(full.bases)
     # the token-level panel's task setting differs: its own base; the others share one
     assert len(full.bases) == 2
+
+
+def test_report_names_each_base_by_its_weights_and_the_machine(tmp_path):
+    base_dir = tmp_path / "base-abc"
+    base_dir.mkdir()
+    (base_dir / "model.safetensors").write_bytes(b"weights")
+    (base_dir / "config.json").write_text("{}")  # not weights: not in the digest
+    digest = weights_digest(base_dir)
+    assert digest == hashlib.sha256(b"weights").hexdigest()[:12]
+    (base_dir / "config.json").write_text('{"a": 1}')
+    assert weights_digest(base_dir) == digest
+    (base_dir / "model.safetensors").write_bytes(b"weightz")
+    assert weights_digest(base_dir) != digest
+    cfg = merge(CFG, {"model": {"path": str(base_dir)}})
+    runs = [PanelRun(r.panel, r.arm, r.seed, cfg, r.history, r.wall_s) for r in _runs()]
+    text = write_panel_report(tmp_path, runs, {}, BASE, AblateOptions(out=str(tmp_path))).read_text()
+    line = next(x for x in text.splitlines() if x.startswith("Base model(s):"))
+    assert f"`base-abc` (weights sha256 {weights_digest(base_dir)})" in line
+    assert f"torch {torch.__version__}" in line and "CPUs" in line

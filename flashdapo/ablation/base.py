@@ -4,6 +4,7 @@ arm starts from (`model.path`), and what that base does on the task before any R
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 
 from ..config import Config
 from ..eval.sampling import EvalSampling, sample_prompts
+from ..machine import machine_summary
 from ..reward import get_verifier
 from ..rollout.torch_engine import TorchEngine
 from ..tasks import build_datasets, build_task_tokenizer, task_records
@@ -80,6 +82,24 @@ def build_base(cfg: Config, out: Path, log: Callable[[str], None] = print) -> bo
     tmp.replace(out)
     log(f"base model: {sum(p.numel() for p in hf_model.parameters()):,} parameters, saved to {out}")
     return True
+
+
+def weights_digest(model_dir: Path) -> str:
+    """The first 12 hex digits of the sha256 of the model's weight files (*.safetensors, in name order): what
+    a base's directory name (a hash of its settings) cannot say, whether two machines built the same model."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:12]
+
+
+def provenance(base_dirs: list[Path]) -> str:
+    """One report line: each base model's weights digest and the machine, with why both matter."""
+    bases = ", ".join(f"`{d.name}` (weights sha256 {weights_digest(d)})" for d in base_dirs)
+    return (f"Base model(s): {bases}. Machine: {machine_summary()}. The warm-up is deterministic on one machine, "
+            "but another CPU's floating-point kernels give another base (another digest) and other numbers.")
 
 
 @dataclass(frozen=True)

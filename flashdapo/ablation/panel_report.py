@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..config import Config
 from .arms import LAST_FRACTION, Measure, Panel, PanelArm, last_steps
+from .base import provenance
 from .options import AblateOptions
 from .panel_runner import PanelRun
 from .stats import PairedTest, StatsError, holm, paired_test
@@ -155,7 +156,8 @@ def write_panel_report(out: Path, runs: list[PanelRun], unavailable: dict[str, s
              "per-seed differences treatment - control, their mean, the 95% Student t interval, the two-sided "
              f"paired t-test p, and Holm's correction across all {len(tested)} comparisons of this report. "
              "**Separated** only where the interval excludes 0. 'Last steps' = the last "
-             f"{LAST_FRACTION:.0%} of a run's steps. Secondary metrics: mean ± sd over seeds, not tested.", ""]
+             f"{LAST_FRACTION:.0%} of a run's steps. Secondary metrics: mean ± sd over seeds, not tested.", "",
+             provenance(list(dict.fromkeys(Path(r.config.model.path) for r in runs if r.config.model.path))), ""]
     for name, error in unavailable.items():
         lines += [f"Panel `{name}` was not run: {error}", ""]
     for panel in dict.fromkeys(r.panel for r in runs):

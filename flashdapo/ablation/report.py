@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import Config
 from ..tasks import task_num_val
 from .arms import ARMS
-from .base import BaseStatistics
+from .base import BaseStatistics, provenance
 from .runner import ArmRun, samples_generated
 
 MEAN, PASS = "val/acc/mean@k", "val/acc/pass@k"
@@ -79,6 +79,7 @@ def write_report(out: Path, runs: list[ArmRun], base_stats: BaseStatistics, base
         "compare directions, not values.", "",
         *table(runs), "",
         f"Base model before RL, sampled at the training settings on the training prompts: {base_stats.summary()}.",
+        "", provenance(list(dict.fromkeys(Path(r.config.model.path) for r in runs if r.config.model.path))),
         "", "Arms' settings and the command that reruns each alone: arms.md.", "",
         "![training dynamics per arm](ablation.png)", ""]
     md = out / "ablation.md"
