@@ -107,14 +107,17 @@ def test_build_datasets_picks_the_task():
 
 @pytest.mark.slow
 def test_warmed_up_base_truncates_and_makes_all_equal_groups(tmp_path):
-    """The preset's own warm-up: its base must give the ladder something to act on."""
+    """The preset's own warm-up: its base must give the ladder something to act on. Its figures depend on the
+    CPU that warms it up (docs/ablation.md, "Numbers belong to a machine"): measured all-equal share of groups
+    0.33 on an AMD EPYC, 0.156 on an Intel Xeon (accuracy 0.244 / 0.299, truncated 0.277 / 0.258), so the bar
+    is "clearly some" (7 or more of the 64 groups), not one machine's value."""
     from flashdapo.ablation.base import base_statistics, build_base
 
     assert build_base(PRESET, tmp_path / "base", log=print)
     stats = base_statistics(PRESET, tmp_path / "base", prompts=64)
     print(f"warmed-up base: {stats.summary()}")
     assert stats.truncated > 0.02
-    assert stats.all_right + stats.all_wrong > 0.2
+    assert stats.all_right + stats.all_wrong > 0.1
     assert 0 < stats.accuracy < 0.9
     assert not build_base(PRESET, tmp_path / "base", log=print)  # same settings: reused
 
