@@ -16,7 +16,8 @@ it lowers entropy.
 The script samples `--prompts` training prompts x `--n` responses with the base at each temperature (top_p 1,
 as training samples), teacher-forces them at the same temperature, and reports over the sampled response tokens
 that the upper clip can act on at all (pi_a < 1 / (1 + eps_high): a likelier token cannot reach the bound) the
-share with g > 0 and the mean g, by probability bucket. No training runs; one forward per temperature.
+share with g > 0 and the mean g, by probability bucket. No training runs: per temperature, one generate call
+per prompt and one teacher-forced forward per response (its full-vocabulary logits, which g needs).
 
     python -m bench.clip_higher_tail --base runs/ablate/base-TAG --train runs/ablate/data-TAG/train.jsonl
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -95,8 +95,10 @@ def weights_digest(model_dir: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def provenance(base_dirs: list[Path]) -> str:
-    """One report line: each base model's weights digest and the machine, with why both matter."""
+def provenance(model_paths: Iterable[str]) -> str:
+    """One report line: each distinct base model among the runs' `model.path`s (empty ones skipped), by its
+    weights digest, and the machine, with why both matter."""
+    base_dirs = [Path(p) for p in dict.fromkeys(p for p in model_paths if p)]
     bases = ", ".join(f"`{d.name}` (weights sha256 {weights_digest(d)})" for d in base_dirs)
     return (f"Base model(s): {bases}. Machine: {machine_summary()}. The warm-up is deterministic on one machine, "
             "but another CPU's floating-point kernels give another base (another digest) and other numbers.")

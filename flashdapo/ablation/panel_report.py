@@ -157,7 +157,7 @@ def write_panel_report(out: Path, runs: list[PanelRun], unavailable: dict[str, s
              f"paired t-test p, and Holm's correction across all {len(tested)} comparisons of this report. "
              "**Separated** only where the interval excludes 0. 'Last steps' = the last "
              f"{LAST_FRACTION:.0%} of a run's steps. Secondary metrics: mean ± sd over seeds, not tested.", "",
-             provenance(list(dict.fromkeys(Path(r.config.model.path) for r in runs if r.config.model.path))), ""]
+             provenance(r.config.model.path for r in runs), ""]
     for name, error in unavailable.items():
         lines += [f"Panel `{name}` was not run: {error}", ""]
     for panel in dict.fromkeys(r.panel for r in runs):

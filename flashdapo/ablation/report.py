@@ -79,7 +79,7 @@ def write_report(out: Path, runs: list[ArmRun], base_stats: BaseStatistics, base
         "compare directions, not values.", "",
         *table(runs), "",
         f"Base model before RL, sampled at the training settings on the training prompts: {base_stats.summary()}.",
-        "", provenance(list(dict.fromkeys(Path(r.config.model.path) for r in runs if r.config.model.path))),
+        "", provenance(r.config.model.path for r in runs),
         "", "Arms' settings and the command that reruns each alone: arms.md.", "",
         "![training dynamics per arm](ablation.png)", ""]
     md = out / "ablation.md"
