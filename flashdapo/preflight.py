@@ -119,8 +119,9 @@ def check_split_layout(cfg: Config, world_size: int) -> None:
 def check_batch_layout(cfg: Config, world_size: int, generating: bool = True) -> None:
     """Batch sizes the launch's ranks can share. Generation is sharded over every rank (each samples its share
     of gen_batch); training over the data-parallel slots, world_size / sequence_parallel of them (the sp ranks
-    of a slot train on the same groups), so train_batch and mini_batch must divide by the slots, not the
-    ranks."""
+    of a slot train on the same responses). A step trains a multiple of the slots' number of groups, so
+    train_batch must divide by the slots; each mini-batch's responses (not whole groups) are dealt to the
+    slots (trainer/dealing.py), so a mini-batch needs only as many responses as there are slots, one each."""
     tc = cfg.trainer
     sp = tc.sequence_parallel
     if world_size % sp:
@@ -132,12 +133,15 @@ def check_batch_layout(cfg: Config, world_size: int, generating: bool = True) ->
     if generating and tc.gen_batch % world_size:
         raise ConfigError(f"trainer.gen_batch: {tc.gen_batch} prompts cannot be shared by {world_size} generating "
                           f"ranks; use a multiple of {world_size} (or launch a divisor of {tc.gen_batch} ranks)")
-    for name in ("train_batch", "mini_batch"):
-        value = getattr(tc, name)
-        if value % slots:
-            raise ConfigError(f"trainer.{name}: {value} prompts cannot be shared by {slots} data-parallel slots "
-                              f"({layout}); use a multiple of {slots}, or fewer slots (more sequence "
-                              "parallelism or fewer ranks)")
+    fewer_slots = "or fewer slots (more sequence parallelism or fewer ranks)"
+    if tc.train_batch % slots:
+        raise ConfigError(f"trainer.train_batch: {tc.train_batch} prompts cannot be shared by {slots} data-parallel "
+                          f"slots ({layout}); use a multiple of {slots}, {fewer_slots}")
+    n = cfg.rollout.n
+    if tc.mini_batch * n < slots:
+        raise ConfigError(f"trainer.mini_batch: {tc.mini_batch} prompts x rollout.n {n} = {tc.mini_batch * n} "
+                          f"responses per optimizer step cannot give each of {slots} data-parallel slots ({layout}) "
+                          f"one; use at least {-(-slots // n)} prompts, {fewer_slots}")
 
 
 def check_device(device: str, field_name: str) -> None:

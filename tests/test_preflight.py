@@ -248,10 +248,10 @@ def test_wandb_asked_for_and_missing_stops_at_start(tmp_path, capsys, monkeypatc
     assert "logging.wandb: true needs the wandb package (pip install wandb); or set it false" in err
 
 
-@pytest.mark.parametrize("name", ["train_batch", "gen_batch", "mini_batch"])
+@pytest.mark.parametrize("name", ["train_batch", "gen_batch"])
 def test_batches_the_ranks_cannot_share_are_one_line(name, tmp_path, capsys, monkeypatch):
     sizes = {"train_batch": "6", "gen_batch": "6", "mini_batch": "3"}
-    sizes[name] = {"train_batch": "9", "gen_batch": "9", "mini_batch": "1"}[name]
+    sizes[name] = "9"
     if name == "train_batch":
         sizes["mini_batch"] = "3"
     monkeypatch.setenv("WORLD_SIZE", "2")  # before the process group: nothing starts
@@ -259,6 +259,14 @@ def test_batches_the_ranks_cannot_share_are_one_line(name, tmp_path, capsys, mon
     err = _run(capsys, monkeypatch, tmp_path, *args)
     sharers = "generating ranks" if name == "gen_batch" else "data-parallel slots"
     assert f"trainer.{name}: {sizes[name]} prompts cannot be shared by 2 {sharers}" in err
+
+
+def test_a_mini_batch_with_fewer_responses_than_slots_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    err = _run(capsys, monkeypatch, tmp_path, "--trainer.train-batch", "4", "--trainer.gen-batch", "4",
+               "--trainer.mini-batch", "1", "--rollout.n", "2")
+    assert ("trainer.mini_batch: 1 prompts x rollout.n 2 = 2 responses per optimizer step cannot give each of 4 "
+            "data-parallel slots (4 ranks) one; use at least 2 prompts") in err
 
 
 def test_a_model_without_train_files_is_refused(tmp_path, capsys, monkeypatch):
@@ -315,11 +323,14 @@ def test_every_preset_launches_at_its_documented_cluster(name, cluster):
 def test_the_32b_recipe_shares_its_batches_over_data_parallel_slots_not_ranks():
     cfg = preset("qwen2.5-32b-dapo")
     assert cfg.trainer.sequence_parallel == 8 and cfg.trainer.mini_batch == 32
-    for world in (64, 128, 256):  # 8, 16, 32 slots of 8 sequence-parallel ranks
+    for world in (64, 128, 256, 512):  # 8, 16, 32, 64 slots of 8 sequence-parallel ranks
         check_layout(cfg, world)
-    with pytest.raises(ConfigError, match=r"trainer.mini_batch: 32 prompts cannot be shared by 64 data-parallel "
-                                          r"slots \(512 ranks / sequence_parallel 8\)"):
-        check_layout(cfg, 512)
+    # A mini-batch's responses are dealt to the slots: 32 prompts x 16 = 512 responses give 64 slots 8 each;
+    # 2 prompts x 16 = 32 leave half of them idle at every optimizer step.
+    with pytest.raises(ConfigError, match=r"trainer.mini_batch: 2 prompts x rollout.n 16 = 32 responses per "
+                                          r"optimizer step cannot give each of 64 data-parallel slots \(512 ranks / "
+                                          r"sequence_parallel 8\) one; use at least 4 prompts"):
+        check_layout(merge(cfg, {"trainer": {"mini_batch": 2}}), 512)
     with pytest.raises(ConfigError, match="trainer.sequence_parallel: 8 does not divide the world size 12"):
         check_layout(cfg, 12)
     with pytest.raises(ConfigError, match="trainer.gen_batch: 1536 prompts cannot be shared by 1024 generating ranks"):
@@ -327,8 +338,22 @@ def test_the_32b_recipe_shares_its_batches_over_data_parallel_slots_not_ranks():
 
 
 def test_without_sequence_parallelism_every_rank_is_a_slot():
-    cfg = merge(preset("qwen2.5-7b-math"), {"trainer": {"train_batch": 96, "gen_batch": 96, "mini_batch": 12}})
-    check_layout(cfg, 4)
-    with pytest.raises(ConfigError, match=r"trainer.mini_batch: 12 prompts cannot be shared by 8 data-parallel "
-                                          r"slots \(8 ranks\)"):
-        check_layout(cfg, 8)
+    cfg = merge(preset("qwen2.5-7b-math"), {"trainer": {"train_batch": 96, "gen_batch": 96, "mini_batch": 12},
+                                            "rollout": {"n": 2}})
+    check_layout(cfg, 24)  # 12 x 2 = 24 responses a mini-batch: one per slot
+    with pytest.raises(ConfigError, match=r"trainer.mini_batch: 12 prompts x rollout.n 2 = 24 responses per optimizer "
+                                          r"step cannot give each of 32 data-parallel slots \(32 ranks\) one; use at "
+                                          r"least 16 prompts"):
+        check_layout(cfg, 32)
+    with pytest.raises(ConfigError, match=r"trainer.train_batch: 96 prompts cannot be shared by 64 data-parallel "
+                                          r"slots \(64 ranks\)"):
+        check_layout(merge(cfg, {"trainer": {"gen_batch": 192}}), 64)
+
+
+def test_the_7b_preset_plans_on_16_nodes_of_8():
+    """128 slots: its mini-batch of 16 prompts x 16 responses gives each slot 2 responses to train on."""
+    cfg = preset("qwen2.5-7b-math")
+    assert (cfg.trainer.mini_batch, cfg.rollout.n, cfg.trainer.train_batch) == (16, 16, 128)
+    check_layout(cfg, 128)
+    with pytest.raises(ConfigError, match=r"trainer.train_batch: 128 prompts cannot be shared by 256 data-parallel"):
+        check_layout(merge(cfg, {"trainer": {"gen_batch": 512}}), 256)

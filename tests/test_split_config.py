@@ -23,7 +23,7 @@ def test_split_checks_the_batches_over_the_trainer_ranks_at_each_documented_clus
     r = cluster.gpus_per_node if cluster.nodes > 1 else cfg.rollout.tensor_parallel_size
     t = world - r
     slots = t // sp if t % sp == 0 else None
-    fits = (slots is not None and cfg.trainer.train_batch % slots == 0 and cfg.trainer.mini_batch % slots == 0
+    fits = (slots is not None and cfg.trainer.train_batch % slots == 0 and cfg.trainer.mini_batch * cfg.rollout.n >= slots
             and cfg.trainer.gen_batch % (r // cfg.rollout.tensor_parallel_size) == 0 and t > 0)
     if fits:
         check_layout(_split(cfg, r), world)

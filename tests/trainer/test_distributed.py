@@ -65,20 +65,44 @@ def test_two_ranks_and_micro_batches_update_equals_one_rank(tmp_path):
         if correction != "none":  # the correction really weighs or masks tokens
             assert ref["rollout_corr/weight_mean"] != 1 or ref["rollout_corr/masked_fraction"] > 0, tag
         for other in (micro, two):
-            for key in ("pg_loss", "grad_norm"):
-                torch.testing.assert_close(torch.tensor(other[key]), torch.tensor(ref[key]), rtol=1e-5, atol=1e-7)
-            # The token statistics, the clip regions and the splits by verdict among them, as the losses agree.
-            assert other["stats"].keys() == ref["stats"].keys(), tag
-            assert ref["stats"]["clip_upper"] + ref["stats"]["clip_lower"] > 0 and "entropy_wrong" in ref["stats"], tag
-            for key, value in ref["stats"].items():
-                assert other["stats"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (tag, key)
+            _assert_same_update(ref, other, tag)
         pr, pm, pt = (torch.load(tmp_path / name / f"params_{tag}.pt") for name in runs)
-        assert pr.keys() == pm.keys() == pt.keys()
-        for name in pr:  # relative to each tensor's norm
-            assert (pm[name] - pr[name]).norm() <= 1e-5 * pr[name].norm(), (tag, name)
-            assert (pt[name] - pr[name]).norm() <= 1e-5 * pr[name].norm(), (tag, name)
+        _assert_same_params(pr, pm, tag)
+        _assert_same_params(pr, pt, tag)
         # The comparison means something: training moved every tensor.
         assert all((initial[n] - pr[n]).abs().max() > 1e-3 for n in pr if "norm" not in n), tag
+
+
+def _assert_same_update(ref: dict, other: dict, tag: str) -> None:
+    """Per optimizer step the same global losses and gradient norms, and the same token statistics."""
+    for key in ("pg_loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(other[key]), torch.tensor(ref[key]), rtol=1e-5, atol=1e-7)
+    # The token statistics, the clip regions and the splits by verdict among them, as the losses agree.
+    assert other["stats"].keys() == ref["stats"].keys(), tag
+    assert ref["stats"]["clip_upper"] + ref["stats"]["clip_lower"] > 0 and "entropy_wrong" in ref["stats"], tag
+    for key, value in ref["stats"].items():
+        assert other["stats"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (tag, key)
+
+
+def _assert_same_params(ref: dict, other: dict, tag: str) -> None:
+    assert ref.keys() == other.keys()
+    for name in ref:  # relative to each tensor's norm
+        assert (other[name] - ref[name]).norm() <= 1e-5 * ref[name].norm(), (tag, name)
+
+
+@pytest.mark.distributed
+def test_mini_batches_of_fewer_groups_than_slots_update_as_one_rank(tmp_path):
+    """One group per mini-batch on 2 ranks: its 4 responses are dealt 2 and 2, as the launch check allows
+    (mini_batch x rollout.n >= data-parallel slots): the same update as 1 rank, every mode and correction."""
+    for name, ranks in (("one", 1), ("two", 2)):
+        (tmp_path / name).mkdir()
+        torchrun(ranks, str(SCRIPTS / "update_equivalence.py"), str(tmp_path / name), "48", "1")
+    for mode, correction in PAIRS:
+        tag = f"{mode}_{correction}"
+        ref, two = (json.loads((tmp_path / name / f"losses_{tag}.json").read_text()) for name in ("one", "two"))
+        assert len(ref["pg_loss"]) == 16  # 8 mini-batches of one group x 2 epochs
+        _assert_same_update(ref, two, tag)
+        _assert_same_params(*(torch.load(tmp_path / name / f"params_{tag}.pt") for name in ("one", "two")), tag)
 
 
 @pytest.mark.distributed

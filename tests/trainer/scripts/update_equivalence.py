@@ -1,5 +1,5 @@
 """torchrun script: one fixed rollout batch, trained by however many ranks torchrun starts, once per
-(loss aggregation mode, rollout correction) pair. argv: OUT_DIR MICRO_BATCH_TOKENS.
+(loss aggregation mode, rollout correction) pair. argv: OUT_DIR MICRO_BATCH_TOKENS [MINI_BATCH, default 2].
 
 Writes, per pair, losses_<mode>_<correction>.json (per optimizer step: global pg_loss and grad norm, and
 the number of micro-batches of each optimizer step) and params_<mode>_<correction>.pt (full tensors); and
@@ -26,6 +26,7 @@ PAIRS = [("token-mean", "none"), ("seq-mean-token-mean", "token_truncate"), ("se
          ("token-mean-per-micro-batch", "token_mask"), ("token-mean", "sequence_truncate")]
 
 out, budget = Path(sys.argv[1]), int(sys.argv[2])
+mini_batch = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 VOCAB, GROUPS, N = 50, 8, 4
 env = init_distributed("cpu")
 
@@ -52,8 +53,8 @@ for mode, correction in PAIRS:
         "rollout": {"n": N},
         "algorithm": {"loss_agg_mode": mode, "loss_agg_micro_batch": 3, "rollout_correction": correction,
                       "rollout_correction_cap": 1.5},
-        # 8 groups, 2 per mini-batch: 4 optimizer steps per epoch, 2 epochs.
-        "trainer": {"train_batch": GROUPS, "gen_batch": GROUPS, "mini_batch": 2, "ppo_epochs": 2,
+        # 8 groups, 2 per mini-batch (by default): 4 optimizer steps per epoch, 2 epochs.
+        "trainer": {"train_batch": GROUPS, "gen_batch": GROUPS, "mini_batch": mini_batch, "ppo_epochs": 2,
                     "micro_batch_tokens": budget, "kernel_impl": "torch"},
         "optim": {"lr": 1e-2, "warmup_steps": 1, "weight_decay": 0.1},
     })
