@@ -55,10 +55,13 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=200)
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
-    ratios: dict[str, list[float]] = {"contiguous": [], "groups": [], "responses": []}
+    dealings = {"contiguous": contiguous, "groups": whole_groups, "responses": responses}
+    if args.groups < args.slots:  # whole groups leave slots empty: only responses can be dealt (e.g. 7B on 16 x 8)
+        dealings = {"responses": responses}
+    ratios: dict[str, list[float]] = {name: [] for name in dealings}
     for _ in range(args.trials):
         costs = synthetic_costs(args.groups, args.n, generator)
-        for name, deal in (("contiguous", contiguous), ("groups", whole_groups), ("responses", responses)):
+        for name, deal in dealings.items():
             loads = deal(costs, args.slots)
             ratios[name].append(statistics.mean(loads) / max(loads))
     print(f"{args.slots} slots, {args.groups} groups x {args.n} responses per mini-batch, {args.trials} trials: "
