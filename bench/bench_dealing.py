@@ -3,7 +3,7 @@ every slot as busy as the busiest; a step waits for the busiest) for three deali
 
   contiguous   each slot takes its contiguous run of whole groups (the dealing before token balancing)
   groups       whole groups, longest first to the least-loaded slot with room (equal group counts)
-  responses    flashdapo's dealing (flashdapo.trainer.dealing.balance): responses, longest first
+  responses    flashdapo's dealing (flashdapo.trainer.collect.dealing.balance): responses, longest first
 
 Lengths are synthetic, stated here: per prompt a typical response length L_p ~ LogNormal(log 4000, 0.6) (prompts
 differ in difficulty), per response LogNormal(log L_p, 0.5), capped at the 20480-token limit, plus a 200-token
@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from flashdapo.trainer.dealing import balance, slot_loads
+from flashdapo.trainer.collect.dealing import balance, slot_loads
 
 
 def synthetic_costs(groups: int, n: int, generator: torch.Generator) -> list[list[int]]:

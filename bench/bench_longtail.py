@@ -111,7 +111,7 @@ def run_arm(cfg, ranks: int, in_process: bool, timeout: int, preset: str = "long
             env: dict[str, str] | None = None, bench: str = "bench_longtail") -> list[dict]:
     """One `flashdapo train` run (fresh run directory); its metrics.jsonl records. `flags` follow the config
     on the command line (they need a subprocess) and `env` joins the subprocess's environment."""
-    from flashdapo.trainer.metrics import read_history
+    from flashdapo.trainer.observe.sinks import read_history
 
     run_dir = Path(cfg.logging.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -220,7 +220,7 @@ def report(results, ranks: list[int], arms: list[str], cfg, args, commit: str) -
     import torch
 
     from bench.bench_kernels import machine_tag
-    from flashdapo.machine import cpu_name
+    from flashdapo.tools.machine import cpu_name
 
     cpu = cpu_name()
     tc, rc = cfg.trainer, cfg.rollout

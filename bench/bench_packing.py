@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from flashdapo.models.policy import PolicyModel
 from flashdapo.trainer.batch import plan_micro_batches
-from flashdapo.trainer.policy import PolicyModel
 
 
 def _lengths(count: int, seed: int) -> list[tuple[int, int]]:

@@ -176,7 +176,7 @@ def flashdapo_config(w: Workload, root: Path, run_dir: Path):
 def run_flashdapo(w: Workload, root: Path, seed: int) -> dict:
     from flashdapo.distributed.mesh import shutdown
     from flashdapo.trainer.loop import train_step
-    from flashdapo.trainer.run import setup_run
+    from flashdapo.trainer.setup import setup_run
 
     rss0 = _status_kb("VmRSS")
     with tempfile.TemporaryDirectory() as run_dir:
@@ -209,7 +209,7 @@ def run_trl(w: Workload, root: Path, seed: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from flashdapo.threads import configure_threads
+    from flashdapo.tools.threads import configure_threads
 
     rss0 = _status_kb("VmRSS")
     prompts = json.loads((root / "prompts.json").read_text())
@@ -323,7 +323,7 @@ def build_table(names: list[str], frameworks: list[str], repeats: int, steps: in
     import torch
 
     from bench.bench_kernels import machine_tag
-    from flashdapo.machine import cpu_name
+    from flashdapo.tools.machine import cpu_name
 
     cpu = cpu_name()
     lines = [f"# Step benchmark: {machine_tag('cpu')}, commit {commit}, {datetime.date.today()}", "",

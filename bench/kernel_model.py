@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from flashdapo.kernels.cost import GB, RATES, Cost, Rates, fused, generic, ideal_ms, naive, torch_impl
-from flashdapo.plan.gpus import GPUS, gpu_named
+from flashdapo.kernels.gpus import GPUS, gpu_named
 
 # Every shape at N = 16384 tokens; 32B also at 32768 (Qwen2.5 hidden sizes and vocabularies).
 SHAPES = {"0.5B": (16384, 896, 151936), "7B": (16384, 3584, 152064), "32B": (16384, 5120, 152064),

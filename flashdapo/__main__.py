@@ -18,7 +18,7 @@ import tyro  # noqa: E402
 from . import __version__  # noqa: E402
 from .config import CLI_REGISTRY, DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
-from .warning_lines import showing_warnings  # noqa: E402
+from .tools.warning_lines import showing_warnings  # noqa: E402
 
 USAGE = """usage: flashdapo {train,config,plan,eval,generate,ablate} [options]   (flashdapo --version)
 

@@ -19,7 +19,8 @@ derivations). The choices, as the paper and the released recipe make them:
       l = min(l, -A c)  where A < 0, when clip_ratio_c is set     dual clip (released recipe, c = 10)
 
   summed over every valid response token of a mini-batch and divided by the number of those tokens
-  over ALL micro-batches and ALL data-parallel ranks (`mini_batch_normalizers`). Not a per-sequence
+  over ALL micro-batches and ALL data-parallel ranks (`loss_normalizers` of the whole mini-batch's counts;
+  trainer/batch.py gathers them). Not a per-sequence
   mean, not a per-micro-batch mean; those are the other `algorithm.loss_agg_mode`s (`loss_normalizers`),
   each defined on the whole mini-batch so that ranks and micro-batches never change the gradient.
 - Rollout correction (`rollout_correction_weights`): a detached per-token factor on the loss from the
@@ -33,15 +34,11 @@ derivations). The choices, as the paper and the released recipe make them:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .config import AlgorithmConfig
-from .distributed.collectives import all_gather_objects
+from .config import AlgorithmConfig, engine_spec
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -110,32 +107,6 @@ def response_loss_mask(truncated: torch.Tensor, algo: AlgorithmConfig) -> torch.
     return ~truncated.bool() if algo.overlong_filter else torch.ones(truncated.shape, dtype=torch.bool)
 
 
-def mini_batch_normalizers(valid_tokens: torch.Tensor, algo: AlgorithmConfig, sequence_parallel: int = 1,
-                           keys: Sequence[Any] | None = None) -> tuple[torch.Tensor, int]:
-    """This rank's part of a mini-batch -> (the loss normalizer of each of its responses, global valid tokens).
-
-    `valid_tokens` [b] counts the valid tokens of this rank's responses of the mini-batch; `keys` [b] name
-    them, sorting into the order one rank would hold the whole mini-batch in (default: this rank's part
-    follows the previous ranks' parts). The gathered counts, in that order, are the whole mini-batch, and
-    `loss_normalizers` of them under `algo.loss_agg_mode` does not depend on the number of ranks, on which
-    rank holds which response, or on the micro-batches. One all-gather of b (key, count) pairs per
-    mini-batch; without an initialized process group, the local counts. With sequence parallelism the
-    `sequence_parallel` consecutive ranks of a group hold the same responses: the first of each speaks for it.
-    """
-    slot = dist.get_rank() // sequence_parallel if dist.is_initialized() else 0
-    local = [int(n) for n in valid_tokens.tolist()]
-    named = list(zip(keys if keys is not None else ((slot, i) for i in range(len(local))), local))
-    everyone = sorted((pair for part in all_gather_objects(named)[::sequence_parallel] for pair in part),
-                      key=lambda pair: pair[0])
-    position = {key: i for i, (key, _) in enumerate(everyone)}
-    if len(position) != len(everyone):
-        raise ValueError("mini_batch_normalizers: two responses of the mini-batch have the same key")
-    counts = torch.tensor([n for _, n in everyone], dtype=torch.long)
-    normalizers = loss_normalizers(counts, algo.loss_agg_mode, algo.loss_agg_micro_batch)
-    mine = torch.tensor([position[key] for key, _ in named], dtype=torch.long)
-    return normalizers[mine], int(counts.sum())
-
-
 def loss_normalizers(valid_tokens: torch.Tensor, mode: str, micro_batch: int) -> torch.Tensor:
     """Per response of a whole mini-batch, the divisor of each of its tokens' losses [B] (fp64).
 
@@ -167,13 +138,13 @@ def loss_normalizers(valid_tokens: torch.Tensor, mode: str, micro_batch: int) ->
     return torch.where(n > 0, out, torch.ones_like(out))
 
 
-def resolved_rollout_correction(algo: AlgorithmConfig, engine: str, carries: bool = False) -> str:
-    """algorithm.rollout_correction with `auto` resolved: none for the torch engine, token_truncate for vLLM
-    or when partial rollouts carry tokens sampled by older weights (`carries`); none when pi_old is the
-    engine's own log-probs (algorithm.old_logprobs=rollout: every ratio is 1)."""
+def resolved_rollout_correction(algo: AlgorithmConfig, off_policy: bool) -> str:
+    """algorithm.rollout_correction with `auto` resolved: token_truncate when the trained tokens may be sampled
+    off the trainer's policy (`off_policy`: an engine with its own numerics, such as vLLM, or tokens sampled by
+    older weights), else none; none when pi_old is the engine's own log-probs (algorithm.old_logprobs=rollout:
+    every ratio is 1). `rollout_correction(cfg)` resolves it for a whole config."""
     if algo.rollout_correction != "auto":
         return algo.rollout_correction
-    off_policy = engine == "vllm" or carries
     return "token_truncate" if off_policy and algo.old_logprobs == "recompute" else "none"
 
 
@@ -388,3 +359,29 @@ def _loss_stats(new, old, adv, valid, ratio, clips, entropy, correct) -> LossSta
         tokens_wrong=count(~right) if right is not None else zero,
         entropy_wrong=(ent * ~right).sum() if ent is not None and right is not None else zero,
     )
+
+
+# Which trained tokens are off the trainer's policy: functions of the config alone (plan reads them too).
+
+def stale_tokens(cfg) -> bool:
+    """Whether trained tokens may come from older weights than those the step starts from: streaming's carried
+    responses, and in split placement any lag k >= 1 or dynamic sampling (its groups past a batch's target
+    open the next one). `algorithm.rollout_correction=auto` then resolves to token_truncate. At k = 0 without
+    dynamic sampling every token is sampled by the weights it trains: auto stays as co-located."""
+    rc = cfg.rollout
+    carried = rc.streaming and rc.partial_rollouts
+    return carried or (rc.placement == "split" and (rc.max_lag > 0 or cfg.algorithm.dynamic_sampling))
+
+
+def rollout_correction(cfg) -> str:
+    """The run's rollout correction with `auto` resolved: on when the engine samples with its own numerics
+    (config/engines.py) or tokens may be stale (`stale_tokens`)."""
+    return resolved_rollout_correction(cfg.algorithm, engine_spec(cfg.rollout.engine).off_policy or stale_tokens(cfg))
+
+
+def on_policy(cfg) -> bool:
+    """One optimizer step per batch (one mini-batch, one epoch): the weights the update starts from are
+    the ones that sampled the batch, so pi_old is pi_theta itself and needs no pass of its own. Not with a
+    rollout correction: its weights need pi_old's values before the update."""
+    return (cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batch == cfg.trainer.train_batch
+            and rollout_correction(cfg) == "none")

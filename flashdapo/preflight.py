@@ -18,13 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError
-from .model_dir import ModelDirError
+from .config import Config, ConfigError, engine_spec
+from .models.hf import SUPPORTED_MODEL_TYPES
+from .models.model_dir import ModelDirError
 from .tokenizer import eos_token_ids, load_tokenizer
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
-"""config.json `model_type`s whose layout the policy uses (decoder blocks at `model.layers`, an LM head,
-rotary positions) and that are tested (tests/test_preflight.py)."""
 
 PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n{% endfor %}"
@@ -84,7 +81,7 @@ def check_layout(cfg: Config, world_size: int) -> None:
         check_split_layout(cfg, world_size)
     else:
         check_batch_layout(cfg, world_size)
-    if (cfg.rollout.engine == "vllm" and cfg.rollout.placement == "colocated"
+    if (engine_spec(cfg.rollout.engine).tensor_parallel and cfg.rollout.placement == "colocated"
             and world_size % cfg.rollout.tensor_parallel_size):
         raise ConfigError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
                           f"world size {world_size}; use a divisor of it")
@@ -102,7 +99,7 @@ def check_split_layout(cfg: Config, world_size: int) -> None:
     tensor_parallel_size of them), the first T = world_size - R train. One line per check: whole engines, a
     trainer rank left, gen_batch shared by the engines, and the batch sizes over the T trainer ranks."""
     rc, tc = cfg.rollout, cfg.trainer
-    r, tp = rc.rollout_ranks, rc.tensor_parallel_size if rc.engine == "vllm" else 1
+    r, tp = rc.rollout_ranks, rc.tensor_parallel_size if engine_spec(rc.engine).tensor_parallel else 1
     if r % tp:
         raise ConfigError(f"rollout.rollout_ranks: {r} is not a multiple of rollout.tensor_parallel_size {tp}: "
                           f"an engine spans {tp} ranks; use a multiple of {tp}")
@@ -152,8 +149,8 @@ def check_device(device: str, field_name: str) -> None:
 
 
 def check_engine(engine: str, field_name: str) -> None:
-    """The vLLM engine asked for without vLLM installed (an import check: vLLM may run on a CPU)."""
-    if engine == "vllm" and not installed("vllm"):
+    """An engine asked for without its package installed (an import check: vLLM may run on a CPU)."""
+    if engine_spec(engine).package is not None and not installed(engine_spec(engine).package):
         raise ConfigError(f"{field_name}: 'vllm' but vLLM is not installed; {VLLM_HINT}")
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .errors import FlashdapoError
-from .rollout.base import derive_seed
+from .seeds import derive_seed
 
 __all__ = [
     "training_reward",

@@ -336,12 +336,12 @@ def test_data_warnings_are_logged_at_start(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setenv("FLASHDAPO_DEBUG", "1")
     data = write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1", "answer": "2"}, {"problem": "1+1", "answer": "3"}])
-    import flashdapo.trainer.run as run
+    import flashdapo.trainer.setup as run
 
     def stop(*_args):  # the data is loaded and reported: nothing after it is needed here
         raise RuntimeError("stop after the data")
 
-    monkeypatch.setattr(run, "_build_policy", stop)
+    monkeypatch.setattr(run, "build_policy", stop)
     argv = ["train", "--data.train-files", str(data), "--logging.run-dir", str(tmp_path / "run"),
             "--model.toy.sft-steps", "0"]
     with pytest.raises(RuntimeError, match="stop after the data"):

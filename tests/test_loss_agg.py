@@ -5,8 +5,9 @@ tests/trainer/test_distributed.py)."""
 import pytest
 import torch
 
-from flashdapo.algorithm import loss_normalizers, mini_batch_normalizers, token_loss
+from flashdapo.algorithm import loss_normalizers, token_loss
 from flashdapo.config import AlgorithmConfig
+from flashdapo.trainer.batch import mini_batch_normalizers
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-mean-per-micro-batch"]
 

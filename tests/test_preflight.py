@@ -20,10 +20,10 @@ from transformers import (
 from flashdapo.__main__ import main
 from flashdapo.config import PRESET_CLUSTERS, Config, ConfigError, ToyTaskConfig, merge, preset
 from flashdapo.data import chat_ids
-from flashdapo.model_dir import ModelDirError
+from flashdapo.models.hf import SUPPORTED_MODEL_TYPES
+from flashdapo.models.model_dir import ModelDirError
 from flashdapo.preflight import (
     PLAIN_CHAT_TEMPLATE,
-    SUPPORTED_MODEL_TYPES,
     _check_vocabulary,
     check_launch,
     check_layout,
@@ -295,8 +295,8 @@ def test_the_exports_config_says_the_dtype_of_its_tensors(dtype, saved, tmp_path
 
     from flashdapo.config import ModelConfig
     from flashdapo.tasks.toy import build_toy_model
-    from flashdapo.trainer.export import export_hf
-    from flashdapo.trainer.run import Run
+    from flashdapo.trainer.setup import Run
+    from flashdapo.trainer.state.export import export_hf
 
     tok = build_toy_tokenizer(ToyTaskConfig())
     hf = build_toy_model(ModelConfig(), len(tok), 64, seed=0)

@@ -489,7 +489,7 @@ def test_random_reward_in_score_groups_ignores_the_response_text() -> None:
     from flashdapo.data import Prompt
     from flashdapo.reward import RandomReward
     from flashdapo.rollout import Rollouts
-    from flashdapo.trainer.sampling import score_groups
+    from flashdapo.trainer.collect.rounds import score_groups
 
     class Decoder:
         def batch_decode(self, ids, skip_special_tokens=True):

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from flashdapo.algorithm import (
+    on_policy,
     resolved_rollout_correction,
     rollout_correction_sums,
     rollout_correction_weights,
     token_loss,
 )
-from flashdapo.config import AlgorithmConfig, Config, ConfigError, merge
+from flashdapo.config import AlgorithmConfig, Config, ConfigError, engine_spec, merge
 from flashdapo.distributed.mesh import shutdown
 from flashdapo.trainer.loop import train_step
-from flashdapo.trainer.run import setup_run
-from flashdapo.trainer.update import on_policy
+from flashdapo.trainer.setup import setup_run
 
 from .trainer.test_loop import tiny_config
 
@@ -123,11 +123,11 @@ def test_sums_and_k3_estimate():
 
 
 def test_auto_is_none_for_torch_and_token_truncate_for_vllm():
-    assert resolved_rollout_correction(AlgorithmConfig(), "torch") == "none"
-    assert resolved_rollout_correction(AlgorithmConfig(), "vllm") == "token_truncate"
-    assert resolved_rollout_correction(AlgorithmConfig(rollout_correction="sequence_mask"), "torch") == "sequence_mask"
+    assert resolved_rollout_correction(AlgorithmConfig(), engine_spec("torch").off_policy) == "none"
+    assert resolved_rollout_correction(AlgorithmConfig(), engine_spec("vllm").off_policy) == "token_truncate"
+    assert resolved_rollout_correction(AlgorithmConfig(rollout_correction="sequence_mask"), engine_spec("torch").off_policy) == "sequence_mask"
     # pi_old = the engine's own log-probs: every ratio is 1, nothing to correct (and an explicit mode is refused).
-    assert resolved_rollout_correction(AlgorithmConfig(old_logprobs="rollout"), "vllm") == "none"
+    assert resolved_rollout_correction(AlgorithmConfig(old_logprobs="rollout"), engine_spec("vllm").off_policy) == "none"
     with pytest.raises(ConfigError, match=r"^algorithm\.rollout_correction: expected 'auto' or 'none' with "):
         merge(Config(), {"algorithm": {"old_logprobs": "rollout", "rollout_correction": "token_mask"}})
 

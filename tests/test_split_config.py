@@ -6,7 +6,7 @@ import pytest
 
 from flashdapo.config import PRESET_CLUSTERS, Config, ConfigError, merge, preset
 from flashdapo.preflight import check_layout
-from flashdapo.trainer.run_settings import ResumeRefused, compare_settings
+from flashdapo.trainer.state.run_settings import ResumeRefused, compare_settings
 
 
 def _split(cfg: Config, r: int, k: int = 1, **rollout) -> Config:
@@ -63,7 +63,7 @@ def test_split_needs_a_rollout_rank():
 def test_a_resume_changing_placement_ranks_or_lag_is_refused():
     from flashdapo.tasks import build_task_tokenizer
     from flashdapo.tasks.toy import build_toy_model
-    from flashdapo.trainer.run_settings import run_settings
+    from flashdapo.trainer.state.run_settings import run_settings
 
     cfg = Config()
     tok = build_task_tokenizer(cfg.data)
@@ -80,14 +80,13 @@ def test_a_resume_changing_placement_ranks_or_lag_is_refused():
 
 
 def test_auto_correction_is_token_truncate_where_split_trains_older_tokens():
-    from flashdapo.algorithm import resolved_rollout_correction
-    from flashdapo.trainer.split_schedule import stale_tokens
+    from flashdapo.algorithm import rollout_correction
 
     def resolved(**rollout):
         ds = rollout.pop("ds", True)
         cfg = merge(Config(), {"rollout": rollout, "algorithm": {"dynamic_sampling": ds},
                                "trainer": {"gen_batch": 1536 if ds else 512}})
-        return resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, stale_tokens(cfg))
+        return rollout_correction(cfg)
 
     assert resolved() == "none"  # co-located torch engine
     assert resolved(placement="split", rollout_ranks=1, max_lag=1, ds=False) == "token_truncate"
@@ -98,7 +97,7 @@ def test_auto_correction_is_token_truncate_where_split_trains_older_tokens():
 def test_the_step_line_of_a_batch_of_rolled_over_groups():
     """Split placement: a batch made only of groups rolled over from the last one generated nothing, so it has
     no kept fraction or generation accuracy; its step line says '-', not a made-up number."""
-    from flashdapo.trainer.metrics import format_line
+    from flashdapo.trainer.observe.sinks import format_line
 
     m = {"step": 3, "train/num_gen_batches": 0.0, "perf/throughput": 100.0, "timing_s/step": 1.0,
          "timing_s/wait_batch": 0.1, "critic/score/mean": 0.5}

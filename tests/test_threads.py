@@ -2,7 +2,7 @@
 
 import torch
 
-from flashdapo.threads import SMALL_MODEL_PARAMS, available_cpus, choose_threads, configure_threads
+from flashdapo.tools.threads import SMALL_MODEL_PARAMS, available_cpus, choose_threads, configure_threads
 
 
 def test_choose_threads_by_model_size():

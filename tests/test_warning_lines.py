@@ -10,8 +10,8 @@ import pytest
 from flashdapo.__main__ import main as cli
 from flashdapo.errors import user_error_line
 from flashdapo.rollout.vllm_platform import warn_if_untested
-from flashdapo.trainer.logprob_check import warn_logprob_mismatch
-from flashdapo.warning_lines import WarningAsError, attach_run, showing_warnings
+from flashdapo.tools.warning_lines import WarningAsError, attach_run, showing_warnings
+from flashdapo.trainer.observe.logprob_check import warn_logprob_mismatch
 
 from .trainer.test_distributed import TINY
 

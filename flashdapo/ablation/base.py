@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 
-from ..config import Config
+from ..config import Config, RolloutConfig
 from ..eval.sampling import EvalSampling, sample_prompts
-from ..machine import machine_summary
+from ..models.policy import PolicyModel
 from ..reward import get_verifier
-from ..rollout.torch_engine import TorchEngine
+from ..rollout import RolloutEngine
+from ..rollout.factory import build_engine, cpu_env
 from ..tasks import build_datasets, build_task_tokenizer, task_records
 from ..tasks.toy import build_toy_model
-from ..threads import configure_threads
-from ..tokenizer import eos_token_ids
-from ..trainer.policy import PolicyModel
-from ..trainer.warmup import warm_up_built_in
+from ..tasks.warmup import warm_up_built_in
+from ..tools.machine import machine_summary
+from ..tools.threads import configure_threads
 
 BASE_MARKER = "base.json"
 """Written last into the base directory: the warm-up settings it was built with (a rerun reuses the base
@@ -127,14 +127,14 @@ class BaseStatistics:
                 f"{self.rare_right:.3f}, mean length {self.mean_length:.1f} tokens")
 
 
-def cpu_engine(model_dir: Path, max_batch: int) -> tuple[Any, TorchEngine]:
+def cpu_engine(model_dir: Path, max_batch: int) -> tuple[Any, RolloutEngine]:
     """The tokenizer and a CPU torch engine over the HF model saved in `model_dir` (a base or a run's export)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return tokenizer, TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, torch.device("cpu"),
-                                  max_batch=max_batch)
+    return tokenizer, build_engine(RolloutConfig(engine="torch", max_num_seqs=max_batch), cpu_env(), tokenizer,
+                                   model=model)
 
 
 def base_statistics(cfg: Config, base_dir: Path, prompts: int = 64, seed: int = 0) -> BaseStatistics:

@@ -136,7 +136,7 @@ def train_or_reuse(cfg: Config, name: str, seed: int) -> tuple[list[dict], float
     same config (its arm.json): (history, wall seconds, skipped). An interrupted run resumes from its newest
     checkpoint (`checkpoint.resume auto`); a run finished with another config is refused."""
     from ..trainer.loop import train
-    from ..trainer.metrics import read_history
+    from ..trainer.observe.sinks import read_history
 
     run_dir = Path(cfg.logging.run_dir)
     marker = run_dir / DONE_MARKER

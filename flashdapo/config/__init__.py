@@ -2,6 +2,7 @@
 (checks.py), overrides and files (io.py), presets."""
 
 from .checks import ConfigError, field_path
+from .engines import ENGINES, EngineSpec, engine_spec
 from .io import CLI_REGISTRY, load_file, merge
 from .presets import (
     DEFAULT_PRESET,
@@ -31,7 +32,7 @@ from .tree import (
 )
 
 __all__ = [
-    "CLI_REGISTRY", "DEFAULT_PRESET", "PRESETS", "PRESET_CLUSTERS", "Cluster", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "CLI_REGISTRY", "DEFAULT_PRESET", "ENGINES", "EngineSpec", "engine_spec", "PRESETS", "PRESET_CLUSTERS", "Cluster", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "ProfileConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
     "TrainerConfig", "compact_summary", "differences", "field_path", "load_file", "merge", "preset",
     "starting_point", "toy",

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from .checks import Check, NonNegative, Positive, PositiveFloat, Rule, Section, ge, gt, within
-
-VLLM_TEMPERATURE = (0.01, 2.0)
-"""The temperatures vLLM samples at as asked (vLLM 0.33.0 SamplingParams)."""
+from .engines import engine_spec
 
 
 @dataclass
@@ -87,12 +85,13 @@ class RolloutConfig(Section):
     logprob_check_threshold: PositiveFloat = 0.05
     """Warn when the mean |logp_vllm - logp_trainer| exceeds this."""
 
-    # vLLM 0.33.0's SamplingParams (sampling_params.py `_verify_args`, `__post_init__`) rejects temperatures
-    # above 2 and raises those below 0.01 to 0.01, where the trainer would still divide by the smaller value.
-    # n, top_p, top_k and max_tokens (max_response_length) already satisfy its ranges for both engines.
+    # The engine's temperature range (config/engines.py). n, top_p, top_k and max_tokens (max_response_length)
+    # already satisfy vLLM's ranges.
     RULES = tuple(
-        Rule(name, lambda c, name=name: c.engine == "torch" or VLLM_TEMPERATURE[0] <= getattr(c, name)
-             <= VLLM_TEMPERATURE[1], lambda c: "a value in [0.01, 2] with engine='vllm' (vLLM's range)")
+        Rule(name, lambda c, name=name: engine_spec(c.engine).temperature_range is None
+             or engine_spec(c.engine).temperature_range[0] <= getattr(c, name) <= engine_spec(c.engine).temperature_range[1],
+             lambda c: "a value in [{:g}, {:g}] with engine={!r} (the engine's range)".format(
+                 *engine_spec(c.engine).temperature_range, c.engine))
         for name in ("temperature", "val_temperature")) + (
         Rule("rollout_ranks", lambda c: c.placement == "colocated" or c.rollout_ranks >= 1,
              lambda c: "at least 1 with placement='split' (the ranks that generate)"),)

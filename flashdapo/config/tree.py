@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from .checks import Rule, Section, register_tree
+from .engines import engine_spec
 from .inputs import DataConfig, ModelConfig, ScratchpadTaskConfig, ToyModelConfig, ToyTaskConfig
 from .profiling import ProfileConfig
 from .sampling import AlgorithmConfig, RolloutConfig
@@ -41,8 +42,8 @@ class Config(Section):
         Rule("algorithm.overlong_buffer_len",
              lambda c: c.algorithm.overlong_buffer_len <= c.rollout.max_response_length,
              lambda c: f"<= rollout.max_response_length ({c.rollout.max_response_length})"),
-        Rule("rollout.engine", lambda c: c.rollout.engine == "torch" or bool(c.model.path),
-             lambda c: "'torch' for the built-in toy model (vLLM needs model.path)"),
+        Rule("rollout.engine", lambda c: not engine_spec(c.rollout.engine).needs_checkpoint or bool(c.model.path),
+             lambda c: f"'torch' for the built-in toy model ({c.rollout.engine} needs model.path)"),
         Rule("algorithm.rollout_correction",
              lambda c: c.algorithm.rollout_correction in ("auto", "none") or c.algorithm.old_logprobs == "recompute",
              lambda c: "'auto' or 'none' with algorithm.old_logprobs=rollout (pi_old is then the engine's own "

@@ -28,15 +28,16 @@ from ..config import (
     ModelConfig,
     RolloutConfig,
     TrainerConfig,
+    engine_spec,
     starting_point,
 )
 from ..config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
 from ..data import load_eval_prompts
 from ..distributed.failfast import FailFast
-from ..distributed.mesh import DistEnv, before_destroy, init_distributed, shutdown
-from ..model_dir import check_model_dir
+from ..distributed.mesh import DistEnv, init_distributed, shutdown
+from ..models.model_dir import check_model_dir
 from ..preflight import check_engine, check_model
-from ..tokenizer import eos_token_ids
+from ..rollout.factory import build_engine, world_group
 from .results import EvalReport, format_report
 from .sampling import EvalSampling, Shard, evaluate_to_dir
 from .store import SampleLog
@@ -58,8 +59,6 @@ OPTIONS = {
 """Each option of `flashdapo eval` and the config field it stands for."""
 
 
-VLLM_PROMPTS_PER_CALL = 64
-"""Prompts per rank per vLLM generate call when --prompts-per-call is 0 (vLLM batches them together)."""
 
 
 def _are_files(paths: list[str]) -> bool:
@@ -98,7 +97,7 @@ def eval_args_class(base: Config) -> type:
                                                   "with the same OUT resumes) and metrics.json.")], ...),
         ("prompts_per_call", Annotated[int, ge(0), tyro.conf.arg(
             help="Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
-                 f"only on the seed and the prompt), {VLLM_PROMPTS_PER_CALL} with vllm.")], 0),
+                 f"only on the seed and the prompt), {engine_spec('vllm').prompts_per_call} with vllm.")], 0),
         ("progress", Annotated[bool, tyro.conf.arg(help="Show prompts done / total, tokens/s and the ETA.")], True),
         ("fsdp", Annotated[bool, tyro.conf.arg(
             help="torch engine: shard the model over the ranks with FSDP2 as in training (rank 0 reads the "
@@ -116,7 +115,7 @@ def eval_args_class(base: Config) -> type:
     cls.__doc__ = "Evaluate a saved model (HF directory) on a parquet/jsonl in the DAPO / AIME-2024 schema."
     cls.RULES = (Rule("device", lambda a: a.device != "cuda" or torch.cuda.is_available(),
                       lambda a: "'auto' or 'cpu' (CUDA is not available)"),
-                 Rule("fsdp", lambda a: not (a.fsdp and a.engine == "vllm"), lambda a: "false with --engine vllm "
+                 Rule("fsdp", lambda a: not (a.fsdp and engine_spec(a.engine).own_weights), lambda a: "false with --engine vllm "
                       "(vLLM shards with --tensor-parallel-size)"))
     register_tree(cls, "eval.")
     return cls
@@ -145,43 +144,36 @@ def eval_main(argv: list[str]) -> EvalReport:
     return run_eval(args)
 
 
-def build_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
-    """The rollout engine `args.engine` names, holding the model at `args.model` on this rank."""
-    if args.engine == "vllm":
-        from ..rollout.vllm_engine import VLLMEngine
+def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
+    """The rollout engine `args.engine` names, holding the saved model at `args.model` on this rank
+    (rollout.build_engine): a full replica per rank, FSDP2 shards with --fsdp, or an engine of its own."""
+    on_gpu = env.device.type == "cuda"
+    dtype = "bfloat16" if on_gpu else "float32"
+    rollout = RolloutConfig(engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
+                            kv_cache_gib=getattr(args, "kv_cache_gib", 0.0), max_num_seqs=getattr(args, "batch_size", RolloutConfig.max_num_seqs))
+    out = getattr(args, "out", None)
+    common = dict(model_path=args.model, dtype=dtype, seed=args.seed, dummy_weights=False, vllm_module=vllm_module,
+                  max_model_len=args.max_prompt_length + args.max_new_tokens,
+                  error_log=Path(out) / f"vllm-error.rank{env.rank}.log" if out else None)
+    if engine_spec(args.engine).own_weights:
+        return build_engine(rollout, env, tokenizer, **common)
+    if getattr(args, "fsdp", False):  # `flashdapo generate` has no --fsdp
+        from ..models.loading import load_sharded_policy
 
-        rollout = RolloutConfig(engine="vllm", tensor_parallel_size=args.tensor_parallel_size,
-                                kv_cache_gib=getattr(args, "kv_cache_gib", 0.0))
-        out = getattr(args, "out", None)
-        engine = VLLMEngine(rollout, args.model, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
-                            dtype="bfloat16" if env.device.type == "cuda" else "float32",
-                            max_model_len=args.max_prompt_length + args.max_new_tokens,
-                            seed=args.seed, dummy_weights=False, vllm_module=vllm_module,
-                            error_log=Path(out) / f"vllm-error.rank{env.rank}.log" if out else None)
-        before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
-        return engine
+        cfg = Config(model=ModelConfig(path=args.model, dtype=dtype), trainer=TrainerConfig(device=args.device))
+        # Never woken: the shards stay sharded and each forward gathers one block at a time.
+        return build_engine(rollout, env, tokenizer, model=load_sharded_policy(cfg, env),
+                            shard_group=world_group(env), **common)
     from transformers import AutoModelForCausalLM
 
-    from ..rollout.torch_engine import TorchEngine
-
-    on_gpu = env.device.type == "cuda"
-    if getattr(args, "fsdp", False):  # `flashdapo generate` has no --fsdp
-        from ..trainer.loading import load_sharded_policy
-
-        cfg = Config(model=ModelConfig(path=args.model, dtype="bfloat16" if on_gpu else "float32"),
-                     trainer=TrainerConfig(device=args.device))
-        # Never woken: the shards stay sharded and each forward gathers one block at a time.
-        group = torch.distributed.group.WORLD if env.world_size > 1 else None
-        return TorchEngine(load_sharded_policy(cfg, env), eos_token_ids(tokenizer), tokenizer.pad_token_id,
-                           env.device, process_group=group, max_batch=args.batch_size)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32)
     # No process group: each rank holds a full replica and generates on its own, seeded per prompt only.
-    return TorchEngine(model.to(env.device), eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device,
-                       max_batch=args.batch_size)
+    return build_engine(rollout, env, tokenizer, model=model.to(env.device), **common)
 
 
 def prompts_per_call(args: Any) -> int:
-    return args.prompts_per_call or (VLLM_PROMPTS_PER_CALL if args.engine == "vllm" else 1)
+    """--prompts-per-call, or its engine's default (0)."""
+    return args.prompts_per_call or engine_spec(args.engine).prompts_per_call
 
 
 def eval_settings(args: Any) -> dict[str, Any]:
@@ -220,7 +212,7 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
                 print(f"flashdapo eval: warning: {warning}", flush=True)
         # OUT is claimed (locked, its settings compared) before the model loads: a wrong OUT fails first.
         log = SampleLog(args.out, eval_settings(args)) if env.is_main else None
-        engine = build_engine(args, env, tokenizer, vllm_module)
+        engine = eval_engine(args, env, tokenizer, vllm_module)
         sampling = EvalSampling(k=args.k, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 prompts_per_call=prompts_per_call(args))

@@ -20,13 +20,13 @@ import json
 from pathlib import Path
 from typing import Annotated, Any
 
-from ..config import Config, ConfigError, DataConfig, starting_point
+from ..config import Config, ConfigError, DataConfig, engine_spec, starting_point
 from ..config.checks import Check, Rule, Section, field_path, ge, register_tree
 from ..data import DAPO_TEMPLATE, Record, prompts_from_records, read_records
 from ..distributed.mesh import init_distributed, shutdown
-from ..model_dir import check_model_dir
+from ..models.model_dir import check_model_dir
 from ..preflight import check_engine, check_model
-from .command import OPTIONS, VLLM_PROMPTS_PER_CALL, build_engine, tree_options
+from .command import OPTIONS, eval_engine, tree_options
 from .examples import example_records
 from .results import PromptResult
 from .sampling import EvalSampling, sample_prompts
@@ -107,7 +107,7 @@ def run_generate(args: Any) -> list[PromptResult]:
 
     check_model_dir(args.model, "--model")
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
-                          "--max-prompt-length + --max-new-tokens", "error" if args.engine == "vllm" else "note")
+                          "--max-prompt-length + --max-new-tokens", "error" if engine_spec(args.engine).refuses_long_context else "note")
     env = init_distributed(args.device)
     try:
         tokenizer = checked.tokenizer
@@ -117,10 +117,10 @@ def run_generate(args: Any) -> list[PromptResult]:
         # Each record a prompt of its own (no dedup), truncated on the left as training does.
         prompts = prompts_from_records(records, tokenizer, DataConfig(max_prompt_length=args.max_prompt_length,
                                                                       dedup=False)).prompts
-        engine = build_engine(args, env, tokenizer)
+        engine = eval_engine(args, env, tokenizer)
         sampling = EvalSampling(k=args.n, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                prompts_per_call=VLLM_PROMPTS_PER_CALL if args.engine == "vllm" else 1)
+                                prompts_per_call=engine_spec(args.engine).prompts_per_call)
         print(f"flashdapo generate: {len(prompts)} prompt(s) x {args.n} responses, {args.engine} engine on "
               f"{env.device} (temperature {args.temperature}, top_p {args.top_p}, up to {args.max_new_tokens} new "
               "tokens)", flush=True)

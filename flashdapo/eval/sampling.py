@@ -28,7 +28,8 @@ from tqdm import tqdm
 from ..data import Prompt
 from ..distributed.collectives import all_gather_objects, broadcast_object
 from ..reward import Verifier, verify_responses
-from ..rollout import RolloutEngine, Rollouts, SamplingParams, derive_seed
+from ..rollout import RolloutEngine, Rollouts, SamplingParams
+from ..seeds import derive_seed
 from .results import EvalReport, PromptResult, SampleResult, summarize
 from .store import EvalStoreError, SampleLog
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import Config, ConfigError
-from ..model_dir import check_model_dir
+from ..config import Config, ConfigError, engine_spec
+from ..models.model_dir import check_model_dir
+from ..models.ulysses import check_heads
 from ..preflight import check_layout, check_model, check_model_config
-from ..trainer.ulysses import check_heads
 from .model import ModelShape
 from .shapes import ModelSource
 
@@ -51,7 +51,7 @@ def launch_checks(cfg: Config, world: int, source: ModelSource, shape: ModelShap
     if cfg.trainer.sequence_parallel > 1:
         check_heads(shape.heads, shape.kv_heads, cfg.trainer.sequence_parallel)
         report.passed.append(f"sequence_parallel {cfg.trainer.sequence_parallel} heads (ulysses.check_heads)")
-    if cfg.rollout.engine == "vllm":
+    if engine_spec(cfg.rollout.engine).tensor_parallel:
         tp = cfg.rollout.tensor_parallel_size
         if shape.heads % tp:
             raise ConfigError(f"rollout.tensor_parallel_size: {tp} does not divide the model's {shape.heads} "

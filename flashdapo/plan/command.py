@@ -19,9 +19,9 @@ import sys
 from ..config import DEFAULT_PRESET, PRESET_CLUSTERS, ConfigError
 from ..config.presets import Cluster
 from ..errors import FlashdapoError
+from ..kernels.gpus import GPUS, gpu_named
 from .checks import launch_checks
 from .fit import memory_plan
-from .gpus import GPUS, gpu_named
 from .model import build_meta_model, model_shape
 from .report import PlanInputs, render
 from .shapes import BUILTIN_SHAPES, model_source

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Config
+from ..config import Config, engine_spec
 from ..errors import FlashdapoError
-from ..trainer.lm_head_choice import lm_head_design
+from ..kernels.gpus import GPU
+from ..kernels.lm_head_choice import lm_head_design
 from .engine import EngineMemory, engine_memory
-from .gpus import GPU
 from .memory import StateBytes, TrainSetup, Transients, peak_training_bytes, state_bytes, transients
 from .model import ModelShape
 
@@ -77,7 +77,7 @@ def memory_plan(cfg: Config, world: int, shape: ModelShape, gpu: GPU, check: boo
     state = state_bytes(shape, world)
     context = int(CONTEXT_GIB * GIB)
     peak = peak_training_bytes(shape, setup, tokens) + context
-    engine = engine_memory(shape, cfg, gpu.memory_bytes) if cfg.rollout.engine == "vllm" else None
+    engine = engine_memory(shape, cfg, gpu.memory_bytes) if engine_spec(cfg.rollout.engine).own_weights else None
     asleep = engine.asleep if engine else 0
     resident = 0 if setup.offload else state.params + state.moments
     generation = resident + context + (engine.budget if engine else 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Config
+from ..config import Config, engine_spec
 from .checks import CheckReport
 from .fit import GIB, SEARCH_LIMIT, MemoryPlan
 from .model import ModelShape
@@ -49,7 +49,7 @@ def render(inputs: PlanInputs, shape: ModelShape, checks: CheckReport, plan: Mem
              f"{', tied head' if shape.tied else ''}",
              f"layout: {slots} data-parallel slot(s) x sequence_parallel {sp}; FSDP2 over all {world} ranks"
              + (f"; {world // rc.tensor_parallel_size} vLLM engine(s) of tensor_parallel_size {rc.tensor_parallel_size}"
-                if rc.engine == "vllm" else "; torch rollout engine"),
+                if engine_spec(rc.engine).tensor_parallel else f"; {rc.engine} rollout engine"),
              "checks passed: " + "; ".join(checks.passed)]
     if checks.not_checked:
         lines.append("not checked here: " + "; ".join(checks.not_checked))

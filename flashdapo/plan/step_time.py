@@ -7,7 +7,7 @@ Every figure here is modelled, from stated assumptions (`Workload`), never measu
   together as far as the KV cache holds them; the round lasts until the longest response
   (rollout.max_response_length) is done. Lengths uniform on [0, 2 x mean] (so E[len^2] = 4/3 mean^2). Prefill
   once per prompt (prefix caching shares it over the n responses) at the stated MFU;
-- old log-probs (when the update needs them, update.on_policy): a forward of every kept token, 2 FLOPs per
+- old log-probs (when the update needs them, algorithm.on_policy): a forward of every kept token, 2 FLOPs per
   parameter outside the LM head per token plus causal attention 2 s^2 H per layer and sequence;
 - update: 6 FLOPs per parameter per token (8 with gradient checkpointing: the forward again), attention 3x
   its forward (4x), at the stated MFU, per PPO epoch;
@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..algorithm import on_policy
 from ..config import Config
-from ..trainer.update import on_policy
+from ..kernels.gpus import GPU
 from .engine import EngineMemory, torch_engine_memory
-from .gpus import GPU
 from .memory import lm_head_cost
 from .model import ModelShape
 

@@ -8,8 +8,6 @@ from .base import (
     SamplingParams,
     StreamingEngine,
     WeightSource,
-    derive_seed,
 )
 
-__all__ = ["Completion", "Request", "RolloutEngine", "Rollouts", "SamplingParams", "StreamingEngine", "WeightSource",
-           "derive_seed"]
+__all__ = ["Completion", "Request", "RolloutEngine", "Rollouts", "SamplingParams", "StreamingEngine", "WeightSource"]

@@ -6,7 +6,7 @@ Per step, on every rank together, whatever the engine:
     rollouts = engine.generate(prompts, SamplingParams(..., seed=derive_seed(seed, step, round)))
     engine.sleep()                 # give back what generation held, before the trainer's passes
 
-`weights(dtype)` yields the policy's full HF-named tensors (`trainer.weight_sync.iter_full_state_dict`):
+`weights(dtype)` yields the policy's full HF-named tensors (`models.weights.iter_full_state_dict`):
 an engine with its own copy of the model (vLLM) consumes it; one that samples from the policy module
 itself (the torch engine) never calls it.
 
@@ -19,8 +19,6 @@ update), prefilled under the current weights and never re-sampled.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,16 +28,6 @@ import torch
 WeightSource = Callable[[torch.dtype | None], Iterable[tuple[str, torch.Tensor]]]
 """Called with a dtype (None: as stored), returns the policy's (HF name, full tensor) pairs one at a time.
 The stream may all-gather FSDP2 shards: every rank must consume it together, to the end."""
-
-_SEED_BITS = 62
-
-
-def derive_seed(*parts: int) -> int:
-    """A seed in [0, 2**62) from integers (blake2b of their 64-bit encodings): stable across runs and
-    machines, and distinct for distinct parts (run seed, step, generation round, rank, prompt ...)."""
-    data = b"".join(struct.pack("<q", int(p)) for p in parts)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> (64 - _SEED_BITS)
-
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -41,7 +41,6 @@ The choices, before the code:
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -50,19 +49,15 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import StaticCache
 
 from ..distributed.collectives import all_reduce, world_size
-from .base import Completion, Request, Rollouts, SamplingParams, WeightSource, derive_seed
+from ..models.hf import cache_argument
+from ..seeds import derive_seed
+from .base import Completion, Request, Rollouts, SamplingParams, WeightSource
 from .torch_stream import TorchStream
 
-__all__ = ["TorchEngine", "cache_argument", "left_pad", "sample"]
+__all__ = ["TorchEngine", "left_pad", "sample"]
 
 CDF_BLOCK = 256
 """Entries per block of the two-level inverse CDF (the vocabulary's largest power-of-two factor up to this)."""
-
-
-def cache_argument(model: torch.nn.Module) -> str:
-    """The KV-cache keyword of `model`'s forward: `cache` in transformers 5.x (`past_key_values` is
-    deprecated there), `past_key_values` in 4.x. inspect.signature follows decorators' __wrapped__."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def _gather_for_generation(model: torch.nn.Module, gather: bool, reshard_after_forward: bool) -> None:

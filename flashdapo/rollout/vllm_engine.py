@@ -80,7 +80,8 @@ from typing import Any
 import torch
 
 from ..config import RolloutConfig
-from .base import Completion, Request, Rollouts, SamplingParams, WeightSource, derive_seed
+from ..seeds import derive_seed
+from .base import Completion, Request, Rollouts, SamplingParams, WeightSource
 from .vllm_bounds import bound_engine, reported
 from .vllm_outputs import sampled_logprobs, to_rollouts
 from .vllm_platform import (

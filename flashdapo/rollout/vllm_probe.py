@@ -1,7 +1,8 @@
 """Where a co-located vLLM's forward parts from the trainer's: each parameter group's output on one sequence.
 
-Used only after a failed push check (`trainer/logprob_check.py`), to name the parameter groups that differ.
-Forward hooks on vLLM's Qwen2-style modules (`model.embed_tokens`, `model.layers[i]`, `model.norm`) record
+Used only after a failed push check (`trainer/observe/logprob_check.py`), to name the parameter groups that differ.
+Forward hooks on the family's parameter groups (models/hf.py; Qwen2-style: `model.embed_tokens`,
+`model.layers[i]`, `model.norm`) record
 their outputs while the engine scores the sequence (one request: its tokens are the rows of vLLM's
 flattened batch, in order). vLLM's decoder layers return `(hidden, residual)` with the residual add
 deferred to the next layer's fused norm (`models/qwen2.py` `Qwen2DecoderLayer.forward`), so a layer's
@@ -18,16 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["group_modules", "stream_of", "vllm_group_outputs"]
+from ..models.hf import group_modules
 
-
-def group_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(group name, module) for the embedding, each decoder layer and the final norm of a Qwen2-style model
-    (an HF `...ForCausalLM` or vLLM's)."""
-    inner = model.model
-    groups = [("embed_tokens", inner.embed_tokens)]
-    groups += [(f"layers.{i}", layer) for i, layer in enumerate(inner.layers)]
-    return groups + [("norm", inner.norm)]
+__all__ = ["stream_of", "vllm_group_outputs"]
 
 
 def stream_of(name: str, output: Any) -> torch.Tensor:
@@ -40,14 +34,14 @@ def stream_of(name: str, output: Any) -> torch.Tensor:
     return output.detach().float().reshape(-1, output.shape[-1]).cpu()
 
 
-def vllm_group_outputs(llm: Any, score: Callable[[], Any]) -> dict[str, torch.Tensor]:
+def vllm_group_outputs(llm: Any, score: Callable[[], Any], model_type: str) -> dict[str, torch.Tensor]:
     """Run `score()` (one sequence through the engine) with hooks on vLLM's groups; their outputs by name
     (the last call of each, i.e. the sequence's prefill), empty where no hook fired."""
     captured: dict[str, torch.Tensor] = {}
     handles: list[Any] = []
 
     def attach(model: nn.Module) -> None:
-        for name, module in group_modules(model):
+        for name, module in group_modules(model, model_type):
             handles.append(module.register_forward_hook(
                 lambda _m, _inputs, out, name=name: captured.__setitem__(name, stream_of(name, out))))
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..algorithm import group_advantages, response_loss_mask, rollout_correction_weights
+from ..algorithm import group_advantages, loss_normalizers, response_loss_mask, rollout_correction_weights
 from ..config import AlgorithmConfig
-from ..distributed.collectives import all_reduce
+from ..distributed.collectives import all_gather_objects, all_reduce
 
 
 @dataclass
@@ -244,3 +246,29 @@ def _first_fit_count(token_counts: list[int], budget: int) -> int:
         else:
             loads.append(n)
     return max(len(loads), 1)
+
+
+def mini_batch_normalizers(valid_tokens: torch.Tensor, algo: AlgorithmConfig, sequence_parallel: int = 1,
+                           keys: Sequence[Any] | None = None) -> tuple[torch.Tensor, int]:
+    """This rank's part of a mini-batch -> (the loss normalizer of each of its responses, global valid tokens).
+
+    `valid_tokens` [b] counts the valid tokens of this rank's responses of the mini-batch; `keys` [b] name
+    them, sorting into the order one rank would hold the whole mini-batch in (default: this rank's part
+    follows the previous ranks' parts). The gathered counts, in that order, are the whole mini-batch, and
+    `loss_normalizers` of them under `algo.loss_agg_mode` does not depend on the number of ranks, on which
+    rank holds which response, or on the micro-batches. One all-gather of b (key, count) pairs per
+    mini-batch; without an initialized process group, the local counts. With sequence parallelism the
+    `sequence_parallel` consecutive ranks of a group hold the same responses: the first of each speaks for it.
+    """
+    slot = dist.get_rank() // sequence_parallel if dist.is_initialized() else 0
+    local = [int(n) for n in valid_tokens.tolist()]
+    named = list(zip(keys if keys is not None else ((slot, i) for i in range(len(local))), local))
+    everyone = sorted((pair for part in all_gather_objects(named)[::sequence_parallel] for pair in part),
+                      key=lambda pair: pair[0])
+    position = {key: i for i, (key, _) in enumerate(everyone)}
+    if len(position) != len(everyone):
+        raise ValueError("mini_batch_normalizers: two responses of the mini-batch have the same key")
+    counts = torch.tensor([n for _, n in everyone], dtype=torch.long)
+    normalizers = loss_normalizers(counts, algo.loss_agg_mode, algo.loss_agg_micro_batch)
+    mine = torch.tensor([position[key] for key, _ in named], dtype=torch.long)
+    return normalizers[mine], int(counts.sum())

@@ -23,26 +23,26 @@ from pathlib import Path
 
 import torch
 
-from ..algorithm import resolved_rollout_correction
+from ..algorithm import rollout_correction
 from ..distributed.collectives import all_gather_objects
 from ..distributed.heartbeat import heartbeat
 from ..distributed.interrupt import StopOnInterrupt
 from ..eval.results import summarize
 from ..eval.sampling import EvalSampling, Shard, sample_prompts
-from ..rollout import derive_seed
+from ..profiling import StageTimer
+from ..seeds import derive_seed
 from .batch import TrainBatch, build_train_batch
-from .checkpoint import latest_checkpoint, save_checkpoint
-from .correction import rollout_correction_metrics
-from .dumps import dump_train_rollouts, dump_validation, dumping
-from .export import export_hf
-from .logprob_check import logprob_agreement
-from .metrics import StageTimer, describe
-from .probe import probe_due, probe_metrics
-from .run import Run, setup_run
-from .sampling import collect_groups
-from .split_rollout import run_rollout_side
-from .split_schedule import stale_tokens
-from .streaming import stream_groups, stream_metrics
+from .collect.rounds import collect_groups
+from .collect.streaming import stream_groups, stream_metrics
+from .observe.correction import rollout_correction_metrics
+from .observe.dumps import dump_train_rollouts, dump_validation, dumping
+from .observe.logprob_check import logprob_agreement
+from .observe.probe import probe_due, probe_metrics
+from .observe.sinks import describe
+from .setup import Run, setup_run
+from .split.rollout_side import run_rollout_side
+from .state.checkpoint import latest_checkpoint, save_checkpoint
+from .state.export import export_hf
 from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
 
 
@@ -134,7 +134,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
             batch = build_train_batch(collected.mini_batches, old, cfg.algorithm,
-                                      resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, stale_tokens(cfg)))
+                                      rollout_correction(cfg))
         # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip it.
         recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
         rollout_check = {**logprob_agreement(step, batch, cfg.rollout, warn=env.is_main),

@@ -15,14 +15,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..algorithm import LossStats, mini_batch_normalizers, resolved_rollout_correction, token_loss
+from ..algorithm import LossStats, on_policy, token_loss
 from ..config import Config
 from ..distributed.collectives import all_reduce
 from ..distributed.mesh import DistEnv
 from ..errors import FlashdapoError
-from .batch import Group, TrainBatch, flat_prompts, flat_responses, plan_micro_batches
-from .policy import PolicyModel, per_token_split
-from .split_schedule import stale_tokens
+from ..models.policy import PolicyModel, per_token_split
+from .batch import Group, TrainBatch, flat_prompts, flat_responses, mini_batch_normalizers, plan_micro_batches
 
 
 def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int,
@@ -41,14 +40,6 @@ def _budget(policy: PolicyModel, cfg: Config) -> int:
     """Tokens of one micro-batch: trainer.micro_batch_tokens per rank, so sp x that for a sequence-parallel
     group (each of its ranks holds 1/sp)."""
     return cfg.trainer.micro_batch_tokens * policy.sp
-
-
-def on_policy(cfg: Config) -> bool:
-    """One optimizer step per batch (one mini-batch, one epoch): the weights the update starts from are
-    the ones that sampled the batch, so pi_old is pi_theta itself and needs no pass of its own. Not with a
-    rollout correction: its weights need pi_old's values before the update."""
-    return (cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batch == cfg.trainer.train_batch
-            and resolved_rollout_correction(cfg.algorithm, cfg.rollout.engine, stale_tokens(cfg)) == "none")
 
 
 def old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, pad_id: int,

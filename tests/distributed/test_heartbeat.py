@@ -5,7 +5,7 @@ import time
 import torch
 
 from flashdapo.distributed.heartbeat import heartbeat, heartbeat_line
-from flashdapo.trainer.metrics import StageTimer
+from flashdapo.profiling import StageTimer
 
 
 def test_heartbeat_line_names_the_innermost_running_stage_and_the_finished_ones():

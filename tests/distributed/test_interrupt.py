@@ -16,7 +16,7 @@ from flashdapo.__main__ import main as cli
 from flashdapo.distributed.interrupt import Interrupted
 from flashdapo.trainer import loop
 from flashdapo.trainer.loop import train
-from flashdapo.trainer.rundir import claim_run_dir
+from flashdapo.trainer.state.rundir import claim_run_dir
 from tests.trainer.test_distributed import ROOT, TINY, _env
 from tests.trainer.test_resume import _config, _metrics, _resume
 
@@ -102,7 +102,7 @@ def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step(tmp_path):
 def _sigterm_at_call(monkeypatch, target: int | None) -> list[int]:
     """Count the calls of flashdapo's own functions while `setup_run` runs; at call number `target` (None:
     never) send this process SIGTERM. Returns [calls counted]."""
-    from flashdapo.trainer import run as run_module
+    from flashdapo.trainer import setup as run_module
 
     package = str(Path(run_module.__file__).parents[1])
     calls = [0]
@@ -161,7 +161,7 @@ class _SignalsWhenCollected:
 
 
 def test_sigterm_inside_a_finalizer_during_setup_still_stops(tmp_path, monkeypatch, capsys):
-    from flashdapo.trainer import run as run_module
+    from flashdapo.trainer import setup as run_module
 
     real = run_module.build_datasets
 

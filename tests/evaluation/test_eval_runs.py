@@ -183,7 +183,7 @@ def test_vllm_engine_through_the_recording_double(export, two_sources, tmp_path)
     from flashdapo.config import DataConfig
     from flashdapo.data import load_prompts
     from flashdapo.distributed.mesh import init_distributed, shutdown
-    from flashdapo.eval.command import build_engine
+    from flashdapo.eval.command import eval_engine
     from flashdapo.eval.sampling import EvalSampling, sample_prompts
     from flashdapo.reward import dapo_verify
     from flashdapo.tokenizer import load_tokenizer
@@ -193,7 +193,7 @@ def test_vllm_engine_through_the_recording_double(export, two_sources, tmp_path)
                            max_new_tokens=6, seed=3)
     env = init_distributed("cpu")
     try:
-        engine = build_engine(args, env, None, vllm_module=FAKE_VLLM)
+        engine = eval_engine(args, env, None, vllm_module=FAKE_VLLM)
         tokenizer = load_tokenizer(str(export))
         prompts = load_prompts([str(two_sources)], tokenizer, DataConfig(dedup=True)).prompts
         results = sample_prompts(engine, prompts, tokenizer, dapo_verify, EvalSampling(k=3, max_new_tokens=6,

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from flashdapo.config import ModelConfig, ToyTaskConfig
 from flashdapo.data import DAPO_TEMPLATE
 from flashdapo.tasks.toy import build_toy_model, build_toy_tokenizer, toy_records
-from flashdapo.trainer.export import export_hf
+from flashdapo.trainer.state.export import export_hf
 
 
 def toy_export(path: Path) -> Path:

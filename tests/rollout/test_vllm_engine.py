@@ -30,8 +30,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashdapo.config import ConfigError, RolloutConfig
+from flashdapo.models.weights import iter_full_state_dict
 from flashdapo.rollout import vllm_process
-from flashdapo.rollout.base import SamplingParams, derive_seed
+from flashdapo.rollout.base import SamplingParams
 from flashdapo.rollout.vllm_engine import (
     VLLM_VERSION_READ,
     VLLMEngine,
@@ -40,7 +41,7 @@ from flashdapo.rollout.vllm_engine import (
     vllm_target,
 )
 from flashdapo.rollout.vllm_process import library_versions
-from flashdapo.trainer.weight_sync import iter_full_state_dict
+from flashdapo.seeds import derive_seed
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 EOS = 2

@@ -8,7 +8,7 @@ import torch
 from flashdapo.algorithm import group_advantages
 from flashdapo.config import AlgorithmConfig
 from flashdapo.trainer.batch import Group, TrainBatch, build_train_batch
-from flashdapo.trainer.dealing import balance, deal_to_slots, slot_loads
+from flashdapo.trainer.collect.dealing import balance, deal_to_slots, slot_loads
 
 
 def _lengths_group(index: int, prompt_len: int, response_lens: list[int], seed: int = 0) -> Group:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flashdapo.distributed.mesh import DistEnv
-from flashdapo.trainer import checkpoint as ckpt
-from flashdapo.trainer.checkpoint import (
+from flashdapo.trainer.state import checkpoint as ckpt
+from flashdapo.trainer.state.checkpoint import (
     CheckpointError,
     TrainerState,
     load_checkpoint,
@@ -21,7 +21,7 @@ from flashdapo.trainer.checkpoint import (
     resume_candidates,
     save_checkpoint,
 )
-from flashdapo.trainer.export import export_hf
+from flashdapo.trainer.state.export import export_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashdapo.trainer.checkpoint import CheckpointError, resume_candidates
-from flashdapo.trainer.rundir import RunDirError, claim_run_dir
+from flashdapo.trainer.state.checkpoint import CheckpointError, resume_candidates
+from flashdapo.trainer.state.rundir import RunDirError, claim_run_dir
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,12 +9,12 @@ import torch
 
 from flashdapo.config import toy
 from flashdapo.distributed.mesh import DistEnv
+from flashdapo.profiling import StageTimer
 from flashdapo.reward import Verdict
 from flashdapo.trainer.batch import build_train_batch
-from flashdapo.trainer.dumps import dump_train_rollouts
+from flashdapo.trainer.collect.streaming import StreamState, stream_groups
 from flashdapo.trainer.loop import train
-from flashdapo.trainer.metrics import StageTimer
-from flashdapo.trainer.streaming import StreamState, stream_groups
+from flashdapo.trainer.observe.dumps import dump_train_rollouts
 
 from .scripted import PlainTokenizer, ScriptedStream
 from .test_loop import _collect, tiny_config

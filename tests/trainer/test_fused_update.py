@@ -4,8 +4,8 @@ token_logprobs + token_loss: same loss, statistics, gradient norm and weights af
 import pytest
 import torch
 
-from flashdapo.trainer import policy
-from flashdapo.trainer.policy import PolicyModel
+from flashdapo.models import policy
+from flashdapo.models.policy import PolicyModel
 
 from .test_loop import tiny_config
 from .test_old_logprobs import _first_step_weights

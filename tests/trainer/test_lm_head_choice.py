@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flashdapo.kernels.cost import fused, generic
-from flashdapo.plan.gpus import GPUS, gpu_of_device
-from flashdapo.trainer.lm_head_choice import MAX_EXTRA_FRACTION, MIN_SAVING, lm_head_design, use_fused_loss
+from flashdapo.kernels.gpus import GPUS, gpu_of_device
+from flashdapo.kernels.lm_head_choice import MAX_EXTRA_FRACTION, MIN_SAVING, lm_head_design, use_fused_loss
 
 SHAPES = {"7B": (16384, 3584, 152064), "32B": (22528, 5120, 152064)}
 

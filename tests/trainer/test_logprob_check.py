@@ -7,7 +7,11 @@ import torch
 
 from flashdapo.config import AlgorithmConfig, RolloutConfig
 from flashdapo.trainer.batch import Group, build_train_batch
-from flashdapo.trainer.logprob_check import LogprobMismatchWarning, logprob_agreement, should_check_logprobs
+from flashdapo.trainer.observe.logprob_check import (
+    LogprobMismatchWarning,
+    logprob_agreement,
+    should_check_logprobs,
+)
 
 
 def test_logprob_check_schedule():
@@ -68,7 +72,7 @@ class CopyEngine:
 def _policy(tied):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from flashdapo.trainer.policy import PolicyModel
+    from flashdapo.models.policy import PolicyModel
 
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -80,7 +84,7 @@ def _policy(tied):
 @pytest.mark.parametrize("stale, culprit", [(None, None), ("model.layers.1.mlp.down_proj.weight", "layers.1"),
                                             ("lm_head.weight", "lm_head"), ("model.norm.weight", "norm")])
 def test_push_check_passes_a_faithful_engine_and_names_what_differs(tied, stale, culprit):
-    from flashdapo.trainer.logprob_check import PushCheck, PushMismatchError
+    from flashdapo.trainer.observe.logprob_check import PushCheck, PushMismatchError
 
     policy = _policy(tied)
     engine = CopyEngine(policy.hf)

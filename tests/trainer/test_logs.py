@@ -10,8 +10,8 @@ import torch
 from flashdapo.distributed.mesh import shutdown
 from flashdapo.reward import Verdict
 from flashdapo.trainer.loop import probe, split_metrics, train_step
-from flashdapo.trainer.probe import build_probe_set, probe_due, probe_metrics
-from flashdapo.trainer.run import setup_run
+from flashdapo.trainer.observe.probe import build_probe_set, probe_due, probe_metrics
+from flashdapo.trainer.setup import setup_run
 
 from .test_loop import _collect, tiny_config
 

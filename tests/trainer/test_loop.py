@@ -14,14 +14,16 @@ from flashdapo.__main__ import main as cli
 from flashdapo.config import ToyTaskConfig, merge, toy
 from flashdapo.data import PromptSampler
 from flashdapo.distributed.mesh import DistEnv, shutdown
+from flashdapo.profiling import StageTimer
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.tasks.toy import toy_records
-from flashdapo.trainer import loop, sampling
-from flashdapo.trainer.export import export_hf
+from flashdapo.trainer import loop
+from flashdapo.trainer.collect import rounds as sampling
+from flashdapo.trainer.collect.rounds import DynamicSamplingError, collect_groups
 from flashdapo.trainer.loop import train, train_step
-from flashdapo.trainer.metrics import REQUIRED_KEYS, StageTimer, format_line
-from flashdapo.trainer.run import setup_run
-from flashdapo.trainer.sampling import DynamicSamplingError, collect_groups
+from flashdapo.trainer.observe.sinks import REQUIRED_KEYS, format_line
+from flashdapo.trainer.setup import setup_run
+from flashdapo.trainer.state.export import export_hf
 
 from .scripted import PlainTokenizer, ScriptedEngine, numbered_prompts, scripted_verifier
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from flashdapo.trainer.metrics import MetricsError, MetricsLogger
+from flashdapo.trainer.observe.sinks import MetricsError, MetricsLogger
 
 
 def _logger(run_dir):
@@ -33,7 +33,7 @@ def test_wandb_gets_the_configured_entity_run_name_tags_and_mode(tmp_path, monke
     import types
 
     from flashdapo.config import merge, preset
-    from flashdapo.trainer.metrics import WandbRun
+    from flashdapo.trainer.observe.sinks import WandbRun
 
     calls = []
     fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or types.SimpleNamespace(finish=lambda: None))
@@ -83,8 +83,8 @@ def test_a_failed_metrics_write_warns_once_and_the_file_is_whole_again_after(tmp
 def test_a_plot_that_cannot_be_written_never_stops_training(tmp_path, monkeypatch, capsys):
     import errno
 
-    from flashdapo.trainer import metrics
     from flashdapo.trainer.loop import train
+    from flashdapo.trainer.observe import sinks as metrics
 
     from .test_loop import tiny_config
 

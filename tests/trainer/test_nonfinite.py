@@ -11,7 +11,7 @@ from flashdapo.distributed.mesh import shutdown
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.trainer import update as update_module
 from flashdapo.trainer.loop import train_step
-from flashdapo.trainer.run import setup_run
+from flashdapo.trainer.setup import setup_run
 from flashdapo.trainer.update import NonFiniteError
 
 from .test_loop import tiny_config

@@ -10,7 +10,7 @@ from flashdapo.kernels import token_logprobs
 from flashdapo.trainer import update
 from flashdapo.trainer.batch import Group
 from flashdapo.trainer.loop import train_step
-from flashdapo.trainer.run import setup_run
+from flashdapo.trainer.setup import setup_run
 
 from .test_loop import tiny_config
 

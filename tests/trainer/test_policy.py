@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from flashdapo.kernels import token_logprobs
-from flashdapo.trainer.policy import PolicyModel, make_token_batch, per_token_split
+from flashdapo.models.policy import PolicyModel, make_token_batch, per_token_split
 
 FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
             "mistral": (MistralConfig, MistralForCausalLM)}
@@ -129,7 +129,7 @@ def test_sequence_parallel_head_rule():
     """Query heads must divide by sp; KV heads must divide by sp or divide it (then they are repeated)."""
     from flashdapo.config import preset
     from flashdapo.errors import user_error_line
-    from flashdapo.trainer.ulysses import check_heads
+    from flashdapo.models.ulysses import check_heads
 
     check_heads(40, 8, 8)  # Qwen2.5-32B at the release's sp=8, which its preset sets
     assert preset("qwen2.5-32b-dapo").trainer.sequence_parallel == 8

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from flashdapo.config import ToyTaskConfig, merge
 from flashdapo.tasks.toy import build_toy_tokenizer, toy_records
 from flashdapo.trainer.loop import train
-from flashdapo.trainer.run_settings import ResumeRefused, file_sha256
+from flashdapo.trainer.state.run_settings import ResumeRefused, file_sha256
 
 from .test_loop import _write_aime_style_parquet, tiny_config
 

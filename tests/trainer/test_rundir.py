@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from flashdapo.config import merge
-from flashdapo.trainer.checkpoint import CheckpointError
 from flashdapo.trainer.loop import train
-from flashdapo.trainer.rundir import RunDirError, claim_run_dir
+from flashdapo.trainer.state.checkpoint import CheckpointError
+from flashdapo.trainer.state.rundir import RunDirError, claim_run_dir
 
 from .test_loop import tiny_config
 
@@ -62,7 +62,7 @@ def test_a_live_runs_lock_refuses_a_second_run_and_dies_with_it(tmp_path):
         claim_run_dir(tmp_path, resume="auto", move_old_run=False)
     held.release()
     # Another process holds it, then is SIGKILLed: the kernel releases the lock.
-    code = ("import sys, time; from pathlib import Path; from flashdapo.trainer.rundir import claim_run_dir; "
+    code = ("import sys, time; from pathlib import Path; from flashdapo.trainer.state.rundir import claim_run_dir; "
             f"c = claim_run_dir(Path({str(tmp_path)!r}), 'auto', False); print('held', flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -154,7 +154,7 @@ def test_a_read_only_checkpoints_dir_is_refused_at_start_before_any_work(tmp_pat
 
 
 def test_each_start_keeps_its_config_and_run_json_lists_the_starts(tmp_path):
-    from flashdapo.trainer.rundir import record_start, recorded_run_id
+    from flashdapo.trainer.state.rundir import record_start, recorded_run_id
 
     assert recorded_run_id(tmp_path) is None
     assert record_start(tmp_path, "run-a", 0, "first: 1\n", None, [], fresh=True) == "config.yaml"

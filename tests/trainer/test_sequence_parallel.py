@@ -116,7 +116,7 @@ def test_ulysses_attention_head_mapping_without_ranks(monkeypatch, heads, kv_hea
     """The packed attention under sequence parallelism (its KV-head repeat and both all-to-alls) with sp ranks
     simulated by threads: each rank's output shard is that of attention on the whole row in one process, also
     where the ranks outnumber the KV heads (Qwen2.5-3B's 16 and 2 at sp = 4, Qwen3-30B-A3B's 32 and 4 at 8)."""
-    from flashdapo.trainer import packing, ulysses
+    from flashdapo.models import packing, ulysses
 
     ulysses.check_heads(heads, kv_heads, sp)
     group = _ThreadGroup(sp)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashdapo.trainer.split_schedule import expected_lag, last_pushed_step, weights_step
+from flashdapo.trainer.split.schedule import expected_lag, last_pushed_step, weights_step
 
 from .test_distributed import ROOT, TINY, _env
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flashdapo.distributed.mesh import DistEnv
-from flashdapo.trainer import startup
-from flashdapo.trainer.checkpoint import CheckpointError
-from flashdapo.trainer.run_settings import ResumeRefused
+from flashdapo.trainer.state import startup
+from flashdapo.trainer.state.checkpoint import CheckpointError
+from flashdapo.trainer.state.run_settings import ResumeRefused
 
 from .test_resume import _config
 

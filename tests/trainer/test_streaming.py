@@ -14,9 +14,9 @@ import torch
 
 from flashdapo.config import merge, toy
 from flashdapo.distributed.mesh import DistEnv
+from flashdapo.profiling import StageTimer
 from flashdapo.reward import Verdict
-from flashdapo.trainer.metrics import StageTimer
-from flashdapo.trainer.streaming import StreamState, stream_groups
+from flashdapo.trainer.collect.streaming import StreamState, stream_groups
 
 from .scripted import PlainTokenizer, ScriptedStream, numbered_prompts
 from .test_distributed import ROOT, SCRIPTS, TINY, _env, torchrun
@@ -120,7 +120,7 @@ class CountingStream(ScriptedStream):
 
 @pytest.mark.parametrize("every", [1, 7])
 def test_the_wait_after_the_target_is_the_steps_run_until_the_ranks_agree(monkeypatch, every):
-    from flashdapo.trainer import streaming
+    from flashdapo.trainer.collect import streaming
 
     # One pull of 8 prompts, all informative: the 4th group to complete meets the target of 4, at the step
     # where its longest response finishes (one token per step, every request from the first step on).

@@ -2,7 +2,7 @@
 training step follows on the same weights lets the engine stay awake (so a co-located vLLM engine pushes
 once per set of weights: tests/rollout/test_vllm_engine.py checks that side)."""
 
-import flashdapo.trainer.run as run_module
+import flashdapo.trainer.setup as run_module
 from flashdapo.rollout.torch_engine import TorchEngine
 from flashdapo.tokenizer import eos_token_ids
 from flashdapo.trainer.loop import train
@@ -34,12 +34,12 @@ class RecordingEngine(TorchEngine):
 def test_validation_leaves_the_weights_for_the_next_step(tmp_path, monkeypatch):
     engines = []
 
-    def build(cfg, env, policy, tokenizer, run_dir):
+    def build(cfg, env, policy, tokenizer, error_log, log):
         engines.append(RecordingEngine(policy, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device,
                                        max_batch=cfg.rollout.max_num_seqs))
         return engines[0]
 
-    monkeypatch.setattr(run_module, "_build_engine", build)
+    monkeypatch.setattr(run_module, "training_engine", build)
     cfg = tiny_config(tmp_path, trainer={"total_steps": 2, "val_every": 1, "val_before_train": True})
     train(cfg)
     # Validation at 0 (kept awake for step 1), step 1, validation 1 (kept awake for step 2), step 2, and the

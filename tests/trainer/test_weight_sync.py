@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flashdapo.trainer.weight_sync import hf_name, iter_full_state_dict
+from flashdapo.models.weights import hf_name, iter_full_state_dict
 
 
 def tiny_qwen2(tied: bool, seed: int = 0) -> Qwen2ForCausalLM:

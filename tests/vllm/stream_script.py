@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from flashdapo.config import RolloutConfig
-from flashdapo.rollout.base import Request, SamplingParams, derive_seed
+from flashdapo.models.weights import iter_full_state_dict
+from flashdapo.rollout.base import Request, SamplingParams
 from flashdapo.rollout.vllm_engine import VLLMEngine
-from flashdapo.trainer.weight_sync import iter_full_state_dict
+from flashdapo.seeds import derive_seed
 
 from .toy import KV_GIB
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashdapo.trainer.split_schedule import expected_lag
+from flashdapo.trainer.split.schedule import expected_lag
 
 from .test_real_vllm import exports, metrics, train  # noqa: F401, F811  (exports: the module fixture)
 

@@ -9,7 +9,7 @@ import torch
 
 from flashdapo.config import ModelConfig, ToyTaskConfig
 from flashdapo.tasks.toy import build_toy_model, build_toy_tokenizer, toy_records
-from flashdapo.trainer.export import export_hf
+from flashdapo.trainer.state.export import export_hf
 
 HIDDEN, HEADS = 64, 2  # head size 32, the smallest vLLM's CPU attention supports
 KV_GIB = 0.03125  # 32 MiB of KV cache per rank: thousands of toy tokens, never the host's RAM

@@ -21,11 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from flashdapo.config import merge, toy
 from flashdapo.distributed.mesh import init_distributed, shutdown
+from flashdapo.models.policy import PolicyModel, parallelize
 from flashdapo.plan.shapes import builtin_shape
 from flashdapo.tasks.toy import build_toy_model
 from flashdapo.trainer.batch import Group, build_train_batch
-from flashdapo.trainer.dealing import deal_to_slots
-from flashdapo.trainer.policy import PolicyModel, parallelize
+from flashdapo.trainer.collect.dealing import deal_to_slots
 from flashdapo.trainer.update import update_actor
 
 GROUPS, N, TOY_VOCAB = 2, 8, 289

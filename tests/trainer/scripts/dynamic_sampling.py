@@ -11,8 +11,8 @@ from scripted import PlainTokenizer, ScriptedEngine, numbered_prompts, scripted_
 from flashdapo.config import merge, toy  # noqa: E402
 from flashdapo.data import PromptSampler  # noqa: E402
 from flashdapo.distributed.mesh import init_distributed, shutdown  # noqa: E402
-from flashdapo.trainer.metrics import StageTimer  # noqa: E402
-from flashdapo.trainer.sampling import collect_groups  # noqa: E402
+from flashdapo.profiling import StageTimer
+from flashdapo.trainer.collect.rounds import collect_groups  # noqa: E402
 
 out = Path(sys.argv[1])
 cfg = merge(toy(), {"rollout": {"n": 4}, "trainer": {"train_batch": 4, "gen_batch": 4, "mini_batch": 2}})

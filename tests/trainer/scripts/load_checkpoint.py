@@ -8,8 +8,8 @@ import torch
 
 from flashdapo.config import merge, toy
 from flashdapo.distributed.mesh import init_distributed, shutdown
-from flashdapo.trainer.loading import load_sharded_policy
-from flashdapo.trainer.weight_sync import iter_full_state_dict
+from flashdapo.models.loading import load_sharded_policy
+from flashdapo.models.weights import iter_full_state_dict
 
 model_dir, out = sys.argv[1], Path(sys.argv[2])
 env = init_distributed("cpu")

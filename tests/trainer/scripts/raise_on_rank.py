@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import flashdapo.trainer.loop as loop
-import flashdapo.trainer.run as run
+import flashdapo.trainer.setup as run
 from flashdapo.__main__ import main
 
 where, bad_rank, bad_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -21,7 +21,7 @@ run_dir = Path(sys.argv[sys.argv.index("--logging.run-dir") + 1])
 run_dir.mkdir(parents=True, exist_ok=True)
 (run_dir / f"pid_{rank}").write_text(str(os.getpid()))  # the test checks that no rank outlives the job
 current = {"step": 0}
-real_step, real_verifier, real_engine = loop.train_step, run.get_verifier, run._build_engine
+real_step, real_verifier, real_engine = loop.train_step, run.get_verifier, run.training_engine
 
 
 def counting_step(r, step):
@@ -69,5 +69,5 @@ loop.train_step = counting_step
 if where.startswith("reward"):
     run.get_verifier = verifier
 else:
-    run._build_engine = engine
+    run.training_engine = engine
 sys.exit(main(["train", *sys.argv[4:]]))

@@ -24,7 +24,7 @@ import flash_stand_in  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from flashdapo.distributed.mesh import init_distributed, shutdown  # noqa: E402
-from flashdapo.trainer.policy import PolicyModel  # noqa: E402
+from flashdapo.models.policy import PolicyModel  # noqa: E402
 
 out = Path(sys.argv[1])
 env = init_distributed("cpu", sequence_parallel=int(os.environ["WORLD_SIZE"]))

@@ -18,12 +18,12 @@ import torch
 import flashdapo.trainer.update as update
 from flashdapo.config import merge, toy
 from flashdapo.distributed.mesh import init_distributed, shutdown
+from flashdapo.models.policy import PolicyModel, parallelize
+from flashdapo.models.weights import iter_full_state_dict
 from flashdapo.tasks.toy import build_toy_model
 from flashdapo.trainer.batch import Group, _first_fit_count, build_train_batch
-from flashdapo.trainer.dealing import deal_to_slots
-from flashdapo.trainer.policy import PolicyModel, parallelize
+from flashdapo.trainer.collect.dealing import deal_to_slots
 from flashdapo.trainer.update import compute_old_logprobs, update_actor
-from flashdapo.trainer.weight_sync import iter_full_state_dict
 
 out, budget, sp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 VOCAB, GROUPS, N = 50, 4, 2

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-import flashdapo.trainer.split_rollout as split_rollout
+import flashdapo.trainer.split.rollout_side as split_rollout
 from flashdapo.__main__ import main
 
 bad_version = int(sys.argv[1])

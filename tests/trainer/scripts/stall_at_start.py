@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-import flashdapo.trainer.startup as startup
+import flashdapo.trainer.state.startup as startup
 from flashdapo.__main__ import main
 
 bad_rank, seconds = int(sys.argv[1]), float(sys.argv[2])

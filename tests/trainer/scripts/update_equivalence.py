@@ -14,13 +14,13 @@ import torch
 import flashdapo.trainer.update as update
 from flashdapo.config import merge, toy
 from flashdapo.distributed.mesh import init_distributed, shutdown
+from flashdapo.models.policy import PolicyModel, parallelize
+from flashdapo.models.weights import iter_full_state_dict
 from flashdapo.tasks.toy import build_toy_model
 from flashdapo.trainer.batch import Group, build_train_batch
-from flashdapo.trainer.correction import rollout_correction_metrics
-from flashdapo.trainer.dealing import deal_to_slots
-from flashdapo.trainer.policy import PolicyModel, parallelize
+from flashdapo.trainer.collect.dealing import deal_to_slots
+from flashdapo.trainer.observe.correction import rollout_correction_metrics
 from flashdapo.trainer.update import compute_old_logprobs, update_actor
-from flashdapo.trainer.weight_sync import iter_full_state_dict
 
 PAIRS = [("token-mean", "none"), ("seq-mean-token-mean", "token_truncate"), ("seq-mean-token-sum", "sequence_mask"),
          ("token-mean-per-micro-batch", "token_mask"), ("token-mean", "sequence_truncate")]

@@ -1,0 +1,74 @@
+"""A model directory (`model.path`, `flashdapo eval --model`) checked before anything loads it.
+
+transformers' own errors for a wrong directory mislead ("install sentencepiece" for an empty one) or
+omit the file ("header too large" without naming a corrupt safetensors shard), and safetensors reports a
+file it may not read as "No such file or directory": a denied permission is named as such. This check names the
+directory or file and what an HF checkpoint directory must hold: config.json, weights (*.safetensors or
+*.bin), tokenizer files. It reads only the safetensors headers, not the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import FlashdapoError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+EXPECTED = "an HF checkpoint directory (config.json, *.safetensors weights, tokenizer files)"
+
+
+class ModelDirError(FlashdapoError, ValueError):
+    """The model directory is missing, empty, or holds an unreadable file; the message names it."""
+
+
+def _denied(path: Path, what: str = "read") -> ModelDirError:
+    return ModelDirError(f"{path}: permission denied: the user running flashdapo may not {what} it; fix its "
+                         "permissions (e.g. chmod a+r, a+x for a directory) or ownership")
+
+
+def _check_readable(file: Path) -> None:
+    try:
+        with file.open("rb"):
+            pass
+    except PermissionError as err:
+        raise _denied(file) from err
+
+
+def check_model_dir(path: str | Path, field: str = "model.path") -> None:
+    """Raise ModelDirError naming the directory or file when `path` is not a loadable HF checkpoint."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    where = f"{field}={root}"
+    if not root.is_dir():
+        raise ModelDirError(f"{where}: {'is a file, not' if root.exists() else 'no such'} directory; expected {EXPECTED}")
+    try:
+        entries = list(root.iterdir())
+    except PermissionError as err:
+        raise _denied(root, "list") from err
+    if not entries:
+        raise ModelDirError(f"{where}: the directory is empty; expected {EXPECTED}")
+    config = root / "config.json"
+    if not config.is_file():
+        raise ModelDirError(f"{where}: no config.json; expected {EXPECTED}")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except PermissionError as err:
+        raise _denied(config) from err
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ModelDirError(f"{config}: not valid JSON ({err}); re-download or re-export the model") from err
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards and not any(root.glob("*.bin")):
+        raise ModelDirError(f"{where}: no weights (*.safetensors or *.bin); expected {EXPECTED}")
+    for file in [*shards, *sorted(root.glob("*.bin")), *(root / n for n in TOKENIZER_FILES if (root / n).is_file())]:
+        _check_readable(file)  # safetensors reports a denied read as "No such file or directory"
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                f.keys()
+        except Exception as err:  # safetensors raises its own SafetensorError (and OSError) for bad files
+            raise ModelDirError(f"{shard}: not a readable safetensors file ({str(err).splitlines()[0]}); "
+                                "re-download or re-export the model") from err
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelDirError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); expected {EXPECTED}")

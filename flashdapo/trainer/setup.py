@@ -1,0 +1,296 @@
+"""Setting up a run: process group, run directory, tokenizer, data, model (and the toy warm-up),
+FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import Config, compact_summary
+from ..data import Prompt, PromptSampler
+from ..distributed.collectives import all_gather_objects
+from ..distributed.failfast import FailFast
+from ..distributed.mesh import DistEnv, init_distributed, shutdown
+from ..distributed.roles import Liveness
+from ..models.policy import PolicyModel
+from ..models.weights import iter_full_state_dict
+from ..preflight import check_launch, resolve_auto
+from ..profiling import StepProfiler
+from ..reward import RANDOM_VERIFIER, RandomReward, Verifier, get_verifier, judging_verifier
+from ..rollout import RolloutEngine
+from ..rollout.vllm_process import library_versions
+from ..tasks import build_datasets
+from ..tools.warning_lines import attach_run
+from .builders import build_optimizer, build_policy, checked_tokenizer, parameter_counts, training_engine
+from .collect.streaming import StreamState
+from .observe.probe import ProbeSet, build_probe_set
+from .observe.sinks import MetricsLogger, WandbRun
+from .split.cut import require_part
+from .split.trainer_side import SplitTrainer
+from .state.checkpoint import TrainerState, load_rank_state
+from .state.export import exported_step
+from .state.resume import Resumed, apply_optim_config, describe_resume, load_resume, restore_sampler
+from .state.run_settings import run_settings
+from .state.rundir import RunDirClaim, new_run_id, record_start
+from .state.startup import StartPlan, agree_on_start, set_collective_timeout
+
+
+@dataclass
+class RunTotals:
+    """What the run has generated so far, over every step and rank (train/generated_*_cum)."""
+
+    generated_samples: int = 0
+    """Responses generated (finished), kept or not."""
+    generated_tokens: int = 0
+    """Response tokens sampled, kept or not."""
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.generated_samples += samples
+        self.generated_tokens += tokens
+
+
+@dataclass
+class Run:
+    """Everything a running job holds; built by `setup_run`."""
+
+    cfg: Config
+    env: DistEnv
+    run_dir: Path
+    tokenizer: Any
+    policy: PolicyModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    engine: RolloutEngine
+    verifier: Verifier
+    """What judges validation's responses, and training's unless `reward` is set."""
+    sampler: PromptSampler
+    val_prompts: list[Prompt]
+    logger: MetricsLogger
+    pad_id: int
+    start_step: int
+    failfast: FailFast
+    run_id: str
+    """This run's id, recorded in its checkpoints (resumed runs keep theirs); see rundir.py."""
+    claim: RunDirClaim | None = None
+    """Rank 0's lock on the run directory, released when the run ends."""
+    skipped_in_a_row: int = 0
+    """Optimizer steps skipped in a row for a non-finite loss or gradient norm (loop.stop_after_skips)."""
+    policy_version: int = 0
+    """Optimizer updates so far in this process: the version the rollout engine's `wake` is given."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The settings that shape this run, recorded in its checkpoints (run_settings.py)."""
+    resumed: Resumed | None = None
+    """The checkpoint this process continued from, None for a fresh start."""
+    stream: StreamState = field(default_factory=StreamState)
+    """This rank's streaming sampler state between steps (rollout.streaming), saved with every checkpoint."""
+    profiler: StepProfiler | None = None
+    """This rank's profiler of profile.steps; None when profiling is off here (no profiler object)."""
+    reward: Verifier | RandomReward | None = None
+    """What judges training's responses: `verifier`, or algorithm.verifier=random's RandomReward (None: verifier)."""
+    probe: ProbeSet | None = None
+    """The probe's fixed prompts and responses (None: logging.probe_every = 0)."""
+    totals: RunTotals = field(default_factory=RunTotals)
+    """Counts over the whole run (resumed runs continue them), saved with every checkpoint."""
+    split: SplitTrainer | None = None
+    """Split placement (rollout.placement=split): the trainer side's links to the rollout side; None co-located."""
+    liveness: Liveness | None = None
+    """Split placement: this rank's liveness counter, read by the other side while it waits."""
+
+    def close(self, error: BaseException | None) -> None:
+        """Close the metric sinks and the directory lock; then, after an error, report it to the other ranks
+        (failfast: ends this process when there are peers), else meet them and close the process group."""
+        self.logger.close()
+        if self.liveness is not None:
+            self.liveness.close()
+        if self.claim is not None:
+            self.claim.release()
+        if error is not None:
+            self.failfast.fail(error)
+            shutdown(synchronize=False)
+        else:
+            self.failfast.close()
+            shutdown()
+
+    @property
+    def final_step(self) -> int:
+        """The step the weights are at once the loop ends: trainer.total_steps, or a later resumed one."""
+        return max(self.start_step, self.cfg.trainer.total_steps)
+
+    def needs_export(self) -> bool:
+        """Whether the final export is still to write: False when a resume had nothing to train and export/
+        already holds this step's weights (kept, said in one line, not rewritten)."""
+        export = self.run_dir / "export"
+        if self.start_step < self.cfg.trainer.total_steps or exported_step(export) != self.start_step:
+            return True
+        self.log(f"the export in {export} already holds step {self.start_step}: kept, not rewritten")
+        return False
+
+    def log(self, message: str) -> None:
+        if self.env.is_main:
+            print(f"flashdapo: {message}", flush=True)
+
+    def rank_state(self) -> dict[str, Any] | None:
+        """This rank's own state for the checkpoint: the streaming sampler's carried work."""
+        return self.stream.to_plain() if self.cfg.rollout.streaming else None
+
+    @property
+    def train_reward(self) -> Verifier | RandomReward:
+        """What judges training's responses."""
+        return self.reward if self.reward is not None else self.verifier
+
+    def trainer_state(self, step: int) -> TrainerState:
+        return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict(),
+                            run_id=self.run_id, settings=self.settings, totals=dataclasses.asdict(self.totals))
+
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors (bf16 when model.dtype is bfloat16), gathered from the FSDP2 shards one at a
+        time."""
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None  # export in the compute dtype
+        return iter_full_state_dict(self.policy.hf, dtype=dtype)
+
+    def export_config(self):
+        """The policy's HF config, saying the dtype `full_state_dict` exports in (config.json matches the tensors)."""
+        config = copy.deepcopy(self.policy.config)
+        config.dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        return config
+
+    def policy_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's HF-named full tensors, cast to `dtype`, for a rollout engine's `wake` (a WeightSource)."""
+        return iter_full_state_dict(self.policy.hf, dtype=dtype)
+
+
+def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run:
+    """Build every piece of a run; resume from a checkpoint when configured. From the process group on, a
+    failure on any rank ends every rank (`failfast.py`). `checkpoint()` runs between the stages: a safe
+    point where a stop asked for meanwhile (Ctrl-C, SIGTERM: interrupt.py) raises."""
+    check_launch(cfg)  # before the process group: a config this launch cannot run is one line
+    # The start-up checks wait at most setup_timeout_s for the other ranks (startup.py), the rest longer.
+    split = cfg.rollout.placement == "split"
+    env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, cfg.trainer.sequence_parallel,
+                           cfg.rollout.rollout_ranks if split else 0)
+    cfg = resolve_auto(cfg, env.device.type == "cuda")
+    failfast = (FailFast.connect(env.global_rank, env.global_world_size, role=f"trainer rank {env.rank}") if split
+                else FailFast.connect(env.rank, env.world_size))
+    failfast.watch()
+    liveness = Liveness(env.bridges.store, env.global_rank) if split else None
+    run_dir = Path(cfg.logging.run_dir)
+    log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
+    plan, run = None, None
+    try:
+        checkpoint()
+        plan = agree_on_start(cfg, env, run_dir, log)
+        attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
+        set_collective_timeout(cfg.trainer.collective_timeout_s)
+        run = _build_run(cfg, env, failfast, run_dir, log, plan, checkpoint)
+        run.liveness = liveness
+        if env.is_main:  # only now: a rejected config or a failed resume leaves the directory's files alone
+            record_start(run_dir, run.run_id, run.start_step, cfg.to_yaml(), run.resumed and run.resumed.path,
+                         run.resumed.changes if run.resumed else [], fresh=not cfg.checkpoint.resume)
+        checkpoint()
+    except BaseException as err:
+        if run is not None:
+            run.logger.close()
+        if plan is not None and plan.claim is not None:
+            plan.claim.release()
+        if liveness is not None:
+            liveness.close()
+        failfast.fail(err)  # with peers: reports and ends this process (and, through the store, the others)
+        shutdown(synchronize=False)
+        raise
+    run.claim = plan.claim
+    return run
+
+
+def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log, plan: StartPlan,
+               checkpoint: Callable[[], None]) -> Run:
+    for line in compact_summary(cfg):
+        log(f"config {line}")
+    tokenizer = checked_tokenizer(cfg, log)
+    torch.manual_seed(cfg.trainer.seed + env.rank)
+    train_set, val_set = build_datasets(cfg.data, tokenizer)
+    log(f"train data: {train_set.report.summary()}")
+    if val_set is not None:
+        log(f"val data: {val_set.report.summary()}")
+    for warning in train_set.report.warnings + (val_set.report.warnings if val_set is not None else []):
+        log(f"warning: {warning}")
+    checkpoint()
+    policy = build_policy(cfg, env, tokenizer, bool(plan.candidates), log)
+    optimizer, scheduler = build_optimizer(cfg, policy)
+    sampler = PromptSampler(train_set, cfg.trainer.gen_batch, cfg.trainer.seed, cfg.data.shuffle, env.rank,
+                            env.world_size)
+    logger = MetricsLogger(run_dir, env.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
+                           cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict(),
+                           WandbRun.from_config(cfg.logging))
+    start_step, run_id = 0, plan.dir_run_id or all_gather_objects(new_run_id())[0]
+    settings = run_settings(cfg, policy.hf, tokenizer)
+    checkpoint()
+    split_part = ((lambda state, path: require_part(run_dir, state.step, path)) if cfg.rollout.placement == "split"
+                  else None)  # a split checkpoint resumes only with the rollout side's part of its cut
+    resumed = load_resume(plan.candidates, cfg, settings, env, policy, optimizer, log, also=split_part)
+    if resumed is not None:
+        scheduler.load_state_dict(resumed.state.scheduler)
+        restore_sampler(sampler, resumed, log)
+        lr = apply_optim_config(optimizer, scheduler, cfg.optim)
+        start_step, run_id = resumed.state.step, resumed.state.run_id or run_id
+        log(describe_resume(resumed, lr, cfg.checkpoint.allow_changes))
+        if start_step >= cfg.trainer.total_steps:
+            log(f"step {start_step} is {'past' if start_step > cfg.trainer.total_steps else 'at'} "
+                f"trainer.total_steps={cfg.trainer.total_steps}: nothing to train (raise --trainer.total-steps to "
+                "train on)")
+    dropped = logger.truncate_after(start_step if resumed is not None else -1)
+    if dropped:
+        log(f"dropped {dropped} metrics records after step {max(start_step, 0)}: they are recomputed from "
+            f"{'the checkpoint' if resumed is not None else 'the start (no checkpoint to resume from)'}")
+    checkpoint()
+    engine = training_engine(cfg, env, policy, tokenizer, run_dir / f"vllm-error.rank{env.rank}.log", log)
+    log(f"world size {env.world_size} on {env.device}; {parameter_counts(policy)}; run dir {run_dir}; "
+        f"{library_versions()}")
+    return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
+               scheduler=scheduler, engine=engine, verifier=get_verifier(judging_verifier(cfg.algorithm.verifier)),
+               reward=(RandomReward(cfg.algorithm.random_reward_p, cfg.trainer.seed)
+                       if cfg.algorithm.verifier == RANDOM_VERIFIER else None), sampler=sampler,
+               val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
+               pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
+               settings=settings, resumed=resumed, stream=_resumed_stream(resumed, cfg, env, log),
+               profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device),
+               totals=RunTotals(**resumed.state.totals) if resumed is not None else RunTotals(),
+               probe=(build_probe_set(val_set.prompts if val_set is not None else train_set.prompts, tokenizer,
+                                      cfg.logging.probe_prompts) if cfg.logging.probe_every else None),
+               split=_split_trainer(cfg, env, policy, log, run_dir, start_step if resumed is not None else None))
+
+
+def _split_trainer(cfg: Config, env: DistEnv, policy: PolicyModel, log, run_dir: Path,
+                   resumed_at: int | None) -> SplitTrainer | None:
+    """Split placement's trainer side; resumed, holding the batches its checkpoint's cut queued."""
+    if cfg.rollout.placement != "split":
+        return None
+    from .observe.logprob_check import PushCheck
+
+    split = SplitTrainer(env, cfg.rollout.max_lag, cfg.trainer.total_steps,
+                         PushCheck(policy, env.device, policy.config.vocab_size, log))
+    if resumed_at is not None and resumed_at < cfg.trainer.total_steps:
+        split.resume(run_dir, resumed_at)
+    return split
+
+
+def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:
+    """The streaming sampler's carried work from the checkpoint (this rank's); empty for a fresh start. A
+    checkpoint written at another world size cannot give each rank its own: that work is dropped, said once."""
+    if resumed is None or not cfg.rollout.streaming:
+        return StreamState()
+    plain = load_rank_state(resumed.path, env)
+    if plain is None:
+        log(f"{resumed.path.name}: no streaming state for this world size ({env.world_size} ranks): carried "
+            "responses and groups kept past the last target, if any, are dropped")
+        return StreamState()
+    return StreamState.from_plain(plain)
+
+
+__all__ = ["Run", "RunTotals", "setup_run"]

@@ -1,0 +1,129 @@
+"""Split placement's checkpoint: a consistent cut of both sides, so a resume continues bitwise.
+
+The trainer's checkpoint of step c (checkpoint.py, unchanged) holds θ(c) and its optimizer, schedule and RNG.
+The rollout side is further on: by the schedule it generates batch c+1 .. c+k with weights older than θ(c),
+which a resumed run could not regenerate. So the rollout side writes the other part of the cut when it
+reaches the boundary after batch min(c + k, total_steps), in `RUN_DIR/split_rollout/part_XXXXXXXX/`:
+
+- `queue.pt` (rollout rank 0): the packed batches c+1 .. min(c + k, total_steps), as sent;
+- `rank<r>.pt` (each rollout rank): its prompt sampler's position, its rounds surplus (informative groups
+  past the last target) or its streaming state (carried responses, waiting groups, queue), at that boundary;
+- `COMPLETE`, written by rollout rank 0 once every rollout rank's file is in, then the directory renamed
+  into place.
+
+A trainer checkpoint is resumable in split placement only with its part complete (`require_part`: else it
+is skipped for an older one, as a damaged checkpoint is). The resumed trainer trains the queued batches
+first; the rollout side restores its state and continues at batch min(c + k, total_steps) + 1 with θ(c),
+which is exactly what the schedule gives that batch. (A run resumed with a larger trainer.total_steps than the
+one that wrote the cut continues after that run's last batch; batches the schedule would have given older
+weights than θ(c) get θ(c), as at a fresh start.) A checkpoint written on a stop (Ctrl-C, SIGTERM) at a
+step that is no save step gets no part: the resume falls back to the newest one that has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...distributed.collectives import barrier
+from ..batch import Group
+from ..state.checkpoint import CheckpointError
+from .wire import _GROUP_FIELDS
+
+PARTS = "split_rollout"
+KEEP_PARTS = 4
+"""Rollout parts kept (the newest): more than the trainer's checkpoints ever need at the default keep_last."""
+
+
+def part_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / PARTS / f"part_{step:08d}"
+
+
+def save_steps(cfg, start: int) -> list[int]:
+    """The trainer's checkpoint steps after `start` that are known in advance: every save_every, and the last."""
+    total, every = cfg.trainer.total_steps, cfg.checkpoint.save_every
+    return [c for c in range(start + 1, total + 1) if c == total or (every and c % every == 0)]
+
+
+def parts_due(batch: int, cfg, start: int) -> list[int]:
+    """The checkpoint steps whose rollout part is written at the boundary after `batch`."""
+    total, k = cfg.trainer.total_steps, cfg.rollout.max_lag
+    return [c for c in save_steps(cfg, start) if min(c + k, total) == batch]
+
+
+def group_plain(g: Group) -> dict[str, Any]:
+    return {f: (list(g.origin) if f == "origin" else getattr(g, f)) for f in _GROUP_FIELDS}
+
+
+def group_from_plain(g: dict[str, Any]) -> Group:
+    return Group(**{**g, "origin": tuple(g["origin"])})
+
+
+def write_part(run_dir: Path, step: int, boundary: int, rank: int, state: dict[str, Any],
+               queue: list[bytes] | None) -> None:
+    """Every rollout rank: its state after batch `boundary` for the cut of `step`; rank 0 also the queued
+    batches step+1 .. boundary, then publishes."""
+    final = part_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    torch.save(state, tmp / f"rank{rank}.pt")
+    if queue is not None:
+        torch.save([torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in queue], tmp / "queue.pt")
+    barrier()
+    if rank == 0:
+        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "boundary": boundary}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(run_dir)
+
+
+def _prune(run_dir: Path) -> None:
+    parts = sorted(p for p in (Path(run_dir) / PARTS).glob("part_*") if not p.name.endswith(".tmp"))
+    for old in parts[:-KEEP_PARTS]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def require_part(run_dir: Path, step: int, checkpoint: Path) -> None:
+    """Refuse (skip) a checkpoint whose rollout part is not complete."""
+    if not (part_dir(run_dir, step) / "COMPLETE").is_file():
+        raise CheckpointError(f"{checkpoint.name}: the rollout side's part of this cut ({PARTS}/part_{step:08d}) is "
+                              "missing: the rollout side had not reached its boundary when the run stopped")
+
+
+def read_boundary(run_dir: Path, step: int) -> int:
+    """The last batch the cut of `step` queued (a run that ended at `step` queued none: `step` itself)."""
+    try:
+        return int(json.loads((part_dir(run_dir, step) / "COMPLETE").read_text())["boundary"])
+    except Exception as err:
+        raise CheckpointError(f"{part_dir(run_dir, step)}: unreadable COMPLETE marker ({err})") from err
+
+
+def read_queue(run_dir: Path, step: int) -> list[bytes]:
+    """The packed batches queued at the cut of `step`, in order."""
+    try:
+        tensors = torch.load(part_dir(run_dir, step) / "queue.pt", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"{part_dir(run_dir, step)}: cannot load queue.pt ({err})") from err
+    return [t.numpy().tobytes() for t in tensors]
+
+
+def read_rank_state(run_dir: Path, step: int, rank: int) -> dict[str, Any]:
+    path = part_dir(run_dir, step) / f"rank{rank}.pt"
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"{path}: cannot load the rollout side's state ({err}); was the run split over "
+                              "another number of rollout ranks?") from err
+
+
+__all__ = ["group_from_plain", "group_plain", "part_dir", "parts_due", "read_boundary", "read_queue", "read_rank_state",
+           "require_part", "save_steps", "write_part"]

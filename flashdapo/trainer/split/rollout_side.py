@@ -1,0 +1,235 @@
+"""The rollout side of split placement (rollout.placement=split): the last R ranks generate, never train.
+
+Each rollout rank builds the policy's structure (no warm-up, no optimizer: its weights come from the trainer
+side), a torch engine over it and the prompt sampler over the rollout side's ranks, then runs the strict
+schedule (docs/split.md):
+
+    for b in start+1 .. total_steps:
+        w = max(start, b - 1 - k)      the schedule's weights: θ_w, no fresher, no older
+        take θ_w from the stage (waiting for the trainer's push if it is not there yet), load it, push check
+        collect batch b: streaming (rollout.streaming) or rounds, dynamic sampling as co-located, its
+            informative groups past train_batch kept to open batch b+1
+        send batch b (rollout rank 0's sender thread)
+
+The seeds and the sampler are the co-located run's at the same batch (derive_seed(seed, b, ...), the sampler
+over the rollout side's ranks), so at k = 0 with R = 1 every batch is the one a co-located single rank
+generates, bitwise; the trainer side then trains it exactly as co-located.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...config import Config, engine_spec
+from ...data import PromptSampler
+from ...distributed.collectives import all_gather_objects, all_reduce
+from ...distributed.failfast import FailFast
+from ...distributed.mesh import DistEnv, init_distributed, shutdown
+from ...distributed.roles import Liveness
+from ...models.weights import iter_full_state_dict
+from ...preflight import check_launch, resolve_auto
+from ...profiling import StageTimer
+from ...reward import training_reward
+from ...tasks import build_datasets
+from ..batch import Group
+from ..builders import build_policy, checked_tokenizer, training_engine
+from ..collect.rounds import Collected, collect_groups
+from ..collect.streaming import StreamState, StreamStats, stream_groups
+from ..observe.logprob_check import PushCheck
+from .cut import group_from_plain, group_plain, parts_due, read_rank_state, write_part
+from .schedule import START_KEY, last_pushed_step, weights_step
+from .weights import Stage, check_loaded, load_weights
+from .wire import BatchMessage, Sender, pack
+
+
+class TrainerCut:
+    """`deal` for the collectors on the rollout side: every kept group of the rollout side in canonical order,
+    cut to train_batch (or, short, a multiple of the trainer's data-parallel slots), as one list; the
+    trainer side deals it to its slots. `leftover`: this rank's kept groups past the cut."""
+
+    def __init__(self, trainer_slots: int):
+        self.slots = trainer_slots
+        self.leftover: list[Group] = []
+
+    def __call__(self, kept_per_round: list[list[Group]], cfg: Config, env: DistEnv, with_leftover: bool = False):
+        everyone = all_gather_objects(kept_per_round)
+        ordered = sorted((g for rounds in everyone for rnd in rounds for g in rnd), key=lambda g: g.origin)
+        usable = min(len(ordered), cfg.trainer.train_batch) // self.slots * self.slots
+        cut = {g.origin for g in ordered[:usable]}
+        self.leftover = [g for rnd in kept_per_round for g in rnd if g.origin not in cut]
+        return ([ordered[:usable]], self.leftover) if with_leftover else [ordered[:usable]]
+
+
+def run_rollout_side(cfg: Config) -> None:
+    """A rollout rank's whole life: set up, generate every batch of the schedule, send it, end."""
+    check_launch(cfg)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer side's: it stops, then the job ends
+    env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, 1, cfg.rollout.rollout_ranks)
+    cfg = resolve_auto(cfg, env.device.type == "cuda")
+    failfast = FailFast.connect(env.global_rank, env.global_world_size, role=f"rollout rank {env.rank}")
+    failfast.watch()
+    live = Liveness(env.bridges.store, env.global_rank)
+    try:
+        _generate_all(cfg, env)
+    except BaseException as err:
+        failfast.fail(err)
+        shutdown(synchronize=False)
+        raise
+    live.close()
+    failfast.close()
+    shutdown()
+
+
+@dataclass
+class RolloutSide:
+    """A rollout rank's pieces between batches: the policy copy and its engine, the sampler, the weights
+    stage, the collectors' state (streaming's, or rounds' surplus groups)."""
+
+    cfg: Config
+    env: DistEnv
+    tokenizer: Any
+    sampler: PromptSampler
+    policy: Any
+    engine: Any
+    stage: Stage
+    stream: StreamState = field(default_factory=StreamState)
+    carried: list[Group] = field(default_factory=list)
+    loaded: int | None = None
+
+    def __post_init__(self) -> None:
+        algo = self.cfg.algorithm
+        self.verifier = training_reward(algo.verifier, algo.random_reward_p, self.cfg.trainer.seed)
+        self.check = PushCheck(self.policy, self.env.device, self.policy.config.vocab_size)
+        self.cut = TrainerCut(self.env.bridges.layout.trainers // self.cfg.trainer.sequence_parallel)
+
+    def load(self, w: int) -> dict[str, float]:
+        """θ_w into the policy copy (waiting for it if not staged yet), push-checked; what that took."""
+        if self.loaded == w:
+            return {"wait_weights_s": 0.0, "load_s": 0.0, "push_check_max": 0.0}
+        staged, waited = self.stage.take(w)
+        began = time.perf_counter()
+        load_weights(self.policy, staged)
+        worst = check_loaded(self.policy, staged, self.check, w)
+        self.loaded = w
+        return {"wait_weights_s": waited, "load_s": time.perf_counter() - began, "push_check_max": worst}
+
+    def collect(self, b: int, w: int, timer: StageTimer) -> tuple[Collected, StreamStats | None, list[Group]]:
+        """Batch b with θ_w: the collector's result, its stream figures, the groups cut for the trainer side."""
+        cfg, env, version = self.cfg, self.env, w + 1  # streaming's numbering: θ_w is version w + 1
+        # vLLM loads θ_w from the policy copy (its own push check against that copy); the torch engine samples
+        # from the copy itself.
+        self.engine.wake(lambda dtype=None: iter_full_state_dict(self.policy.hf, dtype=dtype), w)
+        args = (self.sampler, self.engine, self.tokenizer, self.verifier, cfg, env, timer)
+        if cfg.rollout.streaming:
+            collected, stats = stream_groups(b, self.stream, *args, version=version, deal=self.cut)
+        else:
+            collected, stats = collect_groups(b, *args, carried=self.carried, deal=self.cut), None
+            surplus = _tagged(self.cut.leftover, version) if cfg.algorithm.dynamic_sampling else []
+            self.carried = _carried(surplus, env.rank)
+        self.engine.sleep()
+        return collected, stats, _tagged(collected.mini_batches[0], version)
+
+
+def _generate_all(cfg: Config, env: DistEnv) -> None:
+    bridges = env.bridges
+    tokenizer = checked_tokenizer(cfg, lambda _m: None)
+    train_set, _ = build_datasets(cfg.data, tokenizer)
+    sampler = PromptSampler(train_set, cfg.trainer.gen_batch, cfg.trainer.seed, cfg.data.shuffle, env.rank,
+                            env.world_size)
+    policy = build_policy(cfg, env, tokenizer, True, lambda _m: None)  # the structure; weights are pushed
+    engine = rollout_engine(cfg, env, policy, tokenizer)
+    bridges.wait_key(START_KEY, [0], "the trainer side's start")
+    plan = json.loads(bridges.get(START_KEY))
+    start, total, k = int(plan["start"]), int(plan["total"]), cfg.rollout.max_lag
+    run_dir = Path(cfg.logging.run_dir)
+    first = int(plan["boundary"]) + 1  # resumed: the batches up to the cut's boundary are queued in it
+    if first > total:
+        return
+    stage = Stage(bridges, last_version=last_pushed_step(total, k, start), first_version=start)
+    stage.start()
+    side = RolloutSide(cfg, env, tokenizer, sampler, policy, engine, stage)
+    if plan["resume"]:
+        side.stream, side.carried = _restore(read_rank_state(run_dir, start, env.rank), sampler, cfg)
+    sender = Sender(bridges) if env.rank == 0 else None
+    recent: dict[int, bytes] = {}
+    for b in range(first, total + 1):
+        began = time.perf_counter()
+        w = weights_step(b, k, start)
+        loading = side.load(w)
+        timer = StageTimer(env.device)
+        collected, stats, groups = side.collect(b, w, timer)
+        figures = {"gen_s": timer.seconds.get("gen", 0.0), "reward_s": timer.seconds.get("reward", 0.0), **loading,
+                   "busy_s": time.perf_counter() - began - loading["wait_weights_s"],
+                   "staged_max": float(stage.max_staged)}
+        figures = dict(zip(figures, _rollout_max(list(figures.values()))))
+        if sender is not None:
+            recent[b] = pack(BatchMessage(b, w, groups, _scalars(collected), figures,
+                                          vars(stats) if stats is not None else None))
+            sender.put(b, recent[b])
+            recent.pop(b - k, None)  # only the last k can be queued at a cut
+        for c in parts_due(b, cfg, start):  # the boundary of a checkpoint's cut: this side's part of it
+            queue = [recent[j] for j in range(c + 1, b + 1)] if env.rank == 0 else None
+            write_part(run_dir, c, b, env.rank, _state(sampler, side.carried, side.stream, cfg), queue)
+    if sender is not None:
+        sender.close()
+    stage.join()
+
+
+def rollout_engine(cfg: Config, env: DistEnv, policy, tokenizer):
+    """The rollout side's engine over its partition: the torch engine on the policy copy, or vLLM (its
+    external launcher sees the rollout side's default group: RANK and WORLD_SIZE become the partition's)."""
+    if engine_spec(cfg.rollout.engine).own_weights:
+        os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size))
+    log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.rank == 0 else (lambda _m: None)
+    return training_engine(cfg, env, policy, tokenizer,
+                           Path(cfg.logging.run_dir) / f"vllm-error.rank{env.global_rank}.log", log)
+
+
+def _state(sampler: PromptSampler, carried: list[Group], stream: StreamState, cfg: Config) -> dict:
+    """This rank's state at a batch boundary (plain, for the cut): sampler position, surplus or stream."""
+    return {"sampler": sampler.state_dict(), "carried": [group_plain(g) for g in carried],
+            "stream": stream.to_plain() if cfg.rollout.streaming else None}
+
+
+def _restore(state: dict, sampler: PromptSampler, cfg: Config) -> tuple[StreamState, list[Group]]:
+    sampler.load_state_dict(state["sampler"])
+    stream = StreamState.from_plain(state["stream"]) if cfg.rollout.streaming else StreamState()
+    return stream, [group_from_plain(g) for g in state["carried"]]
+
+
+def _rollout_max(values: list[float]) -> list[float]:
+    """The slowest rollout rank's figures (the side moves at its pace)."""
+    return all_reduce(torch.tensor(values, dtype=torch.float64), "max").tolist()
+
+
+def _carried(leftover: list[Group], rank: int) -> list[Group]:
+    """This rank's groups past the cut, renamed to round 0 of the next batch (ahead of its fresh rounds), in order."""
+    for i, g in enumerate(leftover):
+        g.origin = (0, rank, i)
+    return leftover
+
+
+def _tagged(groups: list[Group], version: int) -> list[Group]:
+    """Every response's per-token versions: the streaming collector records them; rounds sampled each group
+    whole with one version (streaming's numbering: weights of step w are version w + 1)."""
+    for g in groups:
+        if g.versions is None:
+            g.versions = [torch.full((len(r),), version, dtype=torch.long) for r in g.responses]
+    return groups
+
+
+def _scalars(collected: Collected) -> dict[str, float]:
+    return {name: float(getattr(collected, name)) for name in (
+        "num_gen_batches", "groups_generated", "groups_informative", "gen_acc", "gen_score", "gen_truncated",
+        "groups_all_equal", "groups_all_correct", "groups_all_wrong", "generated_samples", "generated_tokens")}
+
+
+__all__ = ["TrainerCut", "run_rollout_side"]
