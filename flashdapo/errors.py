@@ -20,6 +20,13 @@ _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
                 errno.EISDIR, errno.ENOENT}
 
 
+class ConfigError(Exception):
+    """A config value is invalid; the message names the field (and the file it came from).
+
+    Not a ValueError: tyro wraps ValueErrors raised while it builds the tree into a framed message;
+    this one reaches the CLI, which prints it as one line."""
+
+
 class FlashdapoError(Exception):
     """An error the user can fix; the message is the whole report (no traceback needed)."""
 

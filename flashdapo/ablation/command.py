@@ -7,8 +7,9 @@ import tyro
 
 from ..config import PRESETS, Config, starting_point
 from .options import DEFAULT_ABLATION_PRESET, AblateOptions
-from .panel_runner import PanelRun, run_panels
-from .runner import ArmRun, run_ablation
+from .panel_runner import run_panels
+from .records import ArmRun, PanelRun
+from .runner import run_ablation
 
 
 def parse_ablate_args(argv: list[str]) -> tuple[AblateOptions, Config]:

@@ -14,7 +14,7 @@ from ..config import Config
 from .arms import LAST_FRACTION, Measure, Panel, PanelArm, last_steps
 from .base import provenance
 from .options import AblateOptions
-from .panel_runner import PanelRun
+from .records import PanelRun
 from .stats import PairedTest, StatsError, holm, paired_test
 
 

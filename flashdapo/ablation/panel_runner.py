@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,25 +32,9 @@ from .arms import (
 from .base import base_settings, build_base, write_task_files
 from .final_eval import FinalScore, final_evaluation, read_final_evaluation
 from .options import AblateOptions, panel_seeds
+from .panel_report import write_panel_report
+from .records import PanelRun
 from .runner import AblationError, train_or_reuse
-
-
-@dataclass
-class PanelRun:
-    """One (panel, arm, seed) run and what it logged."""
-
-    panel: Panel
-    arm: PanelArm
-    seed: int
-    config: Config
-    history: list[dict]
-    wall_s: float
-    skipped: bool = False
-    final: list[FinalScore] = field(default_factory=list)
-    """The final evaluation (panels with final_eval), else []."""
-
-    def value(self, measure) -> float | None:
-        return measure.compute(self.history, self.config)
 
 
 @dataclass(frozen=True)
@@ -152,8 +136,6 @@ def run_panels(base: Config, opts: AblateOptions, log: Callable[[str], None] = p
                start: Config | None = None) -> list[PanelRun]:
     """The panels: bases, every (panel, arm, seed) run, final evaluations, ablation.md and a picture per panel.
     `start`: the preset (and config file) `base` was made from; what differs wins over the panels' settings."""
-    from .panel_report import write_panel_report
-
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = plan_panels(base, opts, start)

@@ -10,7 +10,7 @@ from ..config import Config
 from ..tasks import task_num_val
 from .arms import ARMS
 from .base import BaseStatistics, provenance
-from .runner import ArmRun, samples_generated
+from .records import ArmRun, samples_generated
 
 MEAN, PASS = "val/acc/mean@k", "val/acc/pass@k"
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from ..config import Config, merge
@@ -20,27 +20,14 @@ from ..errors import FlashdapoError
 from .arms import ARMS, Arm, arm_config, arm_fields, arm_index
 from .base import BaseStatistics, base_settings, base_statistics, build_base, write_task_files
 from .options import AblateOptions, ladder_seeds
+from .records import ArmRun, samples_generated
+from .report import write_report
 
 DONE_MARKER = "arm.json"
 
 
 class AblationError(FlashdapoError, ValueError):
     """The output directory holds a different ladder's run for an arm; the message says what to do."""
-
-
-@dataclass
-class ArmRun:
-    """One (arm, seed) run of the ladder and what it logged."""
-
-    arm: Arm
-    seed: int
-    config: Config
-    run_dir: Path
-    history: list[dict]
-    wall_s: float
-    """Seconds the run took in the process that finished it (setup included)."""
-    skipped: bool = False
-    """Finished by an earlier `flashdapo ablate`."""
 
 
 def arm_run_dir(out: Path, arm: Arm, seed: int) -> Path:
@@ -67,8 +54,6 @@ def planned_runs(base: Config, opts: AblateOptions, base_dir: Path) -> list[tupl
 
 def run_ablation(base: Config, opts: AblateOptions, log: Callable[[str], None] = print) -> list[ArmRun]:
     """The whole ladder: base model, base statistics, every arm and seed, ablation.md and ablation.png."""
-    from .report import write_report
-
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     base_dir = out / "base"
@@ -162,12 +147,6 @@ def progress_line(number: int, total: int, run: ArmRun, elapsed: float) -> str:
     how = "done before, skipped" if run.skipped else f"{run.wall_s:.0f} s"
     return (f"ablation: [{number}/{total}] {run.arm.name} seed {run.seed}: {acc}, {samples_generated(run):,} samples "
             f"generated, {how} | ladder {elapsed:.0f} s so far")
-
-
-def samples_generated(run: ArmRun) -> int:
-    """Responses sampled for training (every generation round, kept or dropped; validation not counted)."""
-    rounds = sum(int(m.get("train/num_gen_batches", 0)) for m in run.history)
-    return rounds * run.config.trainer.gen_batch * run.config.rollout.n
 
 
 def write_arm_settings(out: Path, base: Config, plan: list[tuple[Arm, int, Config]], log) -> Path:

@@ -22,12 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-
-class ConfigError(Exception):
-    """A config value is invalid; the message names the field (and the file it came from).
-
-    Not a ValueError: tyro wraps ValueErrors raised while it builds the tree into a framed message;
-    this one reaches the CLI, which prints it as one line."""
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from flashdapo.config import ToyTaskConfig
 from flashdapo.eval.store import EvalStoreError
 from flashdapo.tasks.toy import toy_records
 
-from .toy_export import toy_export, two_source_parquet, write_parquet
+from tests.evaluation.toy_export import toy_export, two_source_parquet, write_parquet
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -14,7 +14,7 @@ from flashdapo.eval.examples import EXAMPLES
 from flashdapo.reward import dapo_verify
 from flashdapo.tasks.toy import toy_records
 
-from .toy_export import toy_export
+from tests.evaluation.toy_export import toy_export
 
 SAMPLING = ["--n", "3", "--max-new-tokens", "6", "--seed", "5"]
 

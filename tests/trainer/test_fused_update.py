@@ -7,8 +7,8 @@ import torch
 from flashdapo.models import policy
 from flashdapo.models.policy import PolicyModel
 
-from .test_loop import tiny_config
-from .test_old_logprobs import _first_step_weights
+from tests.trainer.test_loop import tiny_config
+from tests.trainer.test_old_logprobs import _first_step_weights
 
 
 def test_fused_update_equals_generic(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from flashdapo.trainer.observe.sinks import REQUIRED_KEYS, format_line
 from flashdapo.trainer.setup import setup_run
 from flashdapo.trainer.state.export import export_hf
 
-from .scripted import PlainTokenizer, ScriptedEngine, numbered_prompts, scripted_verifier
+from tests.trainer.scripted import PlainTokenizer, ScriptedEngine, numbered_prompts, scripted_verifier
 
 
 def tiny_config(run_dir, **overrides):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_distributed import SCRIPTS, TINY, _env, _metrics
+from tests.trainer.test_distributed import SCRIPTS, TINY, _env, _metrics
 
 RUN = [*TINY, "--checkpoint.save-every", "1", "--checkpoint.export-hf", "False"]
 

@@ -14,7 +14,7 @@ from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.setup import setup_run
 from flashdapo.trainer.update import NonFiniteError
 
-from .test_loop import tiny_config
+from tests.trainer.test_loop import tiny_config
 
 
 def _finite(run) -> bool:

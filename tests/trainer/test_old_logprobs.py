@@ -12,7 +12,7 @@ from flashdapo.trainer.batch import Group
 from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.setup import setup_run
 
-from .test_loop import tiny_config
+from tests.trainer.test_loop import tiny_config
 
 
 def test_token_loss_on_policy_equals_explicit_old_and_plain_policy_gradient():

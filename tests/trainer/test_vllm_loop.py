@@ -7,7 +7,7 @@ from flashdapo.rollout.torch_engine import TorchEngine
 from flashdapo.tokenizer import eos_token_ids
 from flashdapo.trainer.loop import train
 
-from .test_loop import tiny_config
+from tests.trainer.test_loop import tiny_config
 
 
 class RecordingEngine(TorchEngine):

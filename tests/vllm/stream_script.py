@@ -22,7 +22,7 @@ from flashdapo.rollout.base import Request, SamplingParams
 from flashdapo.rollout.vllm_engine import VLLMEngine
 from flashdapo.seeds import derive_seed
 
-from .toy import KV_GIB
+from tests.vllm.toy import KV_GIB
 
 SEED = 31
 PROMPTS = [[10 + i, 40 + 3 * i, 70 + i, 100 + 2 * i, 130 + i][: 3 + i % 3] for i in range(8)]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from .toy import KV_GIB, toy_export, toy_train_file
+from tests.vllm.toy import KV_GIB, toy_export, toy_train_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_SCRIPTS = ROOT / "tests" / "trainer" / "scripts"

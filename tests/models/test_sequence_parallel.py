@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .test_distributed import ROOT, SCRIPTS, TINY, _env, _metrics, torchrun
+from tests.trainer.test_distributed import ROOT, SCRIPTS, TINY, _env, _metrics, torchrun
 
 MODES = ("token-mean", "seq-mean-token-mean")
 

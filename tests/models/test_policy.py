@@ -225,7 +225,7 @@ def test_flash_attention_path_through_stand_in(case, monkeypatch):
     input contract) on a bf16 model: int32 boundaries on the device made once per micro-batch (the same
     tensor in every layer), the window as window_size, and log-probs and gradients as close to the float64
     reference (padded rows, SDPA, the same weights) as HF's own padded SDPA in bf16 is."""
-    from .flash_stand_in import install
+    from tests.trainer.flash_stand_in import install
 
     stand_in = install(monkeypatch)
     family, config = FLASH_CASES[case]

@@ -18,8 +18,8 @@ from flashdapo.profiling import StageTimer
 from flashdapo.reward import Verdict
 from flashdapo.trainer.collect.streaming import StreamState, stream_groups
 
-from .scripted import PlainTokenizer, ScriptedStream, numbered_prompts
-from .test_distributed import ROOT, SCRIPTS, TINY, _env, torchrun
+from tests.trainer.scripted import PlainTokenizer, ScriptedStream, numbered_prompts
+from tests.trainer.test_distributed import ROOT, SCRIPTS, TINY, _env, torchrun
 
 ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
 N = 4

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from flashdapo.trainer.split.schedule import expected_lag, last_pushed_step, weights_step
 
-from .test_distributed import ROOT, TINY, _env
+from tests.trainer.test_distributed import ROOT, TINY, _env
 
 SPLIT = ["--rollout.placement", "split", "--rollout.rollout-ranks", "1"]
 STEPS = ["--trainer.total-steps", "3"]

@@ -13,7 +13,7 @@ from flashdapo.trainer.loop import train
 from flashdapo.trainer.state.checkpoint import CheckpointError
 from flashdapo.trainer.state.rundir import RunDirError, claim_run_dir
 
-from .test_loop import tiny_config
+from tests.trainer.test_loop import tiny_config
 
 
 def _old_run(path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .test_distributed import ROOT, TINY, _env
+from tests.trainer.test_distributed import ROOT, TINY, _env
 
 ARGS = [*TINY, "--rollout.placement", "split", "--rollout.rollout-ranks", "1", "--rollout.max-lag", "1",
         "--algorithm.filter-metric", "score", "--rollout.max-response-length", "24", "--algorithm.dynamic-sampling",

@@ -16,8 +16,8 @@ from flashdapo.trainer.collect.streaming import StreamState, stream_groups
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.observe.dumps import dump_train_rollouts
 
-from .scripted import PlainTokenizer, ScriptedStream
-from .test_loop import _collect, tiny_config
+from tests.trainer.scripted import PlainTokenizer, ScriptedStream
+from tests.trainer.test_loop import _collect, tiny_config
 
 
 def _lines(path):
@@ -51,7 +51,7 @@ def one_in_three_all_wrong(text: str, truth: str) -> Verdict:
 
 
 def test_streaming_dumps_every_finished_group_and_those_kept_for_the_next_step(tmp_path):
-    from .test_streaming import ENV, N, _cfg, _sampler, long_tail
+    from tests.trainer.collect.test_streaming import ENV, N, _cfg, _sampler, long_tail
 
     cfg = _cfg(carry=True)
     state, sampler, engine = StreamState(), _sampler(cfg), ScriptedStream(long_tail, N)

@@ -15,11 +15,12 @@ from flashdapo.ablation.base import weights_digest
 from flashdapo.ablation.command import parse_ablate_command
 from flashdapo.ablation.options import AblateOptions
 from flashdapo.ablation.panel_report import all_comparisons, paired_by_arm, plot_panel, write_panel_report
-from flashdapo.ablation.panel_runner import PanelRun, plan_panels, run_panels
+from flashdapo.ablation.panel_runner import plan_panels, run_panels
+from flashdapo.ablation.records import PanelRun
 from flashdapo.ablation.runner import AblationError
 from flashdapo.ablation.stats import holm, paired_test
 from flashdapo.config import merge, preset
-from tests.test_ablate import TINY as LADDER_TINY
+from tests.ablation.test_ladder import TINY as LADDER_TINY
 
 BASE = preset("scratchpad")
 CFG = merge(BASE, {"trainer": {"total_steps": 8, "ppo_epochs": 4}})
