@@ -17,8 +17,8 @@ from flashdapo.distributed.interrupt import Interrupted
 from flashdapo.trainer import loop
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.state.rundir import claim_run_dir
-from tests.trainer.test_distributed import ROOT, TINY, _env
 from tests.trainer.state.test_resume import _config, _metrics, _resume
+from tests.trainer.test_distributed import ROOT, TINY, _env
 
 
 def _ctrl_c_during(monkeypatch, step: int, times: int = 1, signum: int = signal.SIGINT):

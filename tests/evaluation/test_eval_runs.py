@@ -17,7 +17,6 @@ from flashdapo.__main__ import main as cli
 from flashdapo.config import ToyTaskConfig
 from flashdapo.eval.store import EvalStoreError
 from flashdapo.tasks.toy import toy_records
-
 from tests.evaluation.toy_export import toy_export, two_source_parquet, write_parquet
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,6 @@ from flashdapo.config import ToyTaskConfig
 from flashdapo.eval.examples import EXAMPLES
 from flashdapo.reward import dapo_verify
 from flashdapo.tasks.toy import toy_records
-
 from tests.evaluation.toy_export import toy_export
 
 SAMPLING = ["--n", "3", "--max-new-tokens", "6", "--seed", "5"]

@@ -42,7 +42,6 @@ def test_make_demo_runs_twice_in_a_row(tmp_path, monkeypatch):
     from pathlib import Path
 
     from flashdapo.__main__ import main as cli
-
     from tests.trainer.test_distributed import TINY
 
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()

@@ -6,7 +6,6 @@ import torch
 
 from flashdapo.models import policy
 from flashdapo.models.policy import PolicyModel
-
 from tests.trainer.test_loop import tiny_config
 from tests.trainer.test_old_logprobs import _first_step_weights
 

@@ -12,7 +12,6 @@ from flashdapo.reward import Verdict
 from flashdapo.trainer.loop import probe, split_metrics, train_step
 from flashdapo.trainer.observe.probe import build_probe_set, probe_due, probe_metrics
 from flashdapo.trainer.setup import setup_run
-
 from tests.trainer.test_loop import _collect, tiny_config
 
 NEW_STEP_KEYS = ("actor/clipfrac_upper", "actor/clipfrac_lower", "actor/clipfrac_dual", "train/all_equal_fraction",

@@ -24,7 +24,6 @@ from flashdapo.trainer.loop import train, train_step
 from flashdapo.trainer.observe.sinks import REQUIRED_KEYS, format_line
 from flashdapo.trainer.setup import setup_run
 from flashdapo.trainer.state.export import export_hf
-
 from tests.trainer.scripted import PlainTokenizer, ScriptedEngine, numbered_prompts, scripted_verifier
 
 

@@ -11,7 +11,6 @@ from flashdapo.trainer import update
 from flashdapo.trainer.batch import Group
 from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.setup import setup_run
-
 from tests.trainer.test_loop import tiny_config
 
 

@@ -21,7 +21,6 @@ from flashdapo.models.weights import iter_full_state_dict
 from flashdapo.rollout.base import Request, SamplingParams
 from flashdapo.rollout.vllm_engine import VLLMEngine
 from flashdapo.seeds import derive_seed
-
 from tests.vllm.toy import KV_GIB
 
 SEED = 31

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from flashdapo.trainer.split.schedule import expected_lag
-
 from tests.vllm.test_real_vllm import exports, metrics, train  # noqa: F401, F811  (exports: the module fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.slow,

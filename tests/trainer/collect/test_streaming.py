@@ -17,7 +17,6 @@ from flashdapo.distributed.mesh import DistEnv
 from flashdapo.profiling import StageTimer
 from flashdapo.reward import Verdict
 from flashdapo.trainer.collect.streaming import StreamState, stream_groups
-
 from tests.trainer.scripted import PlainTokenizer, ScriptedStream, numbered_prompts
 from tests.trainer.test_distributed import ROOT, SCRIPTS, TINY, _env, torchrun
 

@@ -15,7 +15,6 @@ from flashdapo.trainer.batch import build_train_batch
 from flashdapo.trainer.collect.streaming import StreamState, stream_groups
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.observe.dumps import dump_train_rollouts
-
 from tests.trainer.scripted import PlainTokenizer, ScriptedStream
 from tests.trainer.test_loop import _collect, tiny_config
 

@@ -85,7 +85,6 @@ def test_a_plot_that_cannot_be_written_never_stops_training(tmp_path, monkeypatc
 
     from flashdapo.trainer.loop import train
     from flashdapo.trainer.observe import sinks as metrics
-
     from tests.trainer.test_loop import tiny_config
 
     def full_disk(history, path, title):

@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 from flashdapo.trainer.split.schedule import expected_lag, last_pushed_step, weights_step
-
 from tests.trainer.test_distributed import ROOT, TINY, _env
 
 SPLIT = ["--rollout.placement", "split", "--rollout.rollout-ranks", "1"]

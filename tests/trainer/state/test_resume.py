@@ -18,7 +18,6 @@ from flashdapo.config import ToyTaskConfig, merge
 from flashdapo.tasks.toy import build_toy_tokenizer, toy_records
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.state.run_settings import ResumeRefused, file_sha256
-
 from tests.trainer.test_loop import _write_aime_style_parquet, tiny_config
 
 QUICK = {"trainer": {"total_steps": 2, "val_before_train": False, "val_every": 0},

@@ -12,7 +12,6 @@ from flashdapo.config import merge
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.state.checkpoint import CheckpointError
 from flashdapo.trainer.state.rundir import RunDirError, claim_run_dir
-
 from tests.trainer.test_loop import tiny_config
 
 

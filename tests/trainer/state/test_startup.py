@@ -11,7 +11,6 @@ from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer.state import startup
 from flashdapo.trainer.state.checkpoint import CheckpointError
 from flashdapo.trainer.state.run_settings import ResumeRefused
-
 from tests.trainer.state.test_resume import _config
 
 
