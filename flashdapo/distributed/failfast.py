@@ -77,6 +77,19 @@ class FailFast:
             self._thread.join()
             self._thread = None
 
+    def end(self, error: BaseException | None) -> None:
+        """The end of this process's distributed life: after an error, report it to the other ranks (with
+        peers this ends the process: `fail`) and drop the process group without meeting them; without one,
+        stop watching and meet the peers to close the group (mesh.shutdown)."""
+        from .mesh import shutdown
+
+        if error is not None:
+            self.fail(error)
+            shutdown(synchronize=False)
+        else:
+            self.close()
+            shutdown()
+
     def failed_rank(self) -> int | None:
         """The rank that failed first, if any has."""
         if self.store is None or not self.store.check([_key("rank")]):

@@ -48,7 +48,7 @@ def hf_name(name: str) -> str:
     return name
 
 
-def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters (tied ones once) then persistent buffers, in module-tree order."""
     yield from model.named_parameters()
     for module_name, module in model.named_modules():
@@ -86,7 +86,7 @@ def iter_full_state_dict(model: nn.Module,
     same name after wrapper prefixes are stripped.
     """
     seen: set[str] = set()
-    for raw_name, value in _named_tensors(model):
+    for raw_name, value in named_tensors(model):
         name = hf_name(raw_name)
         if name in seen:
             raise ValueError(f"two tensors are named {name!r} once wrapper prefixes are removed "

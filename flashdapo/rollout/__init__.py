@@ -8,6 +8,8 @@ from .base import (
     SamplingParams,
     StreamingEngine,
     WeightSource,
+    sampling_params,
 )
 
-__all__ = ["Completion", "Request", "RolloutEngine", "Rollouts", "SamplingParams", "StreamingEngine", "WeightSource"]
+__all__ = ["Completion", "Request", "RolloutEngine", "Rollouts", "SamplingParams", "StreamingEngine", "WeightSource",
+           "sampling_params"]

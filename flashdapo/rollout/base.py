@@ -25,6 +25,8 @@ from typing import Protocol
 
 import torch
 
+from ..config import RolloutConfig
+
 WeightSource = Callable[[torch.dtype | None], Iterable[tuple[str, torch.Tensor]]]
 """Called with a dtype (None: as stored), returns the policy's (HF name, full tensor) pairs one at a time.
 The stream may all-gather FSDP2 shards: every rank must consume it together, to the end."""
@@ -42,6 +44,13 @@ class SamplingParams:
     max_new_tokens: int = 256
     seed: int = 0
     """Base seed of this call; engines derive per-request seeds from it so that runs repeat."""
+
+
+def sampling_params(rollout: RolloutConfig, seed: int, n: int | None = None) -> SamplingParams:
+    """Training's sampling settings (rollout.*) for one generate call or stream: `n` responses per prompt
+    (default rollout.n), up to rollout.max_response_length tokens, seeded by `seed`."""
+    return SamplingParams(n=rollout.n if n is None else n, temperature=rollout.temperature, top_p=rollout.top_p,
+                          top_k=rollout.top_k, max_new_tokens=rollout.max_response_length, seed=seed)
 
 
 @dataclass

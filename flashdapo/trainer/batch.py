@@ -58,6 +58,19 @@ class Group:
         """Positions of these responses in the group as generated."""
         return tuple(range(self.size)) if self.members is None else self.members
 
+    def to_plain(self) -> dict[str, Any]:
+        """The whole group as plain containers (tensors, lists, ints) for torch.save(weights_only): the one
+        codec of a group, used by streaming's state, split placement's wire message and its checkpoint parts."""
+        if self.members is not None:
+            raise ValueError(f"group {self.origin}: a piece dealt to a slot is never saved or sent, only whole groups")
+        return {name: (list(self.origin) if name == "origin" else getattr(self, name)) for name in PLAIN_FIELDS}
+
+    @classmethod
+    def from_plain(cls, plain: dict[str, Any]) -> Group:
+        """The group `to_plain` wrote (a piece's fields, None in what earlier versions wrote, are ignored)."""
+        return cls(**{name: (tuple(plain["origin"]) if name == "origin" else plain[name])
+                      for name in PLAIN_FIELDS if name in plain})
+
     def piece(self, members: Sequence[int], advantages: torch.Tensor) -> Group:
         """The group's responses at `members` (positions in this group), with `advantages` of the whole group."""
         idx = list(members)
@@ -67,6 +80,10 @@ class Group:
                      versions=None if self.versions is None else [self.versions[i] for i in idx],
                      origin=self.origin, members=tuple(self.member_indices[i] for i in idx),
                      advantages=advantages[idx])
+
+
+PLAIN_FIELDS = ("prompt", "responses", "scores", "acc", "truncated", "sampler_logprobs", "origin", "versions")
+"""A whole group's fields, as saved and sent (`members` and `advantages` belong to a dealt piece only)."""
 
 
 def flat_prompts(groups: Sequence[Group]) -> list[torch.Tensor]:

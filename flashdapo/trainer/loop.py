@@ -1,19 +1,20 @@
 """`flashdapo train`: the DAPO loop. The only module that knows every stage.
 
-One step (docs/architecture.md), each stage timed:
+One step (docs/architecture.md, "One training step"), each stage timed:
 
-    weight_sync    engine.wake(weights): vLLM loads them, the torch engine gathers FSDP2 (rollout/)
-    gen + reward   roll out gen_batch prompts x n, verify, add the overlong penalty   (sampling.py)
-    filter         dynamic sampling: refill until train_batch informative groups     (sampling.py)
+    collect        the collector (collect/collector.py) returns this rank's kept groups, dealt into
+                   mini-batches. Co-located: weight_sync (engine.wake on the current weights), gen and
+                   reward rounds or a stream, dynamic sampling's filter (collect/rounds.py, streaming.py).
+                   Split placement: wait_batch, the rollout side's batch (split/trainer_side.py)
     old_log_prob   log-probs of the kept responses under the policy before updating (update.py)
     adv            the TrainBatch, built once: advantages, overlong loss mask, rollout-correction
                    weights                                                           (batch.py)
     update_actor   mini-batches x micro-batches, global token-mean, clip, AdamW      (update.py)
+    after_update   split placement: weight_push of the new weights to the rollout side
 
 then validation, metrics, plot and checkpoint on their intervals, and an HF export at the end. The steps of
 profile.steps run under the profiler (flashdapo/profiling/), each stage a named range.
 """
-
 from __future__ import annotations
 
 import os
@@ -24,21 +25,18 @@ from pathlib import Path
 import torch
 
 from ..algorithm import rollout_correction
-from ..distributed.collectives import all_gather_objects
 from ..distributed.heartbeat import heartbeat
 from ..distributed.interrupt import StopOnInterrupt
 from ..eval.results import summarize
 from ..eval.sampling import EvalSampling, Shard, sample_prompts
 from ..profiling import StageTimer
 from ..seeds import derive_seed
-from .batch import TrainBatch, build_train_batch
-from .collect.rounds import collect_groups
-from .collect.streaming import stream_groups, stream_metrics
+from .batch import build_train_batch
 from .observe.correction import rollout_correction_metrics
 from .observe.dumps import dump_train_rollouts, dump_validation, dumping
 from .observe.logprob_check import logprob_agreement
 from .observe.probe import probe_due, probe_metrics
-from .observe.sinks import describe
+from .observe.step_metrics import split_metrics, step_metrics  # noqa: F401  (split_metrics: read by tests)
 from .setup import Run, setup_run
 from .split.rollout_side import run_rollout_side
 from .state.checkpoint import latest_checkpoint, save_checkpoint
@@ -78,8 +76,7 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
     """The steps from the start (or the resumed step) to trainer.total_steps, with validation, metrics, plot and
     checkpoints on their intervals; returns the step it stopped after on Ctrl-C (checkpoint saved), else None."""
     cfg = run.cfg
-    if run.split is not None:  # the rollout side starts generating batch start+1 now
-        run.split.begin(run.policy, run.start_step)
+    run.collector.begin(run.start_step)  # split placement: the rollout side starts generating batch start+1 now
     if run.start_step == 0 and cfg.trainer.val_before_train:
         stop.phase = "the validation before step 1"
         run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0), **probe(run, 0)})
@@ -106,7 +103,8 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
-    """One DAPO step, stage by stage; returns its metrics (already reduced over ranks)."""
+    """One DAPO step, stage by stage (docs/architecture.md, "One training step"); returns its metrics (already
+    reduced over ranks)."""
     cfg, env = run.cfg, run.env
     timer = StageTimer(env.device)
     if env.device.type == "cuda":
@@ -115,26 +113,11 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     beating = heartbeat(step, timer, cfg.logging.heartbeat_s, env.is_main and cfg.logging.progress)
     with profiling, timer("step"), beating:
         dump = dumping(cfg.logging.dump_rollouts_every, step)
-        stream = message = None
-        if run.split is not None:
-            with timer("wait_batch"):
-                collected, stream, message = run.split.receive(step, cfg)
-        else:
-            with timer("weight_sync"):
-                run.engine.wake(run.policy_weights, run.policy_version)
-            if cfg.rollout.streaming:
-                collected, stream = stream_groups(step, run.stream, run.sampler, run.engine, run.tokenizer,
-                                                  run.train_reward, cfg, env, timer, version=step,
-                                                  keep_generated=dump)
-            else:
-                collected = collect_groups(step, run.sampler, run.engine, run.tokenizer, run.train_reward, cfg, env,
-                                           timer, keep_generated=dump)
-            run.engine.sleep()
+        collected = run.collector.collect(step, timer, keep_generated=dump)  # weight sync, gen, reward, filter
         with timer("old_log_prob"):
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
-            batch = build_train_batch(collected.mini_batches, old, cfg.algorithm,
-                                      rollout_correction(cfg))
+            batch = build_train_batch(collected.mini_batches, old, cfg.algorithm, rollout_correction(cfg))
         # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip it.
         recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
         rollout_check = {**logprob_agreement(step, batch, cfg.rollout, warn=env.is_main),
@@ -146,17 +129,14 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                 run.scheduler.step()
                 run.policy_version += 1
         stop_after_skips(run, step, update)
-        if run.split is not None:
-            with timer("weight_push"):
-                run.split.after_step(run.policy, step)
+        run.collector.after_update(step, timer)  # split placement: the weight push
     if dump:
         dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env,
-                            past_target="next_step" if cfg.rollout.streaming else "unused")
-    stream_check = stream_metrics(stream, batch, step, env) if stream is not None else {}
-    split = run.split.metrics(step, batch, message, timer) if run.split is not None else {}
+                            past_target=run.collector.past_target)
+    collector_metrics = run.collector.metrics(step, batch, timer)
     run.totals.add(collected.generated_samples, collected.generated_tokens)  # checkpointed: resumes continue it
-    return {**step_metrics(run, step, batch, collected, update, timer), "actor/lr": lr, **rollout_check,
-            **stream_check, **split, "train/generated_samples_cum": float(run.totals.generated_samples),
+    return {**step_metrics(step, batch, collected, update, timer, env, cfg.rollout.n), "actor/lr": lr,
+            **rollout_check, **collector_metrics, "train/generated_samples_cum": float(run.totals.generated_samples),
             "train/generated_tokens_cum": float(run.totals.generated_tokens)}
 
 
@@ -210,67 +190,3 @@ def validate(run: Run, step: int, keep_awake: bool = False) -> dict[str, float]:
     return {**summarize(results).metrics("val"), "timing_s/val": time.perf_counter() - start}
 
 
-def step_metrics(run: Run, step: int, batch: TrainBatch, collected, update, timer: StageTimer) -> dict[str, float]:
-    """verl-named metrics of one step (docs/algorithm.md, section 8), global over ranks."""
-    env = run.env
-    local = (batch.scores, batch.advantages, batch.responses_lengths_tensor(), batch.prompt_lengths_tensor(),
-             batch.truncated.float(), batch.acc)
-    # The sp ranks of a sequence-parallel group hold the same responses: the first of each speaks for it.
-    slots = all_gather_objects(local)[::env.sequence_parallel]
-    scores, adv, resp_len, prompt_len, trunc, acc = (torch.cat(parts) for parts in zip(*slots))
-    means = update.stats.means()
-    tokens = (resp_len.sum() + prompt_len.sum()).item()
-    seconds = timer.seconds["step"]
-    m = {"step": step, **describe("critic/score", scores), "critic/rewards/mean": scores.mean().item() if len(scores) else 0.0,
-         **describe("critic/advantages", adv), **describe("response_length", resp_len),
-         "response_length/clip_ratio": trunc.mean().item() if len(trunc) else 0.0,
-         "prompt_length/mean": prompt_len.float().mean().item() if len(prompt_len) else 0.0,
-         "prompt_length/max": prompt_len.float().max().item() if len(prompt_len) else 0.0,
-         "actor/pg_loss": sum(update.pg_losses) / max(len(update.pg_losses), 1),
-         "actor/entropy": means["entropy"], "actor/pg_clipfrac": means["pg_clipfrac"],
-         "actor/pg_clipfrac_lower": means["pg_clipfrac_lower"], "actor/ppo_kl": means["ppo_kl"],
-         **split_metrics(means, acc, resp_len),
-         "actor/token_prob": means["token_prob"], "actor/ratio": means["ratio"],
-         "actor/grad_norm": sum(update.grad_norms) / max(len(update.grad_norms), 1),
-         "train/num_gen_batches": collected.num_gen_batches,
-         "train/kept_fraction": collected.groups_informative / max(collected.groups_generated, 1),
-         "train/kept_groups": float(len(scores) // run.cfg.rollout.n),
-         # Groups whose filter values were all equal, of those generated: what dynamic sampling drops (or, without
-         # it, trains on with zero advantage).
-         "train/all_equal_fraction": collected.groups_all_equal / max(collected.groups_generated, 1),
-         "train/all_correct_fraction": collected.groups_all_correct / max(collected.groups_generated, 1),
-         "train/all_wrong_fraction": collected.groups_all_wrong / max(collected.groups_generated, 1),
-         # Fewer than train_batch / mini_batch when a short batch trains (on_max_gen_batches=continue).
-         "train/mini_batches": float(len(batch.mini_batches)),
-         "train/gen_acc": collected.gen_acc, "train/gen_score": collected.gen_score,
-         "train/gen_truncated": collected.gen_truncated,
-         "train/generated_tokens": float(collected.generated_tokens),
-         **timer.metrics(),
-         "perf/throughput": tokens / max(seconds, 1e-9) / env.world_size,
-         "perf/max_memory_allocated_gb": (torch.cuda.max_memory_allocated(env.device) / 2**30
-                                          if env.device.type == "cuda" else 0.0)}
-    if not collected.groups_generated:  # split placement: a batch of groups rolled over, nothing generated
-        m = {k: v for k, v in m.items() if not k.startswith(("train/gen_", "train/kept_fraction",
-                                                             "train/all_equal_fraction"))}
-    if not len(scores):  # no group kept: no score, length or advantage to report (never a fake 0)
-        m = {k: v for k, v in m.items() if not k.startswith(("critic/", "response_length/", "prompt_length/"))}
-    if not update.taken:  # no optimizer step: no loss, gradient norm or token statistics
-        m = {k: v for k, v in m.items() if not k.startswith("actor/")}
-    m["actor/skipped_steps"] = float(sum(update.nonfinite))
-    return m
-
-
-def split_metrics(means: dict[str, float], acc: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
-    """The clip fractions by region, the up-clipped tokens' old probability and tail share, and length and
-    entropy split by the verdict (trained responses). A mean over nothing (no up-clipped token, no correct
-    response) is left out, never reported as 0."""
-    out = {"actor/clipfrac_upper": means["clip_upper"], "actor/clipfrac_lower": means["clip_lower"],
-           "actor/clipfrac_dual": means["clip_dual"]}
-    for key, name in (("upclip_old_prob", "actor/upclip_old_prob"), ("upclip_tail", "actor/upclip_tail_fraction"),
-                      ("entropy_correct", "actor/entropy_correct"), ("entropy_wrong", "actor/entropy_wrong")):
-        if key in means:
-            out[name] = means[key]
-    for flags, name in ((acc, "response_length/correct_mean"), (~acc, "response_length/wrong_mean")):
-        if bool(flags.any()):
-            out[name] = lengths[flags].double().mean().item()
-    return out

@@ -17,7 +17,7 @@ from ..config import Config, compact_summary
 from ..data import Prompt, PromptSampler
 from ..distributed.collectives import all_gather_objects
 from ..distributed.failfast import FailFast
-from ..distributed.mesh import DistEnv, init_distributed, shutdown
+from ..distributed.mesh import DistEnv, init_distributed
 from ..distributed.roles import Liveness
 from ..models.policy import PolicyModel
 from ..models.weights import iter_full_state_dict
@@ -29,7 +29,9 @@ from ..rollout.vllm_process import library_versions
 from ..tasks import build_datasets
 from ..tools.warning_lines import attach_run
 from .builders import build_optimizer, build_policy, checked_tokenizer, parameter_counts, training_engine
+from .collect.collector import Collector, RoundsCollector, Sampling, StreamingCollector
 from .collect.streaming import StreamState
+from .observe.logprob_check import PushCheck
 from .observe.probe import ProbeSet, build_probe_set
 from .observe.sinks import MetricsLogger, WandbRun
 from .split.cut import require_part
@@ -69,7 +71,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     engine: RolloutEngine
     verifier: Verifier
-    """What judges validation's responses, and training's unless `reward` is set."""
+    """What judges validation's responses (training's reward is the collector's)."""
     sampler: PromptSampler
     val_prompts: list[Prompt]
     logger: MetricsLogger
@@ -88,18 +90,14 @@ class Run:
     """The settings that shape this run, recorded in its checkpoints (run_settings.py)."""
     resumed: Resumed | None = None
     """The checkpoint this process continued from, None for a fresh start."""
-    stream: StreamState = field(default_factory=StreamState)
-    """This rank's streaming sampler state between steps (rollout.streaming), saved with every checkpoint."""
     profiler: StepProfiler | None = None
     """This rank's profiler of profile.steps; None when profiling is off here (no profiler object)."""
-    reward: Verifier | RandomReward | None = None
-    """What judges training's responses: `verifier`, or algorithm.verifier=random's RandomReward (None: verifier)."""
     probe: ProbeSet | None = None
     """The probe's fixed prompts and responses (None: logging.probe_every = 0)."""
     totals: RunTotals = field(default_factory=RunTotals)
     """Counts over the whole run (resumed runs continue them), saved with every checkpoint."""
-    split: SplitTrainer | None = None
-    """Split placement (rollout.placement=split): the trainer side's links to the rollout side; None co-located."""
+    collector: Collector | None = None
+    """Where each step's kept groups come from (collect/collector.py; split placement: its trainer side)."""
     liveness: Liveness | None = None
     """Split placement: this rank's liveness counter, read by the other side while it waits."""
 
@@ -111,12 +109,7 @@ class Run:
             self.liveness.close()
         if self.claim is not None:
             self.claim.release()
-        if error is not None:
-            self.failfast.fail(error)
-            shutdown(synchronize=False)
-        else:
-            self.failfast.close()
-            shutdown()
+        self.failfast.end(error)
 
     @property
     def final_step(self) -> int:
@@ -137,13 +130,8 @@ class Run:
             print(f"flashdapo: {message}", flush=True)
 
     def rank_state(self) -> dict[str, Any] | None:
-        """This rank's own state for the checkpoint: the streaming sampler's carried work."""
-        return self.stream.to_plain() if self.cfg.rollout.streaming else None
-
-    @property
-    def train_reward(self) -> Verifier | RandomReward:
-        """What judges training's responses."""
-        return self.reward if self.reward is not None else self.verifier
+        """This rank's own state for the checkpoint: the collector's (streaming's carried work), if any."""
+        return self.collector.rank_state()
 
     def trainer_state(self, step: int) -> TrainerState:
         return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict(),
@@ -201,8 +189,7 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
             plan.claim.release()
         if liveness is not None:
             liveness.close()
-        failfast.fail(err)  # with peers: reports and ends this process (and, through the store, the others)
-        shutdown(synchronize=False)
+        failfast.end(err)  # with peers: reports and ends this process (and, through the store, the others)
         raise
     run.claim = plan.claim
     return run
@@ -252,32 +239,36 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     engine = training_engine(cfg, env, policy, tokenizer, run_dir / f"vllm-error.rank{env.rank}.log", log)
     log(f"world size {env.world_size} on {env.device}; {parameter_counts(policy)}; run dir {run_dir}; "
         f"{library_versions()}")
-    return Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
+    run = Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
                scheduler=scheduler, engine=engine, verifier=get_verifier(judging_verifier(cfg.algorithm.verifier)),
-               reward=(RandomReward(cfg.algorithm.random_reward_p, cfg.trainer.seed)
-                       if cfg.algorithm.verifier == RANDOM_VERIFIER else None), sampler=sampler,
+               sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
                pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
-               settings=settings, resumed=resumed, stream=_resumed_stream(resumed, cfg, env, log),
+               settings=settings, resumed=resumed,
                profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device),
                totals=RunTotals(**resumed.state.totals) if resumed is not None else RunTotals(),
                probe=(build_probe_set(val_set.prompts if val_set is not None else train_set.prompts, tokenizer,
-                                      cfg.logging.probe_prompts) if cfg.logging.probe_every else None),
-               split=_split_trainer(cfg, env, policy, log, run_dir, start_step if resumed is not None else None))
+                                      cfg.logging.probe_prompts) if cfg.logging.probe_every else None))
+    run.collector = build_collector(run, log)
+    return run
 
 
-def _split_trainer(cfg: Config, env: DistEnv, policy: PolicyModel, log, run_dir: Path,
-                   resumed_at: int | None) -> SplitTrainer | None:
-    """Split placement's trainer side; resumed, holding the batches its checkpoint's cut queued."""
-    if cfg.rollout.placement != "split":
-        return None
-    from .observe.logprob_check import PushCheck
-
-    split = SplitTrainer(env, cfg.rollout.max_lag, cfg.trainer.total_steps,
-                         PushCheck(policy, env.device, policy.config.vocab_size, log))
-    if resumed_at is not None and resumed_at < cfg.trainer.total_steps:
-        split.resume(run_dir, resumed_at)
-    return split
+def build_collector(run: Run, log) -> Collector:
+    """The run's collector, built once: split placement's trainer side (resumed, holding the batches its
+    checkpoint's cut queued), or a co-located one sampling the policy's current weights."""
+    cfg, env = run.cfg, run.env
+    if cfg.rollout.placement == "split":
+        split = SplitTrainer(env, cfg, run.policy, PushCheck(run.policy, env.device, run.policy.config.vocab_size, log))
+        if run.resumed is not None and run.start_step < cfg.trainer.total_steps:
+            split.resume(run.run_dir, run.start_step)
+        return split
+    algo = cfg.algorithm
+    random = RandomReward(algo.random_reward_p, cfg.trainer.seed) if algo.verifier == RANDOM_VERIFIER else None
+    sampling = Sampling(run.engine, lambda: run.engine.wake(run.policy_weights, run.policy_version), run.sampler,
+                        run.tokenizer, lambda: random if random is not None else run.verifier, cfg, env)
+    if cfg.rollout.streaming:
+        return StreamingCollector(sampling, _resumed_stream(run.resumed, cfg, env, log))
+    return RoundsCollector(sampling)
 
 
 def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:

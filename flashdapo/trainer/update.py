@@ -24,8 +24,8 @@ from ..models.policy import PolicyModel, per_token_split
 from .batch import Group, TrainBatch, flat_prompts, flat_responses, mini_batch_normalizers, plan_micro_batches
 
 
-def _micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int,
-                   padded: bool):
+def micro_batches(prompts: list[torch.Tensor], responses: list[torch.Tensor], budget: int, pad_id: int,
+                  padded: bool):
     """(indices, prompts, responses) per micro-batch; empty micro-batches carry one masked dummy token."""
     counts = [len(p) + max(len(r) - 1, 0) for p, r in zip(prompts, responses)]
     for indices in plan_micro_batches(counts, budget, padded):
@@ -63,7 +63,7 @@ def compute_old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, 
     update (fp32, CPU)."""
     all_responses = flat_responses(groups)
     out: list[torch.Tensor | None] = [None] * len(all_responses)
-    for indices, prompts, responses in _micro_batches(flat_prompts(groups), all_responses, _budget(policy, cfg),
+    for indices, prompts, responses in micro_batches(flat_prompts(groups), all_responses, _budget(policy, cfg),
                                                       pad_id, not policy.packed_layout):
         packed = policy.token_batch(prompts, responses, device)
         logp, _ = policy(packed)
@@ -136,7 +136,7 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     optimizer.zero_grad(set_to_none=True)
     # [loss, *stats] summed on the device: no host sync per micro-batch, one all-reduce per mini-batch.
     totals = torch.zeros(1 + len(fields(LossStats)), dtype=torch.float64, device=env.device)
-    for indices, mb_prompts, mb_responses in _micro_batches(prompts, responses, _budget(policy, cfg), pad_id,
+    for indices, mb_prompts, mb_responses in micro_batches(prompts, responses, _budget(policy, cfg), pad_id,
                                                             not policy.packed_layout):
         packed = policy.token_batch(mb_prompts, mb_responses, env.device)
         if indices:  # per response token of the micro-batch; under sequence parallelism this rank's shard

@@ -22,7 +22,26 @@ from collections.abc import Sequence
 
 import torch
 
+from ...config import Config
+from ...distributed.collectives import all_gather_objects
+from ...distributed.mesh import DistEnv
 from ..batch import Group, whole_group_advantages
+
+
+def deal_kept(kept_per_round: list[list[Group]], cfg: Config, env: DistEnv, with_leftover: bool = False):
+    """Order kept groups by origin (round or tick, rank, position), keep the first train_batch (or, when
+    short, the largest multiple of the data-parallel size), and deal this data-parallel slot its responses of
+    every global mini-batch (the ranks of a sequence-parallel group share a slot: the same responses).
+    `with_leftover`: also this rank's own kept groups that did not make the cut, in order."""
+    everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
+    ordered = sorted((g for rank_rounds in everyone for rnd in rank_rounds for g in rnd), key=lambda g: g.origin)
+    usable = min(len(ordered), cfg.trainer.train_batch) // env.dp_size * env.dp_size
+    dealt = deal_to_slots(ordered[:usable], cfg.trainer.mini_batch, env.dp_size, env.dp_rank,
+                          cfg.algorithm.advantage_eps)
+    if not with_leftover:
+        return dealt
+    cut = {g.origin for g in ordered[:usable]}
+    return dealt, [g for rnd in kept_per_round for g in rnd if g.origin not in cut]
 
 
 def deal_to_slots(ordered: Sequence[Group], mini_batch: int, slots: int, slot: int,
@@ -68,4 +87,4 @@ def slot_loads(costs: Sequence[Sequence[int]], owners: Sequence[Sequence[int]], 
     return loads
 
 
-__all__ = ["balance", "deal_to_slots", "slot_loads"]
+__all__ = ["balance", "deal_kept", "deal_to_slots", "slot_loads"]

@@ -12,31 +12,26 @@ requires gen_batch = train_batch).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from ...algorithm import informative_groups, shaped_scores
+from ...algorithm import shaped_scores
 from ...config import Config
 from ...data import Prompt, PromptSampler
-from ...distributed.collectives import all_gather_objects, all_reduce
+from ...distributed.collectives import all_reduce
 from ...distributed.mesh import DistEnv
-from ...errors import FlashdapoError
 from ...profiling import StageTimer
 from ...reward import RandomReward, Verifier, check_reward, verify_responses
-from ...rollout import RolloutEngine, Rollouts, SamplingParams
+from ...rollout import RolloutEngine, Rollouts, sampling_params
 from ...seeds import derive_seed
 from ..batch import Group
-from .dealing import deal_to_slots
+from .dealing import deal_kept
+from .filter import check_shortfall, is_informative, report_round, unanimous
 
 ROUNDS_KEY, STREAM_KEY = 1, 2
 """First part of a random reward's key: a generation round's group, or a streamed group (streaming.py)."""
-
-
-class DynamicSamplingError(FlashdapoError, RuntimeError):
-    """max_gen_batches rounds did not find train_batch informative groups (on_max_gen_batches=error)."""
 
 
 @dataclass
@@ -69,6 +64,20 @@ class Collected:
     def groups(self) -> list[Group]:
         """This rank's kept groups, mini-batch after mini-batch."""
         return [g for part in self.mini_batches for g in part]
+
+    def figures(self) -> dict[str, int | float]:
+        """What the search cost, as plain numbers (every field but the groups): the one codec of these
+        figures, which split placement sends with each batch."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _GROUP_FIELDS}
+
+    @classmethod
+    def from_figures(cls, figures: dict[str, int | float], mini_batches: list[list[Group]]) -> Collected:
+        """`figures()` read back, around this rank's dealt `mini_batches`."""
+        return cls(mini_batches=mini_batches, **{name: figures[name] for name in figures
+                                                 if name not in _GROUP_FIELDS})
+
+
+_GROUP_FIELDS = ("mini_batches", "generated")
 
 
 def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier: Verifier | RandomReward, cfg: Config,
@@ -106,26 +115,13 @@ def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier:
     return groups
 
 
-def _is_informative(group: Group, metric: str) -> bool:
-    values = group.acc if metric == "acc" else group.scores
-    return bool(informative_groups(values, torch.zeros(group.size, dtype=torch.long)).all())
-
-
-def unanimous(group: Group) -> tuple[int, int]:
-    """(1, 0) when every response of the group is correct, (0, 1) when every one is wrong, else (0, 0); a
-    group of one response is neither (as dynamic sampling keeps it, it is never all-equal either)."""
-    if group.size < 2:
-        return 0, 0
-    return int(bool(group.acc.all())), int(not bool(group.acc.any()))
-
-
 def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tokenizer, verifier: Verifier,
                    cfg: Config, env: DistEnv, timer: StageTimer, keep_generated: bool = False,
                    carried: Sequence[Group] = (), deal=None) -> Collected:
     """Generate rounds until train_batch informative groups are kept (globally), then deal them out.
     `keep_generated` also returns every generated group (Collected.generated). Split placement
     (`split_rollout.py`): `carried`, this rank's informative groups kept past the last batch's target, first
-    in line (round 0); no round runs when they already fill train_batch; `deal` replaces `_deal_out`."""
+    in line (round 0); no round runs when they already fill train_batch; `deal` replaces `deal_kept`."""
     tc, algo = cfg.trainer, cfg.algorithm
     kept_per_round: list[list[Group]] = [list(carried)] if carried else []
     generated: list[tuple[Group, bool]] = []
@@ -140,9 +136,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     while total_kept < tc.train_batch:
         rounds += 1
         prompts = sampler.next_batch()
-        sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_response_length,
-                                  seed=derive_seed(tc.seed, step, rounds))
+        sampling = sampling_params(cfg.rollout, derive_seed(tc.seed, step, rounds))
         with timer("gen"):
             rollouts = engine.generate([p.ids for p in prompts], sampling)
         with timer("reward"):
@@ -154,7 +148,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                                       sum(len(r) for r in g.responses)], dtype=torch.float64)
         for i, g in enumerate(groups):
             g.origin = (rounds, env.rank, i)
-        informative = [g for g in groups if _is_informative(g, algo.filter_metric)]
+        informative = [g for g in groups if is_informative(g, algo.filter_metric)]
         all_equal += len(groups) - len(informative)  # counted with or without the filter
         for g in groups:
             unanimity += torch.tensor(unanimous(g))
@@ -166,25 +160,16 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         if total_kept >= tc.train_batch or not algo.dynamic_sampling:
             break
         if 0 < algo.max_gen_batches <= rounds:
-            message = (f"step {step}: dynamic sampling found {total_kept} informative groups in {rounds} "
-                       f"generation rounds ({rounds * tc.gen_batch} prompts); train_batch needs {tc.train_batch}")
-            if algo.on_max_gen_batches == "error":
-                raise DynamicSamplingError(message + ". The data may be too easy or too hard for the model: raise "
-                                           "algorithm.max_gen_batches, or set algorithm.on_max_gen_batches=continue")
-            if env.is_main:
-                usable = min(total_kept, tc.train_batch) // env.dp_size * env.dp_size
-                warnings.warn(message + f"; training on what was found (on_max_gen_batches=continue): {usable} groups "
-                              f"in {-(-usable // tc.mini_batch)} mini-batches of up to {tc.mini_batch} (instead of "
-                              f"{tc.train_batch // tc.mini_batch})", stacklevel=2)
+            check_shortfall(step, total_kept, f"{rounds} generation rounds ({rounds * tc.gen_batch} prompts)", cfg, env)
             break
         if env.is_main:
-            _report_round(step, rounds, total_kept, cfg, time.perf_counter() - started)
+            report_round(step, rounds, total_kept, cfg, time.perf_counter() - started)
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
     all_equal, all_correct, all_wrong = (int(v) for v in all_reduce(torch.cat([torch.tensor([all_equal]),
                                                                                 unanimity])).tolist())
     return Collected(
-        mini_batches=(deal or _deal_out)(kept_per_round, cfg, env),
+        mini_batches=(deal or deal_kept)(kept_per_round, cfg, env),
         num_gen_batches=rounds,
         groups_generated=rounds * tc.gen_batch,
         groups_informative=total_kept - carried_total,  # found this step (the carried were counted before)
@@ -200,43 +185,3 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
     )
 
 
-UNBOUNDED_WARN_EVERY = 20
-"""With max_gen_batches <= 0 (unbounded), warn every this many generation rounds of one step."""
-ROUND_LINE_AFTER_S = 10.0
-"""A step's extra generation rounds print their progress line once its generation has run this long: a
-real run's rounds take minutes and the line says why the step is long; the toy's take 0.2 s and the step
-line's `rounds N` says enough."""
-
-
-def _report_round(step: int, rounds: int, kept: int, cfg: Config, elapsed_s: float) -> None:
-    """Before each extra generation round: a progress line (logging.progress) once the step's generation has
-    run ROUND_LINE_AFTER_S; when unbounded, a warning every UNBOUNDED_WARN_EVERY rounds with the kept rate,
-    so a search that cannot end is visible."""
-    tc = cfg.trainer
-    if cfg.logging.progress and elapsed_s >= ROUND_LINE_AFTER_S:
-        print(f"flashdapo: step {step}: generation round {rounds + 1}: {kept} of {tc.train_batch} informative "
-              "groups kept so far", flush=True)
-    if cfg.algorithm.max_gen_batches <= 0 and rounds % UNBOUNDED_WARN_EVERY == 0:
-        rate = kept / (rounds * tc.gen_batch)
-        outlook = (f"about {-(-(tc.train_batch - kept) * rounds // kept)} more rounds at this rate" if kept
-                   else "it may never end")
-        warnings.warn(f"step {step}: {rounds} generation rounds kept {kept} of {rounds * tc.gen_batch} groups "
-                      f"({rate:.1%}); train_batch needs {tc.train_batch}: {outlook}. algorithm.max_gen_batches=0 is "
-                      "unbounded: set it to a bound to stop or continue at that bound", stacklevel=3)
-
-
-def _deal_out(kept_per_round: list[list[Group]], cfg: Config, env: DistEnv,
-              with_leftover: bool = False):
-    """Order kept groups by origin (round or tick, rank, position), keep the first train_batch (or, when
-    short, the largest multiple of the data-parallel size), and deal this data-parallel slot its responses of
-    every global mini-batch (the ranks of a sequence-parallel group share a slot: the same responses).
-    `with_leftover`: also this rank's own kept groups that did not make the cut, in order."""
-    everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
-    ordered = sorted((g for rank_rounds in everyone for rnd in rank_rounds for g in rnd), key=lambda g: g.origin)
-    usable = min(len(ordered), cfg.trainer.train_batch) // env.dp_size * env.dp_size
-    dealt = deal_to_slots(ordered[:usable], cfg.trainer.mini_batch, env.dp_size, env.dp_rank,
-                          cfg.algorithm.advantage_eps)
-    if not with_leftover:
-        return dealt
-    cut = {g.origin for g in ordered[:usable]}
-    return dealt, [g for rnd in kept_per_round for g in rnd if g.origin not in cut]

@@ -33,7 +33,6 @@ The choices, before the code:
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,19 +45,12 @@ from ...distributed.collectives import all_reduce
 from ...distributed.mesh import DistEnv
 from ...profiling import StageTimer
 from ...reward import Verifier
-from ...rollout import Completion, Request, Rollouts, SamplingParams
+from ...rollout import Completion, Request, Rollouts, sampling_params
 from ...seeds import derive_seed
 from ..batch import Group
-from .rounds import (
-    STREAM_KEY,
-    Collected,
-    DynamicSamplingError,
-    _deal_out,
-    _is_informative,
-    _report_round,
-    score_groups,
-    unanimous,
-)
+from .dealing import deal_kept
+from .filter import check_shortfall, is_informative, report_round, unanimous
+from .rounds import STREAM_KEY, Collected, score_groups
 
 
 @dataclass
@@ -105,7 +97,7 @@ class StreamState:
         """Plain containers (tensors, lists, dicts) for torch.save(weights_only)."""
         return {"pending": {k: {"prompt": _prompt_plain(g.prompt), "origin": list(g.origin),
                                 "responses": [vars(r).copy() for r in g.responses]} for k, g in self.pending.items()},
-                "ready": [_group_plain(g) for g in self.ready],
+                "ready": [g.to_plain() for g in self.ready],
                 "queue": [[list(origin), _prompt_plain(p)] for origin, p in self.queue],
                 "next_key": self.next_key, "pulls": self.pulls}
 
@@ -113,17 +105,13 @@ class StreamState:
     def from_plain(cls, data: dict[str, Any]) -> StreamState:
         pending = {int(k): PendingGroup(Prompt(**g["prompt"]), [Response(**r) for r in g["responses"]],
                                         tuple(g["origin"])) for k, g in data["pending"].items()}
-        ready = [Group(**{**g, "origin": tuple(g["origin"]), "members": None}) for g in data["ready"]]
+        ready = [Group.from_plain(g) for g in data["ready"]]
         return cls(pending=pending, ready=ready, queue=[(tuple(o), Prompt(**p)) for o, p in data["queue"]],
                    next_key=int(data["next_key"]), pulls=int(data["pulls"]))
 
 
 def _prompt_plain(p: Prompt) -> dict[str, Any]:
     return {f: getattr(p, f) for f in p.__dataclass_fields__}
-
-
-def _group_plain(g: Group) -> dict[str, Any]:
-    return {f: getattr(g, f) for f in g.__dataclass_fields__}
 
 
 @dataclass
@@ -150,16 +138,15 @@ class StreamStats:
 
 def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine, tokenizer, verifier: Verifier,
                   cfg: Config, env: DistEnv, timer: StageTimer, version: int,
-                  deal=_deal_out, keep_generated: bool = False) -> tuple[Collected, StreamStats]:
+                  deal=deal_kept, keep_generated: bool = False) -> tuple[Collected, StreamStats]:
     """Stream until train_batch informative groups are kept (globally), then deal them out; `state` carries
     what is left into the next step. `version`: the policy version sampling this step. `deal`: split
-    placement's cut for the trainer side in place of `_deal_out` (`split_rollout.py`). `keep_generated`:
+    placement's cut for the trainer side in place of `deal_kept` (split/rollout_side.py). `keep_generated`:
     Collected.generated lists this rank's groups of the step (for dumps): those kept past the last step's
     target, then every group that finished, each with whether the filter kept it."""
     rc, tc = cfg.rollout, cfg.trainer
     stats = StreamStats()
-    sampling = SamplingParams(n=1, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                              max_new_tokens=rc.max_response_length, seed=derive_seed(tc.seed, step, 1))
+    sampling = sampling_params(rc, derive_seed(tc.seed, step, 1), n=1)  # one response per request
     kept: list[Group] = list(state.ready)  # kept past the last step's target: first in line
     generated = [(g, True) for g in state.ready]
     state.ready = []
@@ -173,7 +160,8 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
         _carry(state, engine.abort(), cfg, stats, version)
     if met is not None:
         stats.ticks_after_target, stats.wait_after_target_s = met[0], _clock() - met[1]
-    _check_bound(step, len(kept), cfg, env)
+    found = int(all_reduce(torch.tensor([len(kept)])).item())
+    check_shortfall(step, found, f"{pulls} batches of {tc.gen_batch} prompts", cfg, env)
     mini_batches, leftover = deal([kept], cfg, env, with_leftover=True)
     if cfg.algorithm.dynamic_sampling:  # past the target: first in line next step, in order
         state.ready = leftover
@@ -221,7 +209,7 @@ def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine,
                 marks = [(_clock(), len(kept))]
                 if int(totals[2]) and (cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches):
                     if pulls and env.is_main:  # a progress line on long steps; a warning every 20 unbounded pulls
-                        _report_round(step, pulls, int(totals[0]), cfg, time.perf_counter() - started)
+                        report_round(step, pulls, int(totals[0]), cfg, time.perf_counter() - started)
                     state.pulls += 1  # some rank is out of prompts: every rank pulls the next batch
                     state.queue += [((state.pulls, env.rank, i), p) for i, p in enumerate(sampler.next_batch())]
                     pulls += 1
@@ -235,7 +223,7 @@ def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine,
             with timer("reward"):
                 for group in _finish(state, finished, version, tokenizer, verifier, cfg, gen_sums, stats):
                     stats.finished_groups += 1
-                    informative = _is_informative(group, cfg.algorithm.filter_metric)
+                    informative = is_informative(group, cfg.algorithm.filter_metric)
                     stats.all_equal_groups += not informative  # counted with or without the filter
                     correct, wrong = unanimous(group)
                     stats.all_correct_groups += correct
@@ -271,22 +259,6 @@ def _wants_more(totals: torch.Tensor | None, cfg: Config) -> bool:
     if totals is None or cfg.algorithm.dynamic_sampling:
         return True
     return int(totals[0]) + int(totals[3]) < cfg.trainer.train_batch
-
-
-def _check_bound(step: int, kept: int, cfg: Config, env: DistEnv) -> None:
-    """The stream ended short of train_batch (algorithm.max_gen_batches pulls, nothing left in flight): as in
-    rounds, an error or a warning by algorithm.on_max_gen_batches."""
-    total = int(all_reduce(torch.tensor([kept])).item())
-    tc, algo = cfg.trainer, cfg.algorithm
-    if total >= tc.train_batch or not algo.dynamic_sampling:
-        return
-    message = (f"step {step}: streaming dynamic sampling found {total} informative groups in {algo.max_gen_batches} "
-               f"batches of {tc.gen_batch} prompts; train_batch needs {tc.train_batch}")
-    if algo.on_max_gen_batches == "error":
-        raise DynamicSamplingError(message + ". The data may be too easy or too hard for the model: raise "
-                                   "algorithm.max_gen_batches, or set algorithm.on_max_gen_batches=continue")
-    if env.is_main:
-        warnings.warn(message + "; training on what was found (on_max_gen_batches=continue)", stacklevel=3)
 
 
 def _in_flight(state: StreamState) -> int:
@@ -406,7 +378,7 @@ def stream_metrics(stats: StreamStats, batch, step: int, env: DistEnv) -> dict[s
     sums = all_reduce(torch.tensor([flat.numel() * speaks, flat.sum().item() * speaks], dtype=torch.float64))
     peak = int(all_reduce(torch.tensor([int(flat.max()) if flat.numel() else 0]), "max").item())
     trained = sums[0].item()
-    return {**_per_lag(batch, flat, speaks), "stream/ticks": float(stats.ticks),
+    return {**per_lag_metrics(batch, flat, speaks), "stream/ticks": float(stats.ticks),
             "stream/generated_tokens": float(stats.generated_tokens), "stream/trained_tokens": trained,
             "stream/generated_per_trained": stats.generated_tokens / max(trained, 1.0),
             "stream/carried": float(stats.carried), "stream/restarted": float(stats.restarted),
@@ -417,7 +389,7 @@ def stream_metrics(stats: StreamStats, batch, step: int, env: DistEnv) -> dict[s
             "stream/all_equal_fraction": stats.all_equal_groups / max(stats.finished_groups, 1)}
 
 
-def _per_lag(batch, lags: torch.Tensor, speaks: float) -> dict[str, float]:
+def per_lag_metrics(batch, lags: torch.Tensor, speaks: float) -> dict[str, float]:
     """The rollout correction's mean weight and the engine/trainer k3 KL over trained tokens sampled by this
     step's weights (lag 0) and by older ones (lag >= 1); empty without pi_old or engine log-probs."""
     sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]

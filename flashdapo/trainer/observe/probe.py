@@ -66,12 +66,12 @@ def probe_due(every: int, step: int) -> bool:
 def probe_metrics(policy: PolicyModel, probe: ProbeSet, micro_batch_tokens: int, pad_id: int,
                   device: torch.device) -> dict[str, float]:
     """probe/entropy and probe/top1_prob: means over every response token of `probe` (empty set: {})."""
-    from ..update import _micro_batches  # the update's micro-batching (a dummy where a rank has nothing)
+    from ..update import micro_batches  # the update's micro-batching (a dummy where a rank has nothing)
 
     if not len(probe):
         return {}
     sums = torch.zeros(3, dtype=torch.float64)  # entropy, top-1 probability, tokens
-    for indices, prompts, responses in _micro_batches(list(probe.prompts), list(probe.responses),
+    for indices, prompts, responses in micro_batches(list(probe.prompts), list(probe.responses),
                                                       micro_batch_tokens * policy.sp, pad_id,
                                                       not policy.packed_layout):
         packed = policy.token_batch(prompts, responses, device)

@@ -31,9 +31,7 @@ from typing import Any
 import torch
 
 from ...distributed.collectives import barrier
-from ..batch import Group
 from ..state.checkpoint import CheckpointError
-from .wire import _GROUP_FIELDS
 
 PARTS = "split_rollout"
 KEEP_PARTS = 4
@@ -54,14 +52,6 @@ def parts_due(batch: int, cfg, start: int) -> list[int]:
     """The checkpoint steps whose rollout part is written at the boundary after `batch`."""
     total, k = cfg.trainer.total_steps, cfg.rollout.max_lag
     return [c for c in save_steps(cfg, start) if min(c + k, total) == batch]
-
-
-def group_plain(g: Group) -> dict[str, Any]:
-    return {f: (list(g.origin) if f == "origin" else getattr(g, f)) for f in _GROUP_FIELDS}
-
-
-def group_from_plain(g: dict[str, Any]) -> Group:
-    return Group(**{**g, "origin": tuple(g["origin"])})
 
 
 def write_part(run_dir: Path, step: int, boundary: int, rank: int, state: dict[str, Any],
@@ -125,5 +115,5 @@ def read_rank_state(run_dir: Path, step: int, rank: int) -> dict[str, Any]:
                               "another number of rollout ranks?") from err
 
 
-__all__ = ["group_from_plain", "group_plain", "part_dir", "parts_due", "read_boundary", "read_queue", "read_rank_state",
+__all__ = ["part_dir", "parts_due", "read_boundary", "read_queue", "read_rank_state",
            "require_part", "save_steps", "write_part"]

@@ -32,7 +32,7 @@ from ...config import Config, engine_spec
 from ...data import PromptSampler
 from ...distributed.collectives import all_gather_objects, all_reduce
 from ...distributed.failfast import FailFast
-from ...distributed.mesh import DistEnv, init_distributed, shutdown
+from ...distributed.mesh import DistEnv, init_distributed
 from ...distributed.roles import Liveness
 from ...models.weights import iter_full_state_dict
 from ...preflight import check_launch, resolve_auto
@@ -44,10 +44,10 @@ from ..builders import build_policy, checked_tokenizer, training_engine
 from ..collect.rounds import Collected, collect_groups
 from ..collect.streaming import StreamState, StreamStats, stream_groups
 from ..observe.logprob_check import PushCheck
-from .cut import group_from_plain, group_plain, parts_due, read_rank_state, write_part
+from .cut import parts_due, read_rank_state, write_part
 from .schedule import START_KEY, last_pushed_step, weights_step
 from .weights import Stage, check_loaded, load_weights
-from .wire import BatchMessage, Sender, pack
+from .wire import BatchMessage, RolloutFigures, Sender, pack
 
 
 class TrainerCut:
@@ -80,12 +80,10 @@ def run_rollout_side(cfg: Config) -> None:
     try:
         _generate_all(cfg, env)
     except BaseException as err:
-        failfast.fail(err)
-        shutdown(synchronize=False)
+        failfast.end(err)
         raise
     live.close()
-    failfast.close()
-    shutdown()
+    failfast.end(None)
 
 
 @dataclass
@@ -169,10 +167,10 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
         figures = {"gen_s": timer.seconds.get("gen", 0.0), "reward_s": timer.seconds.get("reward", 0.0), **loading,
                    "busy_s": time.perf_counter() - began - loading["wait_weights_s"],
                    "staged_max": float(stage.max_staged)}
-        figures = dict(zip(figures, _rollout_max(list(figures.values()))))
+        figures = RolloutFigures(**dict(zip(figures, _rollout_max(list(figures.values())))))
         if sender is not None:
-            recent[b] = pack(BatchMessage(b, w, groups, _scalars(collected), figures,
-                                          vars(stats) if stats is not None else None))
+            summary = Collected.from_figures(collected.figures(), [])
+            recent[b] = pack(BatchMessage(b, w, groups, summary, figures, stats))
             sender.put(b, recent[b])
             recent.pop(b - k, None)  # only the last k can be queued at a cut
         for c in parts_due(b, cfg, start):  # the boundary of a checkpoint's cut: this side's part of it
@@ -195,14 +193,14 @@ def rollout_engine(cfg: Config, env: DistEnv, policy, tokenizer):
 
 def _state(sampler: PromptSampler, carried: list[Group], stream: StreamState, cfg: Config) -> dict:
     """This rank's state at a batch boundary (plain, for the cut): sampler position, surplus or stream."""
-    return {"sampler": sampler.state_dict(), "carried": [group_plain(g) for g in carried],
+    return {"sampler": sampler.state_dict(), "carried": [g.to_plain() for g in carried],
             "stream": stream.to_plain() if cfg.rollout.streaming else None}
 
 
 def _restore(state: dict, sampler: PromptSampler, cfg: Config) -> tuple[StreamState, list[Group]]:
     sampler.load_state_dict(state["sampler"])
     stream = StreamState.from_plain(state["stream"]) if cfg.rollout.streaming else StreamState()
-    return stream, [group_from_plain(g) for g in state["carried"]]
+    return stream, [Group.from_plain(g) for g in state["carried"]]
 
 
 def _rollout_max(values: list[float]) -> list[float]:
@@ -224,12 +222,6 @@ def _tagged(groups: list[Group], version: int) -> list[Group]:
         if g.versions is None:
             g.versions = [torch.full((len(r),), version, dtype=torch.long) for r in g.responses]
     return groups
-
-
-def _scalars(collected: Collected) -> dict[str, float]:
-    return {name: float(getattr(collected, name)) for name in (
-        "num_gen_batches", "groups_generated", "groups_informative", "gen_acc", "gen_score", "gen_truncated",
-        "groups_all_equal", "groups_all_correct", "groups_all_wrong", "generated_samples", "generated_tokens")}
 
 
 __all__ = ["TrainerCut", "run_rollout_side"]

@@ -10,19 +10,22 @@ rollout side held staged.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from ...config import Config
 from ...distributed.collectives import all_reduce, broadcast_object
 from ...distributed.mesh import DistEnv
 from ...profiling import StageTimer
 from ..batch import TrainBatch
 from ..collect.dealing import deal_to_slots
 from ..collect.rounds import Collected
-from ..collect.streaming import StreamStats, _per_lag
+from ..collect.streaming import StreamStats, per_lag_metrics, stream_metrics
 from ..observe.logprob_check import PushCheck
 from .cut import read_boundary, read_queue
 from .schedule import START_KEY, last_pushed_step
@@ -35,11 +38,12 @@ LAG_BINS = 4
 
 @dataclass
 class SplitTrainer:
-    """Trainer-side state of split placement, held by the Run."""
+    """The trainer side of split placement: the run's collector (collect/collector.py) when
+    rollout.placement=split. Its batches come from the rollout side; its weights go back to it."""
 
     env: DistEnv
-    max_lag: int
-    total_steps: int
+    cfg: Config
+    policy: Any
     check: PushCheck
     start: int = 0
     last_push: PushStats = field(default_factory=PushStats)
@@ -50,6 +54,32 @@ class SplitTrainer:
     """Resumed: the batches the checkpoint's cut queued (trainer rank 0), trained before any is received."""
     queue_end: int = 0
     """Resumed: the last queued batch (every trainer rank; 0: none)."""
+    message: BatchMessage | None = None
+    """The last batch received (for its step's metrics)."""
+    stream: StreamStats | None = None
+    """The last batch's stream figures (rollout.streaming), else None."""
+    past_target: str = "unused"
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.trainer.total_steps
+
+    @property
+    def max_lag(self) -> int:
+        return self.cfg.rollout.max_lag
+
+    def collect(self, step: int, timer: StageTimer, keep_generated: bool = False) -> Collected:
+        """Batch `step` from the rollout side (the step's wait_batch stage); nothing generated here to dump."""
+        with timer("wait_batch"):
+            collected, self.stream, self.message = self.receive(step)
+        return collected
+
+    def after_update(self, step: int, timer: StageTimer) -> None:
+        with timer("weight_push"):
+            self.after_step(step)
+
+    def rank_state(self) -> dict[str, Any] | None:
+        return None  # the rollout side saves its own state: the cut's parts (cut.py)
 
     def resume(self, run_dir, start: int) -> None:
         """Take the queued batches of the cut of `start` (resumed runs, before `begin`)."""
@@ -57,7 +87,7 @@ class SplitTrainer:
         if self.env.rank == 0:
             self.queued = dict(zip(range(start + 1, self.queue_end + 1), read_queue(run_dir, start)))
 
-    def begin(self, policy, start: int) -> None:
+    def begin(self, start: int) -> None:
         """Tell the rollout side where the run starts, and push the starting weights (every trainer rank)."""
         self.start = start
         if self.env.rank == 0:
@@ -65,18 +95,18 @@ class SplitTrainer:
                                                         "resume": self.queue_end > 0,
                                                         "boundary": max(self.queue_end, start)}))
         if start < self.total_steps:
-            self.last_push = push_weights(policy, self.env, start, self.check)
+            self.last_push = push_weights(self.policy, self.env, start, self.check)
 
-    def after_step(self, policy, step: int) -> None:
+    def after_step(self, step: int) -> None:
         """Push θ_step if a batch of the schedule will sample it."""
         if step <= last_pushed_step(self.total_steps, self.max_lag, self.start) and step > self.start:
-            self.last_push = push_weights(policy, self.env, step, self.check)
+            self.last_push = push_weights(self.policy, self.env, step, self.check)
         else:
             self.last_push = PushStats()
 
-    def receive(self, step: int, cfg) -> tuple[Collected, StreamStats | None, BatchMessage]:
+    def receive(self, step: int) -> tuple[Collected, StreamStats | None, BatchMessage]:
         """Batch `step` from the rollout side, dealt to this rank's slot as the co-located collector deals it."""
-        env, bridges = self.env, self.env.bridges
+        env, bridges, cfg = self.env, self.env.bridges, self.cfg
         rollout_ranks = list(range(bridges.layout.trainers, bridges.layout.world_size))
         queued = step <= self.queue_end
         self.waited_s = 0.0 if queued else bridges.wait_key(ready_key(step), rollout_ranks, f"batch {step}")
@@ -89,19 +119,17 @@ class SplitTrainer:
             bridges.delete(ready_key(step))
         message = unpack(payload)
         self.transfer_s, self.transfer_bytes = time.perf_counter() - began, len(payload)
-        c = message.collected
-        collected = Collected(
-            mini_batches=deal_to_slots(message.groups, cfg.trainer.mini_batch, env.dp_size, env.dp_rank,
-                                       cfg.algorithm.advantage_eps),
-            num_gen_batches=int(c["num_gen_batches"]), groups_generated=int(c["groups_generated"]),
-            groups_informative=int(c["groups_informative"]), gen_acc=c["gen_acc"], gen_score=c["gen_score"],
-            gen_truncated=c["gen_truncated"], groups_all_equal=int(c["groups_all_equal"]),
-            groups_all_correct=int(c["groups_all_correct"]), groups_all_wrong=int(c["groups_all_wrong"]),
-            generated_samples=int(c["generated_samples"]), generated_tokens=int(c["generated_tokens"]))
-        stream = StreamStats(**message.stream) if message.stream is not None else None
-        return collected, stream, message
+        dealt = deal_to_slots(message.groups, cfg.trainer.mini_batch, env.dp_size, env.dp_rank,
+                              cfg.algorithm.advantage_eps)
+        return dataclasses.replace(message.collected, mini_batches=dealt), message.stream, message
 
-    def metrics(self, step: int, batch: TrainBatch, message: BatchMessage, timer: StageTimer) -> dict[str, float]:
+    def metrics(self, step: int, batch: TrainBatch, timer: StageTimer) -> dict[str, float]:
+        """stream/* (rollout.streaming) and split/* metrics of the step (global over the trainer side)."""
+        stream = stream_metrics(self.stream, batch, step, self.env) if self.stream is not None else {}
+        return {**stream, **self.split_metrics(step, batch, self.message, timer)}
+
+    def split_metrics(self, step: int, batch: TrainBatch, message: BatchMessage,
+                      timer: StageTimer) -> dict[str, float]:
         """split/* metrics of the step (global over the trainer side)."""
         lags = torch.cat([step - v for g in batch.groups for v in (g.versions or [])] or
                          [torch.zeros(0, dtype=torch.long)])
@@ -116,19 +144,19 @@ class SplitTrainer:
         older = all_reduce(torch.tensor([older * speaks], dtype=torch.float64)).item()
         r = message.rollout
         step_s = max(timer.seconds.get("step", 0.0), 1e-9)
-        rollout_s = max(r["busy_s"] + r["wait_weights_s"], 1e-9)
+        rollout_s = max(r.busy_s + r.wait_weights_s, 1e-9)
         out = {"split/lag_mean": sums[-1].item() / max(tokens, 1.0), "split/lag_max": float(peak),
                "split/lag_min": float(low) if tokens else -1.0, "split/trained_tokens": tokens,
                **{f"split/lag_hist_{j}{'+' if j == LAG_BINS else ''}": sums[j].item() for j in range(LAG_BINS + 1)},
                "split/weights_step": float(message.weights_step), "split/older_responses": older,
-               "split/trainer_idle": self.waited_s / step_s, "split/rollout_idle": r["wait_weights_s"] / rollout_s,
+               "split/trainer_idle": self.waited_s / step_s, "split/rollout_idle": r.wait_weights_s / rollout_s,
                "split/weight_push_s": self.last_push.seconds, "split/weight_push_bytes": float(self.last_push.bytes),
                "split/batch_transfer_s": self.transfer_s, "split/batch_bytes": float(self.transfer_bytes),
-               "split/staged_max": r["staged_max"], "split/push_check_max": r["push_check_max"],
-               "timing_s/rollout_gen": r["gen_s"], "timing_s/rollout_reward": r["reward_s"],
-               "timing_s/rollout_wait_weights": r["wait_weights_s"], "timing_s/rollout_load": r["load_s"]}
+               "split/staged_max": r.staged_max, "split/push_check_max": r.push_check_max,
+               "timing_s/rollout_gen": r.gen_s, "timing_s/rollout_reward": r.reward_s,
+               "timing_s/rollout_wait_weights": r.wait_weights_s, "timing_s/rollout_load": r.load_s}
         # The correction's mean weight and the engine/trainer k3 KL, for lag 0 and lag >= 1 tokens.
-        out.update({k.replace("stream/", "split/"): v for k, v in _per_lag(batch, lags, speaks).items()})
+        out.update({k.replace("stream/", "split/"): v for k, v in per_lag_metrics(batch, lags, speaks).items()})
         return out
 
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ...distributed.collectives import all_reduce
 from ...distributed.mesh import DistEnv
 from ...distributed.roles import Bridges
-from ...models.weights import _named_tensors, hf_name, iter_full_state_dict
+from ...models.weights import hf_name, iter_full_state_dict, named_tensors
 from ..observe.logprob_check import PUSH_TOLERANCE, PushCheck, PushMismatchError
 
 BUCKET_BYTES = 256 << 20
@@ -163,7 +163,7 @@ class Stage:
 @torch.no_grad()
 def load_weights(policy, staged: StagedVersion) -> None:
     """Copy a staged version's full tensors into this rank's (FSDP2-sharded) policy: each cut to its shard."""
-    for raw, value in _named_tensors(policy.hf):
+    for raw, value in named_tensors(policy.hf):
         full = staged.tensors[hf_name(raw)]
         if isinstance(value, DTensor):
             shard = distribute_tensor(full.to(value.dtype), value.device_mesh, value.placements, src_data_rank=None)

@@ -9,6 +9,7 @@ trainer side, which polls for the announcement, receives as soon as it is ready.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import queue
 import threading
@@ -19,6 +20,8 @@ import torch
 
 from ...distributed.roles import Bridges
 from ..batch import Group
+from ..collect.rounds import Collected
+from ..collect.streaming import StreamStats
 
 
 @dataclass
@@ -30,22 +33,38 @@ class BatchMessage:
     """The trainer step whose weights sampled this batch's fresh groups (the schedule's b - 1 - k)."""
     groups: list[Group]
     """The whole groups to train, in canonical order, as many as the trainer's data-parallel slots can share."""
-    collected: dict[str, float]
-    """Collected's scalar fields (global over the rollout side): rounds, groups generated/kept, gen_acc, ..."""
-    rollout: dict[str, float] = field(default_factory=dict)
+    collected: Collected
+    """What the search cost (global over the rollout side), without groups: the trainer deals `groups`."""
+    rollout: RolloutFigures = field(default_factory=lambda: RolloutFigures())
     """The rollout side's own figures for this batch: seconds generating, scoring, waiting, loading."""
-    stream: dict[str, int] | None = None
-    """StreamStats fields (rollout.streaming), else None."""
+    stream: StreamStats | None = None
+    """The stream's figures (rollout.streaming), else None."""
 
 
-_GROUP_FIELDS = ("prompt", "responses", "scores", "acc", "truncated", "sampler_logprobs", "origin", "versions")
+@dataclass
+class RolloutFigures:
+    """The rollout side's figures for one batch (the slowest rollout rank's of each)."""
+
+    gen_s: float = 0.0
+    reward_s: float = 0.0
+    wait_weights_s: float = 0.0
+    """Waiting for the batch's weights to arrive."""
+    load_s: float = 0.0
+    """Loading them into the policy copy (and the engine)."""
+    push_check_max: float = 0.0
+    """The push check's max |delta log-prob| on loading them (0: not loaded for this batch)."""
+    busy_s: float = 0.0
+    """The batch's time, its wait for weights excepted."""
+    staged_max: float = 0.0
+    """The most weight versions staged at once so far."""
 
 
 def pack(message: BatchMessage) -> bytes:
-    plain = {"batch": message.batch, "weights_step": message.weights_step, "collected": message.collected,
-             "rollout": message.rollout, "stream": message.stream,
-             "groups": [{f: (list(g.origin) if f == "origin" else getattr(g, f)) for f in _GROUP_FIELDS}
-                        for g in message.groups]}
+    """The message as bytes: plain containers only (each part through its own codec)."""
+    plain = {"batch": message.batch, "weights_step": message.weights_step, "collected": message.collected.figures(),
+             "rollout": dataclasses.asdict(message.rollout),
+             "stream": dataclasses.asdict(message.stream) if message.stream is not None else None,
+             "groups": [g.to_plain() for g in message.groups]}
     buffer = io.BytesIO()
     torch.save(plain, buffer)
     return buffer.getvalue()
@@ -53,9 +72,11 @@ def pack(message: BatchMessage) -> bytes:
 
 def unpack(payload: bytes) -> BatchMessage:
     plain: dict[str, Any] = torch.load(io.BytesIO(payload), weights_only=True)
-    groups = [Group(**{**g, "origin": tuple(g["origin"])}) for g in plain["groups"]]
+    groups = [Group.from_plain(g) for g in plain["groups"]]
+    stream = StreamStats(**plain["stream"]) if plain["stream"] is not None else None
     return BatchMessage(batch=int(plain["batch"]), weights_step=int(plain["weights_step"]), groups=groups,
-                        collected=plain["collected"], rollout=plain["rollout"], stream=plain["stream"])
+                        collected=Collected.from_figures(plain["collected"], []),
+                        rollout=RolloutFigures(**plain["rollout"]), stream=stream)
 
 
 def ready_key(batch: int) -> str:
