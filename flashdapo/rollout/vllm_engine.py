@@ -83,7 +83,7 @@ from ..config import RolloutConfig
 from ..seeds import derive_seed
 from .base import Completion, Request, Rollouts, SamplingParams, WeightSource
 from .vllm_bounds import bound_engine, reported
-from .vllm_outputs import sampled_logprobs, to_rollouts
+from .vllm_outputs import sampled_logprobs, to_rollouts, vllm_sampling_params
 from .vllm_platform import (
     VLLM_VERSION_READ,
     VLLM_VERSIONS_READ,
@@ -325,11 +325,8 @@ class VLLMEngine:
     # -- generation --------------------------------------------------------------------------------
 
     def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
-        return self._vllm.SamplingParams(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
-            logprobs=0, seed=derive_seed(sampling.seed, self.dp_group, prompt_index),
-            detokenize=False, flat_logprobs=True)
+        return vllm_sampling_params(self._vllm, sampling, n=sampling.n, max_tokens=sampling.max_new_tokens,
+                                    seed=derive_seed(sampling.seed, self.dp_group, prompt_index))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
         """Sample `sampling.n` responses per prompt. Every rank of a TP group must call it together."""

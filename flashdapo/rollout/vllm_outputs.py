@@ -1,6 +1,6 @@
-"""vLLM outputs into the engine contract's types: the sampled tokens' log-probs, `RequestOutput`s into
-`Rollouts` (vLLM 0.33.0 and the 0.32.0 CPU build: `outputs.py` `RequestOutput` / `CompletionOutput`,
-`logprobs.py` `FlatLogprobs`)."""
+"""Between vLLM and the engine contract's types: our SamplingParams into vLLM's, and vLLM's outputs back: the
+sampled tokens' log-probs, `RequestOutput`s into `Rollouts` (vLLM 0.33.0 and the 0.32.0 CPU build:
+`sampling_params.py`, `outputs.py` `RequestOutput` / `CompletionOutput`, `logprobs.py` `FlatLogprobs`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ from typing import Any
 
 import torch
 
-from .base import Rollouts
+from .base import Rollouts, SamplingParams
+
+
+def vllm_sampling_params(vllm: Any, sampling: SamplingParams, *, n: int, seed: int, max_tokens: int,
+                         **extra: Any) -> Any:
+    """vLLM's SamplingParams for `sampling` (the one mapping of every generate call and stream request): the
+    sampled token's log-prob only (`logprobs=0`, flat), no detokenizing, top_k off as 0; `extra` (e.g. the
+    stream's output_kind) passed through."""
+    return vllm.SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                               top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=max_tokens, logprobs=0,
+                               seed=seed, detokenize=False, flat_logprobs=True, **extra)
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> torch.Tensor:

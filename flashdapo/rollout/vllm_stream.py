@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from .base import Completion, Request, SamplingParams
-from .vllm_outputs import sampled_logprobs
+from .vllm_outputs import sampled_logprobs, vllm_sampling_params
 from .vllm_process import torch_threads
 
 
@@ -169,11 +169,8 @@ class VLLMStream:
 
     def _add(self, source: int, request: Request) -> None:
         request_id = f"flashdapo-stream-{source}-{request.key}"
-        top_k = self.sampling.top_k if self.sampling.top_k > 0 else 0
-        params = self.vllm.SamplingParams(
-            n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=top_k,
-            max_tokens=request.max_new_tokens, logprobs=0, seed=request.seed, detokenize=False,
-            flat_logprobs=True, output_kind=self._delta)
+        params = vllm_sampling_params(self.vllm, self.sampling, n=1, max_tokens=request.max_new_tokens,
+                                      seed=request.seed, output_kind=self._delta)
         prompt = {"prompt_token_ids": [int(t) for t in request.prompt] + [int(t) for t in request.prefix]}
         self.engine.add_request(request_id, prompt, params)
         self._flights[request_id] = _Flight(source, self._added, request)
