@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config import Config
 from ..distributed.mesh import DistEnv
-from .policy import PolicyModel, parallelize
+from .parallelize import parallelize
+from .policy import PolicyModel
 
 
 def load_sharded_policy(cfg: Config, env: DistEnv) -> PolicyModel:

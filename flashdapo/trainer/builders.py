@@ -11,7 +11,8 @@ from ..config import Config, engine_spec
 from ..distributed.mesh import DistEnv
 from ..models.loading import load_sharded_policy
 from ..models.model_dir import check_model_dir
-from ..models.policy import PolicyModel, parallelize
+from ..models.parallelize import parallelize
+from ..models.policy import PolicyModel
 from ..preflight import check_model
 from ..rollout import RolloutEngine
 from ..rollout.factory import build_engine, world_group

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from flashdapo.config import merge, toy
 from flashdapo.distributed.mesh import init_distributed, shutdown
-from flashdapo.models.policy import PolicyModel, parallelize
+from flashdapo.models.parallelize import parallelize
+from flashdapo.models.policy import PolicyModel
 from flashdapo.plan.shapes import builtin_shape
 from flashdapo.tasks.toy import build_toy_model
 from flashdapo.trainer.batch import Group, build_train_batch

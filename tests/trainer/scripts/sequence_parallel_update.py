@@ -18,7 +18,8 @@ import torch
 import flashdapo.trainer.update as update
 from flashdapo.config import merge, toy
 from flashdapo.distributed.mesh import init_distributed, shutdown
-from flashdapo.models.policy import PolicyModel, parallelize
+from flashdapo.models.parallelize import parallelize
+from flashdapo.models.policy import PolicyModel
 from flashdapo.models.weights import iter_full_state_dict
 from flashdapo.tasks.toy import build_toy_model
 from flashdapo.trainer.batch import Group, _first_fit_count, build_train_batch
