@@ -1,4 +1,5 @@
-"""Steps 5 and 7 of the DAPO walk: old log-probs, and the actor update over mini- and micro-batches.
+"""Steps 5 and 7 of one training step (docs/architecture.md, "One training step"): old log-probs, and the
+actor update over mini- and micro-batches.
 
 Each mini-batch is one optimizer step. Its loss is the sum of the clipped surrogate over every valid
 response token of the mini-batch, each divided by its normalizer under `algorithm.loss_agg_mode` (by

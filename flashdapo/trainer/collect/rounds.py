@@ -1,4 +1,5 @@
-"""Steps 1-4 of the DAPO walk: sample prompts, roll out, score, and dynamic sampling.
+"""Steps 1-4 of one training step (docs/architecture.md, "One training step"): sample prompts, roll out,
+score, and dynamic sampling.
 
 Dynamic sampling is decided globally: every rank generates for its shard of `gen_batch` prompts,
 keeps its informative groups (their `algorithm.filter_metric` values not all equal), and the kept

@@ -1,4 +1,5 @@
-"""Streaming dynamic sampling (rollout.streaming): steps 1-4 of the DAPO walk without waiting for the tail.
+"""Streaming dynamic sampling (rollout.streaming): steps 1-4 of a training step
+(docs/architecture.md, "One training step") without waiting for the tail.
 
 The choices, before the code:
 
