@@ -21,6 +21,7 @@ from ..distributed.mesh import DistEnv, init_distributed
 from ..distributed.roles import Liveness
 from ..models.policy import PolicyModel
 from ..models.weights import iter_full_state_dict
+from ..plan.launch import check_launch_memory
 from ..preflight import check_launch, resolve_auto
 from ..profiling import StepProfiler
 from ..reward import RANDOM_VERIFIER, RandomReward, Verifier, get_verifier, judging_verifier
@@ -173,6 +174,9 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
     plan, run = None, None
     try:
         checkpoint()
+        # On GPUs, what `flashdapo plan` would refuse for memory is refused here, before anything is built.
+        check_launch_memory(cfg, env.world_size, torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
+                            else None)
         plan = agree_on_start(cfg, env, run_dir, log)
         attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
