@@ -6,7 +6,7 @@ do. The CLI prints it as one line, `flashdapo: error: <message>`, and exits with
 `ConfigError`, with 2); `--debug` or `FLASHDAPO_DEBUG=1` shows the traceback instead. A full or read-only
 disk, or a file the user may not access (OSError with a file name), is reported the same way, a denied
 permission named as such, and so is a warning raised as an error (`python -W error`, or flashdapo's own
-under logging.warnings_as_errors: flashdapo/warning_lines.py). Anything else is a bug: its traceback is shown.
+under logging.warnings_as_errors: flashdapo/tools/warning_lines.py). Anything else is a bug: its traceback is shown.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checks before any work: the launch (devices, optional packages, batch sizes vs ranks) and the model and
 tokenizer (from config.json and the tokenizer files, before the weights load). Used by `flashdapo train`
-(trainer/run.py) and `flashdapo eval` (eval/command.py).
+(trainer/setup.py) and `flashdapo eval` (eval/command.py).
 
 Each failure is one line naming the field or file and what to do: a launch setting is a `ConfigError`
 (`flashdapo: config error: ...`), a model directory that cannot serve the run a `ModelDirError`. What the
@@ -118,7 +118,7 @@ def check_batch_layout(cfg: Config, world_size: int, generating: bool = True) ->
     of gen_batch); training over the data-parallel slots, world_size / sequence_parallel of them (the sp ranks
     of a slot train on the same responses). A step trains a multiple of the slots' number of groups, so
     train_batch must divide by the slots; each mini-batch's responses (not whole groups) are dealt to the
-    slots (trainer/dealing.py), so a mini-batch needs only as many responses as there are slots, one each."""
+    slots (trainer/collect/dealing.py), so a mini-batch needs only as many responses as there are slots, one each."""
     tc = cfg.trainer
     sp = tc.sequence_parallel
     if world_size % sp:

@@ -100,7 +100,7 @@ def arm_index(name: str) -> int:
 # The mechanism panels (the default of `flashdapo ablate`; docs/ablation.md).
 #
 # Each panel runs where its mechanism has something to act on: a control arm and one or more treatment arms, each
-# treatment differing from the control in exactly one config field (tests/test_ablate_arms.py checks it on the
+# treatment differing from the control in exactly one config field (tests/ablation/test_arms.py checks it on the
 # built configs), every arm run for the same seeds (a seed fixes the data order and the sampling seeds, so arm A
 # and arm B of seed s see the same prompts in the same order and draw from the same random streams). Each panel
 # is judged by ONE metric, a function of a run's metrics history fixed here before any run; the report gives the

@@ -3,7 +3,7 @@ two-sided paired t-test p-value, and Holm's correction across the panels' compar
 
 scipy is not a dependency, so the t distribution is computed here: its CDF through the regularized incomplete
 beta function (continued fraction, modified Lentz), its quantile by bisection on that CDF.
-tests/test_ablate_stats.py checks both against tabulated values and a textbook paired test.
+tests/ablation/test_stats.py checks both against tabulated values and a textbook paired test.
 """
 
 from __future__ import annotations

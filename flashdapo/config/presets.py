@@ -104,7 +104,7 @@ PRESET_CLUSTERS: dict[str, tuple[Cluster, ...]] = {
     "qwen2.5-7b-math": (Cluster(1, 8), Cluster(16, 8)),  # 16 x 8: 128 slots, 2 responses each per mini-batch
     "qwen2.5-32b-dapo": (Cluster(16, 8), Cluster(8, 8)),  # the released recipe: 16 nodes x 8 GPUs
 }
-"""The launches each preset is documented for (README, docs/plan.md); the first is `flashdapo plan`'s default.
+"""The launches each preset is documented for (docs/usage.md, docs/plan.md); the first is `flashdapo plan`'s default.
 tests/test_preflight.py checks every preset's launch at each of them."""
 
 

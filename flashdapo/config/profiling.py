@@ -12,7 +12,7 @@ from .checks import Check, Positive, Section
 @dataclass
 class ProfileConfig(Section):
     """torch.profiler traces and a table of time per stage for chosen training steps (docs/gpu.md,
-    "Profiling"). Off (no steps) it makes no profiler object and adds no range."""
+    "Profiling training steps"). Off (no steps) it makes no profiler object and adds no range."""
 
     steps: Annotated[list[int], Check(lambda s: all(x >= 1 for x in s), "steps >= 1")] = field(default_factory=list)
     """Training steps to profile (e.g. 5 6); empty: off. Each profiled step writes, per profiled rank,

@@ -106,7 +106,7 @@ class CheckpointConfig(Section):
     none); a path resumes from that checkpoint."""
     allow_changes: list[str] = field(default_factory=list)
     """Settings a resume may change from the checkpoint's (field paths such as optim.lr or
-    data.train_files, or a section such as optim; see flashdapo/trainer/run_settings.py for what is
+    data.train_files, or a section such as optim; see flashdapo/trainer/state/run_settings.py for what is
     recorded). A resume with any other change is refused, naming each field old -> new; an accepted change
     is logged and recorded in run.json, and a changed optim.lr is the rate the resumed optimizer uses."""
     export_hf: bool = True
@@ -146,7 +146,7 @@ class LoggingConfig(Section):
     probe_every: NonNegative = 5
     """Every N steps (and before training, with trainer.val_before_train) measure the
     policy on the probe set: probe/entropy and probe/top1_prob, the mean entropy and top-1 probability over
-    fixed teacher-forced responses (trainer/probe.py; 0: never)."""
+    fixed teacher-forced responses (trainer/observe/probe.py; 0: never)."""
     probe_prompts: Positive = 32
     """Prompts of the probe set: the first this many distinct validation prompts (training prompts when the
     run has no validation set), each with the response 'Answer: <reference answer>'."""

@@ -13,7 +13,7 @@ from typing import Protocol
 
 
 class StageClock(Protocol):
-    """What the heartbeat reads of a step's stage timer (trainer/metrics.py's StageTimer): the stages running
+    """What the heartbeat reads of a step's stage timer (profiling/stages.py's StageTimer): the stages running
     now with their start times, outermost first, and the seconds of the finished ones."""
 
     running: list[tuple[str, float]]

@@ -108,7 +108,7 @@ def token_probe_stats(
 def fused_loss_default(impl: str, device: torch.device) -> bool:
     """Whether a training loss should run through `fused_token_loss` rather than token_logprobs + loss, without
     knowing the GPU: the fused sweep (6 NHV) on a CPU, where it is measured faster (bench/results/NOTES.md);
-    the generic path on CUDA. The trainer picks per GPU from the cost model (trainer/lm_head_choice.py) and
+    the generic path on CUDA. The trainer picks per GPU from the cost model (kernels/lm_head_choice.py) and
     falls back to this for a GPU the model does not know. naive has no fused form.
     """
     return device.type != "cuda" and resolve_impl(impl, device) in CHUNKED_IMPLS

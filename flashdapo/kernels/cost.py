@@ -11,7 +11,7 @@ model"); the chunk sizes are the drivers' own (chunked.plan_chunks, fused.fused_
 
 `Rates()` are an H200's (GEMM 740 TFLOP/s: an assumption of 94% of the ~790 measured on a random 8192^3
 bf16 matmul; 3.4 TB/s streaming, 80% of the ~4.3 TB/s copy rate; fp32 GEMMs without TF32 60 TFLOP/s);
-`Rates.scaled` carries the same fractions to another GPU's datasheet figures (flashdapo/plan/gpus.py).
+`Rates.scaled` carries the same fractions to another GPU's datasheet figures (flashdapo/kernels/gpus.py).
 Used by `bench/kernel_model.py`, `flashdapo plan` and the trainer's choice of design (`lm_head_choice.py`).
 """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -41,8 +41,6 @@ class Family:
     vLLM's: the push check hooks them to name where the two forwards part."""
     config_keys: tuple[str, ...] = ()
     """Config fields beyond COMMON_CONFIG_KEYS that decide the parameters' shapes (resume compares them)."""
-    notes: tuple[str, ...] = field(default=())
-    """What was run for this family (the README's table says it per family)."""
 
 
 COMMON_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -182,7 +182,7 @@ class PolicyModel(nn.Module):
 
     def fused_loss(self, device: torch.device) -> bool:
         """Whether the update should pass its loss to forward (the fused sweep) on `device`: the kernel cost
-        model's choice for this GPU (trainer/lm_head_choice.py), the fused sweep on a CPU."""
+        model's choice for this GPU (kernels/lm_head_choice.py), the fused sweep on a CPU."""
         if str(device) not in self._fused:
             vocab, hidden = self.lm_head_weight().shape
             self._fused[str(device)] = use_fused_loss(self.kernel_impl, device, self.micro_batch_tokens, hidden, vocab)

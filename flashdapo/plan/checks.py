@@ -4,7 +4,7 @@ own functions (a plan cannot pass where the launch would refuse), and the fit of
 Run here: the batch layout over ranks and data-parallel slots (preflight.check_layout); the model's
 config.json (preflight.check_model_config: architecture, positions for prompt + response), and with the
 checkpoint directory on this machine also its files and tokenizer (model_dir.check_model_dir,
-preflight.check_model, as trainer/run.py does); the sequence-parallel head rule (trainer/ulysses.py
+preflight.check_model, as trainer/setup.py does); the sequence-parallel head rule (models/ulysses.py
 check_heads); vLLM's tensor-parallel head rule. Not run: what the nodes themselves must have
 (preflight.check_machine: CUDA, vLLM, flash-attn, wandb), and the data files when they are not here.
 """

@@ -1,6 +1,6 @@
 """The built-in toy task, everything the default preset needs without a download: small-integer
 arithmetic posed as a math problem, a tokenizer trained on it, a tiny Qwen2-style model, and the
-demonstrations of the supervised warm-up (trainer/warmup.py) that makes it the "base model" DAPO starts from.
+demonstrations of the supervised warm-up (tasks/warmup.py) that makes it the "base model" DAPO starts from.
 
 Choices, stated first:
 - A problem is "Compute 7+12. End with Answer: N" (the format is `data.toy.prompt_format`); its ground

@@ -121,7 +121,7 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                    carried: Sequence[Group] = (), deal=None) -> Collected:
     """Generate rounds until train_batch informative groups are kept (globally), then deal them out.
     `keep_generated` also returns every generated group (Collected.generated). Split placement
-    (`split_rollout.py`): `carried`, this rank's informative groups kept past the last batch's target, first
+    (trainer/split/rollout_side.py): `carried`, this rank's informative groups kept past the last batch's target, first
     in line (round 0); no round runs when they already fill train_batch; `deal` replaces `deal_kept`."""
     tc, algo = cfg.trainer, cfg.algorithm
     kept_per_round: list[list[Group]] = [list(carried)] if carried else []
