@@ -12,7 +12,12 @@ that would start past it is reported as skipped; one that fails is reported and 
    Cross-Entropy when importable; forward and backward timed apart (CUDA events, one warm-up, median of
    5 and spread), peak extra memory and workspace (peak minus the gradients dh and dW);
 4. a torch.profiler breakdown of one 7B step of generic and of fused: GEMM vs Triton vs other;
-5. `pytest -m cuda` in a subprocess with a timeout (no plugin the GPU image lacks).
+5. the toy training run (the README's demo, torch engine) for 40 steps on the GPU: s/step, validation;
+6. `pytest -m cuda` in a subprocess with a timeout (no plugin the GPU image lacks), one row per test module:
+   passed, failed, or not collected (and why: a module needing vLLM on an image without it).
+
+This file and everything it imports need only torch, triton, transformers, numpy, safetensors and pytest
+(the GPU image has no tyro, vLLM, flash-attn or Liger); the toy run's subprocess also needs pyarrow and pyyaml.
 
   python bench/gpu_check.py [--out DIR] [--budget-s 290]
   python bench/gpu_check.py --dry-run   # CPU, tiny shapes, impl="torch": the same plumbing (in the tests)
@@ -368,26 +373,99 @@ def profile_step(report: Report, device: str, shape) -> None:
     _free(device)
 
 
-# ------------------------------------------------------------------------------ 5. tests
+# ------------------------------------------------------------------------------ 5. the toy training run
+TOY_RUN = """
+import json, sys, time
+from pathlib import Path
+from flashdapo.config import merge, preset
+from flashdapo.trainer.loop import train
+steps, device, run_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+cfg = merge(preset("toy"), {"trainer": {"total_steps": steps, "device": device, "val_every": steps},
+                            "checkpoint": {"save_every": 0, "export_hf": False},
+                            "logging": {"run_dir": str(run_dir), "plot": False, "progress": False,
+                                        "move_old_run": True}})
+began = time.perf_counter()
+train(cfg)
+print(json.dumps({"wall_s": time.perf_counter() - began}))
+"""
+
+
+def toy_training(report: Report, device: str, dry: bool) -> None:
+    """DAPO on the toy task (the README's demo, torch engine) on this device, in a subprocess: s/step and the
+    last validation. Needs the trainer's own packages (pyarrow, pyyaml), not the command line's (tyro)."""
+    report.section("train", ["status", "steps", "s/step", "val mean@k", "seconds"])
+    steps = 2 if dry else 40
+    run_dir = report.out / "toy-run"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", TOY_RUN, str(steps), device, str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=max(10, int(report.left() - 40)))
+    (report.out / "train.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        report.row("train", status=f"failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}",
+                   steps=steps, seconds=round(time.monotonic() - t0))
+        return
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in history if m.get("step", 0) > 0 and "timing_s/step" in m]
+    val = next((m[k] for m in reversed(history) for k in m if k.startswith("val/") and "mean@" in k), "")
+    report.row("train", status="ok", steps=len(trained), seconds=round(time.monotonic() - t0),
+               **{"s/step": statistics.median(m["timing_s/step"] for m in trained), "val mean@k": val})
+
+
+# ------------------------------------------------------------------------------ 6. tests
 def cuda_tests(report: Report, dry: bool) -> None:
-    report.section("pytest -m cuda", ["status", "seconds", "summary"])
+    """`pytest -m cuda`, one row per test module: passed / failed / skipped counts, or not collected and why
+    (a module needing vLLM fails to collect on an image without it: that is said, not counted as a failure)."""
+    report.section("pytest -m cuda", ["module", "status", "passed", "failed", "skipped", "summary"])
     timeout = max(10, int(report.left() - 10))
+    xml = report.out / "pytest_cuda.xml"
     args = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
-            "--continue-on-collection-errors", "tests/kernels" if dry else "tests"]
-    if dry:
-        args.append("--collect-only")  # the plumbing only: there is no GPU to run the cases on
-    log = report.out / "pytest_cuda.log"
+            "--continue-on-collection-errors", f"--junitxml={xml}", "tests/kernels" if dry else "tests"]
+    log = report.out / "pytest_cuda.log"  # dry run: tests/kernels alone, whose CUDA cases skip without a GPU
     t0 = time.monotonic()
     try:
         with log.open("w") as f:
             rc = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        status = "ok" if rc == 0 else f"failed (rc {rc})"
     except subprocess.TimeoutExpired:
-        status = f"timeout ({timeout} s)"
+        report.row("tests", module="(all)", status=f"timeout ({timeout} s)", summary="see pytest_cuda.log")
+        return
     lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
     summary = next((ln for ln in reversed(lines) if any(k in ln for k in ("passed", "failed", "error", "selected",
                                                                           "no tests"))), "see pytest_cuda.log")
-    report.row("tests", status=status, seconds=round(time.monotonic() - t0), summary=summary.strip("= "))
+    modules = per_module(xml) if xml.exists() else {}
+    for module, counts in sorted(modules.items()):
+        report.row("tests", module=module, **counts)
+    failed = [m for m, c in modules.items() if c["status"] == "failed"]
+    status = "ok" if not failed and rc in (0, 1, 5) else f"failed (rc {rc})" if not failed else "failed"
+    report.row("tests", module="(all)", status=status, seconds=round(time.monotonic() - t0),
+               summary=summary.strip("= "))
+
+
+def per_module(xml: Path) -> dict[str, dict]:
+    """{test module: {status, passed, failed, skipped, summary}} from pytest's JUnit XML. A module whose
+    collection failed has one error case naming it: 'not collected' with the error's first line."""
+    import xml.etree.ElementTree as ET
+
+    out: dict[str, dict] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        classname = case.get("classname") or case.get("name") or "?"
+        module = classname if not case.get("classname") else ".".join(
+            p for p in classname.split(".") if not p[:1].isupper())
+        row = out.setdefault(module, {"status": "passed", "passed": 0, "failed": 0, "skipped": 0, "summary": ""})
+        error, failure, skipped = case.find("error"), case.find("failure"), case.find("skipped")
+        if error is not None and "collection failure" in (error.get("message") or ""):
+            first = (error.text or "").strip().splitlines()
+            row.update(status="not collected", summary=(first[-1] if first else "")[:200])
+        elif error is not None or failure is not None:
+            row["failed"] += 1
+            row["status"] = "failed"
+        elif skipped is not None:
+            row["skipped"] += 1
+        else:
+            row["passed"] += 1
+    for row in out.values():  # every case skipped (no GPU, a missing package): say so, not "passed"
+        if row["status"] == "passed" and not row["passed"] and row["skipped"]:
+            row["status"] = "skipped"
+    return out
 
 
 # ------------------------------------------------------------------------------ main
@@ -410,6 +488,7 @@ def main(argv=None) -> int:
     run_section(report, "model", 0, lambda: model_with_rates(report, rates, shapes))
     run_section(report, "providers", 40, lambda: providers(report, device, shapes))
     run_section(report, "profile", 20, lambda: profile_step(report, device, shapes[0]))
+    run_section(report, "train", 60, lambda: toy_training(report, device, args.dry_run))
     run_section(report, "tests", 30, lambda: cuda_tests(report, args.dry_run))
     print(f"\nrows: {report.jsonl}\ntables: {report.md}", flush=True)
     return 0

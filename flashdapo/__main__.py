@@ -1,7 +1,8 @@
 """The flashdapo command line: `flashdapo train | config | plan | eval | generate | ablate`.
 
 `train` and `config` take `--preset NAME` and `--config FILE`, then overrides of any config field
-(`--trainer.total-steps 10`); tyro derives those flags and their help from `flashdapo.config`.
+(`--trainer.total-steps 10`); their flags and help come from `flashdapo.config`. Every command reads its
+options with the one parser of config/cli.py (the same bool words, the same one-line refusals).
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ import os
 import sys
 
 # Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning, so that a busy
-# CPU does not stall every operator (flashdapo/threads.py). A value in the environment wins.
+# CPU does not stall every operator (flashdapo/tools/threads.py). A value in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import tyro  # noqa: E402
-
 from . import __version__  # noqa: E402
-from .config import CLI_REGISTRY, DEFAULT_PRESET, PRESETS, Config, ConfigError, starting_point
+from .config import DEFAULT_PRESET, PRESETS, ConfigError  # noqa: E402
+from .config.cli import resolve_config  # noqa: E402
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
 from .tools.warning_lines import showing_warnings  # noqa: E402
 
@@ -34,19 +34,11 @@ presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo t
     "--debug (or FLASHDAPO_DEBUG=1) shows the traceback of an error."
 
 
-def resolve_config(argv: list[str], prog: str) -> Config:
-    """Preset, then config file, then command-line overrides (tyro) -> a validated Config."""
-    base, rest, start = starting_point(argv, DEFAULT_PRESET)
-    description = (f"{Config.__doc__}\n\nStarting point: {start} (presets: {', '.join(PRESETS)}; --preset NAME, "
-                   "--config FILE). Defaults below are that start.")
-    return tyro.cli(Config, default=base, args=rest, prog=prog, description=description,
-                    config=(tyro.conf.FlagConversionOff,), registry=CLI_REGISTRY)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run a command; an error the user can fix prints one line (`flashdapo: error: ...`, status 1; config
-    errors: status 2) unless `--debug` or FLASHDAPO_DEBUG=1 asks for the traceback (flashdapo/errors.py).
-    flashdapo's warnings print one line each, `flashdapo: warning: ...` (flashdapo/warning_lines.py)."""
+    errors: status 2) unless `--debug` or FLASHDAPO_DEBUG=1 asks for the traceback (flashdapo/errors.py); a
+    command line its parser cannot read, one line and SystemExit(2) (config/cli.py). flashdapo's warnings
+    print one line each, `flashdapo: warning: ...` (flashdapo/tools/warning_lines.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in argv:
         argv = [a for a in argv if a != "--debug"]

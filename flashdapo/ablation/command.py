@@ -3,13 +3,15 @@ OPTIONS]`: the options of AblateOptions, then any `flashdapo train` option (--pr
 
 from __future__ import annotations
 
-import tyro
-
 from ..config import PRESETS, Config, starting_point
 from .options import DEFAULT_ABLATION_PRESET, AblateOptions
 from .panel_runner import run_panels
 from .records import ArmRun, PanelRun
 from .runner import run_ablation
+
+SWITCHES = ("--quick", "--ladder")
+"""Options that may stand alone (`--quick` = `--quick true`); every other boolean takes its value, as in
+`flashdapo train`."""
 
 
 def parse_ablate_args(argv: list[str]) -> tuple[AblateOptions, Config]:
@@ -18,32 +20,18 @@ def parse_ablate_args(argv: list[str]) -> tuple[AblateOptions, Config]:
     return opts, config
 
 
-SWITCHES = ("--quick", "--ladder")
-"""Options that may stand alone (`--quick` = `--quick True`); every other boolean takes its value, as in
-`flashdapo train`."""
-
-
-def bare_switches(argv: list[str]) -> list[str]:
-    """argv with a value after each SWITCHES option given without one."""
-    out = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        following = argv[i + 1] if i + 1 < len(argv) else ""
-        if arg in SWITCHES and following.lower() not in ("true", "false"):
-            out.append("True")
-    return out
-
-
 def parse_ablate_command(argv: list[str]) -> tuple[AblateOptions, Config, Config]:
     """(options, the base training config, its starting point: the preset and config file before the command
-    line's fields)."""
-    base, rest, start = starting_point(bare_switches(argv), DEFAULT_ABLATION_PRESET)
+    line's fields). Both are read by the parser of every command (config/cli.py): AblateOptions first, the
+    arguments it does not know then as `flashdapo train`'s."""
+    from ..config.cli import parse  # the command line alone needs tyro
+
+    base, rest, start = starting_point(argv, DEFAULT_ABLATION_PRESET)
     description = (f"{AblateOptions.__doc__}\n\nBase config: {start} (presets: {', '.join(PRESETS)}). Every "
                    "`flashdapo train --help` field is accepted after these options.")
-    opts, unknown = tyro.cli(AblateOptions, args=rest, prog="flashdapo ablate", description=description,
-                             return_unknown_args=True, config=(tyro.conf.FlagConversionOff,))
-    config = tyro.cli(Config, default=base, args=unknown, prog="flashdapo ablate",
-                      config=(tyro.conf.FlagConversionOff,))
+    opts, unknown = parse(AblateOptions, rest, prog="flashdapo ablate", description=description, known_only=True,
+                          switches=SWITCHES)
+    config = parse(Config, unknown, prog="flashdapo ablate", default=base)
     return opts, config, base
 
 

@@ -3,60 +3,49 @@ as the command line: a section must be a mapping, a key given twice (two `optim:
 naming both lines, unknown keys are named, and every leaf goes through the same type and range checks as
 a CLI value (checks.py). Errors are one line naming the file and field.
 
-Also the command line's reading of booleans (`CLI_REGISTRY`): `true`/`false` as the docs and YAML write
-them, `True`/`False` as Python does, and `1`/`0`.
+yaml is imported when a file is read, not with the config tree: the GPU machines' image has no yaml.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import typing
 from pathlib import Path
 from typing import Any
 
-import tyro
-import yaml
-
 from .checks import ConfigError, field_spec, optional_inner, section_type
 
-BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
-"""What the command line accepts for a bool field (case-insensitive): the docs write `true`/`false`."""
 
-CLI_REGISTRY = tyro.constructors.ConstructorRegistry()
-"""tyro rules for the flashdapo command lines (`flashdapo train|config|eval`)."""
+@functools.cache
+def _strict_loader() -> tuple[type, type]:
+    """(a yaml.SafeLoader that refuses a key given twice in one mapping, the error it raises), built on first
+    use so that yaml is imported only when a file is read."""
+    import yaml
 
+    class DuplicateKey(yaml.constructor.ConstructorError):
+        """A mapping holds the same key twice (PyYAML would silently keep the last)."""
 
-@CLI_REGISTRY.primitive_rule
-def _bool_rule(type_info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.PrimitiveConstructorSpec | None:
-    if type_info.type is not bool:
-        return None
-    return tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="{true,false}", instance_from_str=lambda args: BOOL_WORDS[args[0].lower()],
-        choices=tuple(dict.fromkeys(w for word in BOOL_WORDS for w in (word, word.capitalize(), word.upper()))),
-        is_instance=lambda x: isinstance(x, bool), str_from_instance=lambda instance: [str(instance).lower()])
+    class StrictLoader(yaml.SafeLoader):
+        """yaml.SafeLoader that refuses a key given twice in one mapping."""
 
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = first_line.get(key)
+                except TypeError:  # an unhashable key: the base class names it
+                    break
+                if earlier is not None:
+                    raise DuplicateKey(None, None, f"key {key!r} appears twice (first at line {earlier + 1}); "
+                                       "keep one", key_node.start_mark)
+                first_line[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep)
 
-class _DuplicateKey(yaml.constructor.ConstructorError):
-    """A mapping holds the same key twice (PyYAML would silently keep the last)."""
+    return StrictLoader, DuplicateKey
 
-
-class _StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                earlier = first_line.get(key)
-            except TypeError:  # an unhashable key: the base class names it
-                break
-            if earlier is not None:
-                raise _DuplicateKey(None, None, f"key {key!r} appears twice (first at line {earlier + 1}); keep one",
-                                    key_node.start_mark)
-            first_line[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
 
 # PyYAML reads YAML 1.1, where a float needs a dot: `lr: 1e-6` arrives as the string '1e-6'. Such a
 # string is a number on the command line, so it is one here too; 'inf', 'nan' or 'ten' are not.
@@ -112,9 +101,12 @@ def load_file(path: str | Path, base: Any) -> Any:
     except UnicodeDecodeError as err:
         raise ConfigError(f"--config {path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
                           f"{err.start})") from err
+    import yaml
+
+    loader, duplicate_key = _strict_loader()
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
-    except _DuplicateKey as err:
+        data = yaml.load(text, Loader=loader)  # noqa: S506 (a SafeLoader)
+    except duplicate_key as err:
         raise ConfigError(f"--config {path}: line {err.problem_mark.line + 1}: {err.problem}") from err
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)

@@ -14,8 +14,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from .checks import Rule, Section, register_tree
 from .engines import engine_spec
 from .inputs import DataConfig, ModelConfig, ScratchpadTaskConfig, ToyModelConfig, ToyTaskConfig
@@ -61,6 +59,8 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         """The tree as YAML, loadable with `--config`."""
+        import yaml  # here, not at import: the GPU check's image has no yaml and never writes a config
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 

@@ -7,7 +7,7 @@ checked before the model is loaded.
 
 Under torchrun every rank loads the whole model (torch engine: a plain replica per device, no
 collectives inside generate) or its tensor-parallel part (vLLM, `--tensor-parallel-size`), samples its
-share of the prompts (evaluate.py), and rank 0 gathers the results, appends them to OUT/samples.jsonl,
+share of the prompts (eval/sampling.py), and rank 0 gathers the results, appends them to OUT/samples.jsonl,
 writes OUT/metrics.json (eval/store.py) and prints a table per data source. A plain `flashdapo eval`
 is the same with one rank.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -34,7 +34,7 @@ from ..config import (
 from ..config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
 from ..data import load_eval_prompts
 from ..distributed.failfast import FailFast
-from ..distributed.mesh import DistEnv, init_distributed, shutdown
+from ..distributed.mesh import DistEnv, init_distributed
 from ..models.model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from ..rollout.factory import build_engine, world_group
@@ -68,7 +68,7 @@ def _are_files(paths: list[str]) -> bool:
 def tree_options(base: Config, options: dict[str, str]) -> list[tuple[str, Any, Any]]:
     """(name, annotated type, field) of each option standing for a config field (`options`: name -> field
     path): the field's type, checks and help, `base`'s value as the default."""
-    import tyro
+    from ..config.cli import option  # the command line alone needs tyro
 
     fields = []
     for name, path in options.items():
@@ -76,37 +76,37 @@ def tree_options(base: Config, options: dict[str, str]) -> list[tuple[str, Any, 
         section = operator.attrgetter(section_path)(base)
         tp, checks = field_spec(type(section), leaf)
         help_text = " ".join(field_docs(type(section))[leaf].split()) + f" (config field {path})"
-        fields.append((name, Annotated[(tp, *checks, tyro.conf.arg(help=help_text))],
-                       dataclasses.field(default=getattr(section, leaf))))
+        fields.append((name, option(tp, help_text, *checks), dataclasses.field(default=getattr(section, leaf))))
     return fields
 
 
 def eval_args_class(base: Config) -> type:
     """The dataclass tyro parses `flashdapo eval` into: --model, --data, then the OPTIONS with `base`'s values
     as defaults. Building it checks every option (types and ranges of the tree, files, CUDA)."""
-    import tyro
+    from ..config.cli import option  # the command line alone needs tyro
 
     fields: list[tuple[str, Any, Any]] = [
-        ("model", Annotated[str, Check(lambda p: Path(p).is_dir(), "an existing directory"),
-                            tyro.conf.arg(help="Local HF model directory (e.g. a run's export/ folder).")], ...),
-        ("data", Annotated[list[str], Check(_are_files, "one or more existing .parquet or .jsonl files"),
-                           tyro.conf.arg(help="Evaluation files, e.g. aime-2024.parquet math500.parquet; metrics "
-                                              "are reported per data source (the data_source column, else the "
-                                              "file name) and pooled.")], ...),
-        ("out", Annotated[str, tyro.conf.arg(help="Output directory: samples.jsonl (appended per prompt; a rerun "
-                                                  "with the same OUT resumes) and metrics.json.")], ...),
-        ("prompts_per_call", Annotated[int, ge(0), tyro.conf.arg(
-            help="Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
-                 f"only on the seed and the prompt), {engine_spec('vllm').prompts_per_call} with vllm.")], 0),
-        ("progress", Annotated[bool, tyro.conf.arg(help="Show prompts done / total, tokens/s and the ETA.")], True),
-        ("fsdp", Annotated[bool, tyro.conf.arg(
-            help="torch engine: shard the model over the ranks with FSDP2 as in training (rank 0 reads the "
-                 "checkpoint; every forward gathers one block at a time), for a model that does not fit one "
-                 "device. Samples then depend on the rank count. Default: a whole replica per rank.")], False),
-        ("sources", Annotated[Literal["column", "file"], tyro.conf.arg(
-            help="What a data source is: 'column', the data_source column (the file name where it is absent), "
-                 "or 'file', the file name (the public AIME-2024 parquet says math_dapo, as the training set "
-                 "does).")], "column"),
+        ("model", option(str, "Local HF model directory (e.g. a run's export/ folder).",
+                         Check(lambda p: Path(p).is_dir(), "an existing directory")), ...),
+        ("data", option(list[str], "Evaluation files, e.g. aime-2024.parquet math500.parquet; metrics are reported "
+                                   "per data source (the data_source column, else the file name) and pooled.",
+                        Check(_are_files, "one or more existing .parquet or .jsonl files")), ...),
+        ("out", option(str, "Output directory: samples.jsonl (appended per prompt; a rerun with the same OUT "
+                            "resumes) and metrics.json."), ...),
+        ("prompts_per_call", option(
+            int, "Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
+                 f"only on the seed and the prompt), {engine_spec('vllm').prompts_per_call} with vllm.", ge(0)), 0),
+        ("progress", option(bool, "Show prompts done / total, tokens/s and the ETA (`--no-progress`: false)."),
+         True),
+        ("fsdp", option(
+            bool, "torch engine: shard the model over the ranks with FSDP2 as in training (rank 0 reads the "
+                  "checkpoint; every forward gathers one block at a time), for a model that does not fit one "
+                  "device. Samples then depend on the rank count. Default: a whole replica per rank (`--fsdp` "
+                  "alone: true)."), False),
+        ("sources", option(
+            Literal["column", "file"], "What a data source is: 'column', the data_source column (the file name "
+                                       "where it is absent), or 'file', the file name (the public AIME-2024 "
+                                       "parquet says math_dapo, as the training set does)."), "column"),
     ]
     fields += tree_options(base, OPTIONS)
     fields = [(n, t) if d is ... else (n, t, dataclasses.field(default=d) if not isinstance(d, dataclasses.Field)
@@ -121,14 +121,19 @@ def eval_args_class(base: Config) -> type:
     return cls
 
 
+EVAL_SWITCHES = ("--progress", "--fsdp")
+"""eval's bools that may stand alone (`--fsdp` = `--fsdp true`, `--no-progress` = `--progress false`)."""
+
+
 def eval_main(argv: list[str]) -> EvalReport:
-    """`flashdapo eval`: check the options, then evaluate (`run_eval`)."""
-    import tyro
+    """`flashdapo eval`: check the options (the parser of every command, config/cli.py), then evaluate
+    (`run_eval`)."""
+    from ..config.cli import parse  # the command line alone needs tyro
 
     base, rest, start = starting_point(argv, None)
     cls = eval_args_class(base)
-    args = tyro.cli(cls, args=rest, prog="flashdapo eval",
-                    description=f"{cls.__doc__}\n\nDefaults: {start} (--preset NAME, --config FILE).")
+    args = parse(cls, rest, prog="flashdapo eval", switches=EVAL_SWITCHES,
+                 description=f"{cls.__doc__}\n\nDefaults: {start} (--preset NAME, --config FILE).")
     from ..reward import RANDOM_VERIFIER
 
     if args.verifier == RANDOM_VERIFIER:  # a training control, not a judge of answers
@@ -223,12 +228,10 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
             print(f"flashdapo eval: per-prompt samples in {Path(args.out) / 'samples.jsonl'}; metrics (pass@j and "
                   f"maj@j for every j) in {Path(args.out) / 'metrics.json'}", flush=True)
     except BaseException as err:
-        failfast.fail(err)
-        shutdown(synchronize=False)
+        failfast.end(err)
         raise
     finally:
         if log is not None:
             log.close()
-    failfast.close()
-    shutdown()
+    failfast.end(None)
     return report

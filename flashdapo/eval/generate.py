@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 from ..config import Config, ConfigError, DataConfig, engine_spec, starting_point
 from ..config.checks import Check, Rule, Section, field_path, ge, register_tree
@@ -42,11 +42,8 @@ def _data_file(path: str) -> bool:
 
 
 def generate_args_class(base: Config) -> type:
-    """The dataclass tyro parses `flashdapo generate` into; building it checks every option."""
-    import tyro
-
-    def opt(tp, help_text: str, *checks):
-        return Annotated[(tp, *checks, tyro.conf.arg(help=help_text))]
+    """The dataclass the command line parses `flashdapo generate` into; building it checks every option."""
+    from ..config.cli import option as opt  # the command line alone needs tyro
 
     fields: list[tuple[str, Any, Any]] = [
         ("model", opt(str, "Local HF model directory (e.g. a run's export/ folder).",
@@ -58,8 +55,8 @@ def generate_args_class(base: Config) -> type:
         ("data", opt(str, "A .parquet or .jsonl file in the DAPO-Math-17k schema (or {problem, answer} rows).",
                      Check(_data_file, "an existing .parquet or .jsonl file")), ""),
         ("limit", opt(int, "With --data: its first N prompts (0: all).", ge(0)), 0),
-        ("examples", opt(bool, "A few math problems in the DAPO format, with their answers (eval/examples.py)."),
-         False),
+        ("examples", opt(bool, "A few math problems in the DAPO format, with their answers (eval/examples.py; "
+                               "`--examples` alone: true)."), False),
         ("n", opt(int, "Responses per prompt.", ge(1)), 4),
         ("out", opt(str, "Also write the responses to this .jsonl file (one prompt per line, as eval's "
                          "samples.jsonl)."), ""),
@@ -75,13 +72,14 @@ def generate_args_class(base: Config) -> type:
 
 
 def generate_main(argv: list[str]) -> list[PromptResult]:
-    """`flashdapo generate`: check the options, then sample, print and write (`run_generate`)."""
-    import tyro
+    """`flashdapo generate`: check the options (the parser of every command, config/cli.py), then sample,
+    print and write (`run_generate`)."""
+    from ..config.cli import parse  # the command line alone needs tyro
 
     base, rest, start = starting_point(argv, None)
     cls = generate_args_class(base)
-    args = tyro.cli(cls, args=rest, prog="flashdapo generate",
-                    description=f"{cls.__doc__}\n\nDefaults: {start} (--preset NAME, --config FILE).")
+    args = parse(cls, rest, prog="flashdapo generate", switches=("--examples",),
+                 description=f"{cls.__doc__}\n\nDefaults: {start} (--preset NAME, --config FILE).")
     try:
         from ..reward import get_verifier
 

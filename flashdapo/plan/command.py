@@ -10,13 +10,15 @@ per node default to the preset's first documented cluster (config.PRESET_CLUSTER
 exit 1 with one line when the launch would be refused or does not fit.
 """
 
-from __future__ import annotations
-
-import argparse
+# No `from __future__ import annotations`: PlanOptions' checks must be objects, not strings the parser evaluates
+# in its own namespace (as in ablation/options.py).
 import dataclasses
 import sys
+from dataclasses import dataclass
+from typing import Annotated
 
-from ..config import DEFAULT_PRESET, PRESET_CLUSTERS, ConfigError
+from ..config import DEFAULT_PRESET, PRESET_CLUSTERS, Config, ConfigError
+from ..config.checks import Section, field_docs, ge, register_tree, within
 from ..config.presets import Cluster
 from ..errors import FlashdapoError
 from ..kernels.gpus import GPUS, gpu_named
@@ -28,37 +30,64 @@ from .shapes import BUILTIN_SHAPES, model_source
 from .step_time import Workload, step_time
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flashdapo plan", add_help=False)
-    p.add_argument("--preset", default=None)
-    p.add_argument("--nodes", type=int, default=None, help="nodes (torchrun --nnodes)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (torchrun --nproc-per-node)")
-    p.add_argument("--gpu", default="h20", help=f"one of {', '.join(sorted(GPUS))} (default h20)")
-    p.add_argument("--model-config", default=None, help="a config.json to plan for instead of model.path's")
-    p.add_argument("--model-shape", default=None, help=f"a built-in shape: {', '.join(BUILTIN_SHAPES)}")
-    p.add_argument("--mean-response-tokens", type=int, default=None,
-                   help="assumed mean response length (default: a fifth of rollout.max_response_length)")
-    p.add_argument("--mean-prompt-tokens", type=int, default=None,
-                   help="assumed mean prompt length (default: a eighth of data.max_prompt_length)")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization (default 0.4)")
-    return p
+@dataclass
+class PlanOptions(Section):
+    """The launch `flashdapo plan` models; every other argument is a `flashdapo train` option."""
+
+    preset: str = DEFAULT_PRESET
+    """The preset to start from (then --config FILE, then any --SECTION.FIELD VALUE)."""
+    nodes: Annotated[int, ge(0)] = 0
+    """Nodes (torchrun --nnodes); 0: the preset's first documented cluster's."""
+    gpus_per_node: Annotated[int, ge(0)] = 0
+    """GPUs per node (torchrun --nproc-per-node); 0: the preset's first documented cluster's."""
+    gpu: str = "h20"
+    """The GPU, by its name in the GPU table (kernels/gpus.py)."""
+    model_config: str = ""
+    """A config.json to plan for instead of model.path's."""
+    model_shape: str = ""
+    """A built-in shape (plan/shapes.py) to plan for instead of model.path's."""
+    mean_response_tokens: Annotated[int, ge(0)] = 0
+    """Assumed mean response length; 0: a fifth of rollout.max_response_length."""
+    mean_prompt_tokens: Annotated[int, ge(0)] = 0
+    """Assumed mean prompt length; 0: an eighth of data.max_prompt_length."""
+    mfu: Annotated[float, within(0, 1, "(]")] = 0.4
+    """Assumed model FLOPs utilization."""
+
+
+register_tree(PlanOptions, "plan.")
+
+
+def parse_plan_args(argv: list[str]) -> tuple[PlanOptions, Config]:
+    """(the plan's own options, the config resolved as `flashdapo train` resolves it from the other
+    arguments), both read by the parser of every command (config/cli.py)."""
+    from ..config.cli import parse, resolve_config  # the command line alone needs tyro
+
+    opts, rest = parse(PlanOptions, argv, prog="flashdapo plan", description=__doc__, known_only=True)
+    return opts, resolve_config([*rest, "--preset", opts.preset], "flashdapo plan")
+
+
+def plan_help() -> str:
+    """What `flashdapo plan --help` prints: the command, then its own options (the others: `flashdapo train
+    --help`)."""
+    docs = field_docs(PlanOptions)
+    known = {"gpu": f" Known: {', '.join(sorted(GPUS))}.", "model_shape": f" Known: {', '.join(BUILTIN_SHAPES)}."}
+    lines = [f"  --{f.name.replace('_', '-')} (default {f.default!r}): {' '.join(docs[f.name].split())}"
+             + known.get(f.name, "") for f in dataclasses.fields(PlanOptions)]
+    return "\n".join([__doc__.rstrip(), "", "options:", *lines])
 
 
 def plan_main(argv: list[str]) -> int:
     """Run `flashdapo plan`; returns the exit status."""
     if "-h" in argv or "--help" in argv:
-        print(__doc__)
+        print(plan_help())
         return 0
-    from ..__main__ import resolve_config
-
-    args, rest = _parser().parse_known_args(argv)
-    name = args.preset or DEFAULT_PRESET
-    cfg = resolve_config(rest + ["--preset", name], "flashdapo plan")
+    args, cfg = parse_plan_args(argv)
+    name = args.preset
     default = PRESET_CLUSTERS.get(name, (Cluster(1, 1),))[0]
     nodes, per_node = args.nodes or default.nodes, args.gpus_per_node or default.gpus_per_node
     try:
         gpu = gpu_named(args.gpu)
-        source = model_source(cfg, args.model_config, args.model_shape)
+        source = model_source(cfg, args.model_config or None, args.model_shape or None)
         shape = model_shape(build_meta_model(source, cfg), _name(cfg, source))
         world = nodes * per_node
         checks = launch_checks(cfg, world, source, shape)
@@ -94,4 +123,4 @@ def _config_file(argv: list[str]) -> str | None:
     return None
 
 
-__all__ = ["plan_main"]
+__all__ = ["PlanOptions", "parse_plan_args", "plan_help", "plan_main"]

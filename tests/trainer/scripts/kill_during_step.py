@@ -6,7 +6,7 @@ import signal
 import sys
 
 import flashdapo.trainer.loop as loop
-from flashdapo.__main__ import resolve_config
+from flashdapo.config.cli import resolve_config
 
 kill_step = int(sys.argv[1])
 real_update = loop.update_actor
