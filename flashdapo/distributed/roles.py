@@ -11,7 +11,8 @@ The choices, before the code:
   groups (no `dist.*` call takes them; their own `broadcast/send/recv` with their own ranks do):
   `ctl`, gloo over all W ranks in global rank order, for the batches; `weights`, trainer rank 0 plus every
   rollout rank (bridge rank 0 is trainer rank 0, bridge rank 1 + i is rollout rank i), gloo on CPU and NCCL
-  on GPU, for the weights.
+  on GPU, for the weights. NCCL takes tensors on the calling rank's own CUDA device only, so the bridges say
+  which device the weights bridge's tensors must be on (`Bridges.weights_device`): its users allocate there.
 - **Waits poll, never block in a collective.** A side that waits for the other (a batch, a weight version)
   polls a store key (`wait_key`) instead of sitting in a collective with a timeout, so a generation of any
   length trips nothing; the data moves only once the key says the sender is there. While it polls it reads
@@ -125,6 +126,9 @@ class Bridges:
     ctl: dist.ProcessGroup
     weights: dist.ProcessGroup | None
     """None on trainer ranks other than 0."""
+    weights_device: torch.device = torch.device("cpu")
+    """Where the weights bridge's tensors live: this rank's CUDA device when the bridge is NCCL, else the CPU.
+    A thread that uses the bridge must make it its current device first (a new thread starts on device 0)."""
     stale_s: float = 60.0
     poll_s: float = 0.02
 
@@ -177,7 +181,8 @@ class Bridges:
         return data.numpy().tobytes()
 
     def broadcast_weights(self, tensor: torch.Tensor) -> None:
-        """Trainer rank 0's `tensor` into every rollout rank's (same shape and dtype), over the weights bridge."""
+        """Trainer rank 0's `tensor` into every rollout rank's (same shape and dtype, on `weights_device`), over
+        the weights bridge."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.weights.broadcast([tensor], options).wait()
@@ -203,7 +208,9 @@ def connect_bridges(layout: Layout, global_rank: int, store: dist.Store, device:
     members = layout.weights_members
     weights = (_bridge_group(store, "bridge/weights", members.index(global_rank), len(members), device, timeout_s)
                if global_rank in members else None)
-    return Bridges(layout=layout, global_rank=global_rank, store=store, ctl=ctl, weights=weights, stale_s=stale_s)
+    weights_device = device if device.type == "cuda" else torch.device("cpu")  # NCCL: this rank's GPU
+    return Bridges(layout=layout, global_rank=global_rank, store=store, ctl=ctl, weights=weights,
+                   weights_device=weights_device, stale_s=stale_s)
 
 
 __all__ = ["Bridges", "Layout", "Liveness", "PeerHungError", "ROLES", "connect_bridges", "connect_store",

@@ -12,7 +12,16 @@ from ..errors import FlashdapoError
 from ..kernels.gpus import GPU
 from ..kernels.lm_head_choice import lm_head_design
 from .engine import EngineMemory, engine_memory
-from .memory import StateBytes, TrainSetup, Transients, peak_training_bytes, state_bytes, transients
+from .memory import (
+    StateBytes,
+    TrainSetup,
+    Transients,
+    peak_training_bytes,
+    rollout_ranks_per_node,
+    staged_weights_bytes,
+    state_bytes,
+    transients,
+)
 from .model import ModelShape
 
 GIB = 2**30
@@ -45,6 +54,10 @@ class MemoryPlan:
     best_tokens: int
     """The biggest trainer.micro_batch_tokens whose training phase fits (0: none)."""
     gpu: GPU
+    staged: int = 0
+    """Split placement: one rollout rank's staged weights in host memory (exact; 0 in co-located placement)."""
+    host_memory: int | None = None
+    """A node's host memory when the GPU table records it (`node_host_memory`), else None: not checked."""
 
     @property
     def resident(self) -> int:
@@ -70,8 +83,17 @@ def largest_micro_batch(cfg: Config) -> int:
     return max(cfg.trainer.micro_batch_tokens, -(-longest // cfg.trainer.sequence_parallel))
 
 
-def memory_plan(cfg: Config, world: int, shape: ModelShape, gpu: GPU, check: bool = True) -> MemoryPlan:
-    """The memory plan; with `check`, refusing (PlanError) a phase that does not fit."""
+def node_host_memory(gpu: GPU) -> int | None:
+    """A node's host memory in bytes when the GPU table records one for `gpu`'s nodes (a `host_memory_gib`
+    figure; kernels/gpus.py records none yet), else None."""
+    gib = getattr(gpu, "host_memory_gib", None)
+    return int(gib * GIB) if gib else None
+
+
+def memory_plan(cfg: Config, world: int, shape: ModelShape, gpu: GPU, check: bool = True,
+                gpus_per_node: int = 0) -> MemoryPlan:
+    """The memory plan; with `check`, refusing (PlanError) a phase that does not fit. `gpus_per_node` places
+    split placement's rollout ranks on nodes (0: all `world` ranks on one node, the most it can hold)."""
     tokens = largest_micro_batch(cfg)
     setup = train_setup(cfg, world, shape, gpu, tokens)
     state = state_bytes(shape, world)
@@ -84,9 +106,12 @@ def memory_plan(cfg: Config, world: int, shape: ModelShape, gpu: GPU, check: boo
     best = _best_tokens(shape, setup, gpu.memory_bytes - context - asleep)
     plan = MemoryPlan(state=state, setup=setup, tokens=tokens, transients=transients(shape, setup, tokens),
                       train_peak=peak, engine=engine, context=context, training_total=peak + asleep,
-                      generation_total=generation, best_tokens=best, gpu=gpu)
+                      generation_total=generation, best_tokens=best, gpu=gpu,
+                      staged=staged_weights_bytes(shape, cfg.rollout.max_lag, setup.compute_bytes)
+                      if cfg.rollout.placement == "split" else 0, host_memory=node_host_memory(gpu))
     if check:
         _check_fit(plan, cfg)
+        _check_host(plan, cfg, gpus_per_node or world)
     return plan
 
 
@@ -136,4 +161,15 @@ def _check_fit(plan: MemoryPlan, cfg: Config) -> None:
                         "tokens over trainer.sequence_parallel must fit too)")
 
 
-__all__ = ["MemoryPlan", "PlanError", "largest_micro_batch", "memory_plan", "train_setup"]
+def _check_host(plan: MemoryPlan, cfg: Config, gpus_per_node: int) -> None:
+    """Split placement's staged weights against a node's host memory, when the GPU table knows it."""
+    ranks = rollout_ranks_per_node(cfg.rollout.rollout_ranks, gpus_per_node)
+    need = plan.staged * ranks
+    if plan.host_memory is not None and need > plan.host_memory:
+        raise PlanError(f"rollout.max_lag: split placement stages {cfg.rollout.max_lag + 1} versions of the weights "
+                        f"in host memory on each rollout rank ({_gib(plan.staged)}, exact), {_gib(need)} for the "
+                        f"{ranks} rollout ranks of a node, over a node's {_gib(plan.host_memory)}: lower "
+                        "rollout.max_lag, or put fewer rollout ranks on a node")
+
+
+__all__ = ["MemoryPlan", "PlanError", "largest_micro_batch", "memory_plan", "node_host_memory", "train_setup"]

@@ -19,6 +19,10 @@ Transients (modelled), b = bytes of the compute dtype, T = tokens of this rank's
 - the optimizer step: one fp32 temporary of every local element (foreach AdamW on a GPU), or four of the
   largest local tensor (the per-tensor loop over DTensors on a CPU, as torch's memory tracker measures it).
 The peak is the resident state plus the largest of these phases (phases that never coexist are not added).
+
+Split placement's staged weights (exact, host memory): each rollout rank stages at most k + 1 versions of the
+whole model (rollout.max_lag = k; trainer/split/weights.py) in the dtype it loads, the compute dtype; a node
+holds that for each of its rollout ranks.
 """
 
 from __future__ import annotations
@@ -154,6 +158,17 @@ def lm_head_cost(design: str, tokens: int, hidden: int, vocab: int, b: int, devi
     return model(tokens, hidden, vocab, dtype_bytes=b, device=device)
 
 
+def staged_weights_bytes(shape: ModelShape, max_lag: int, load_bytes: int) -> int:
+    """Host bytes one rollout rank of split placement holds in staged weights: k + 1 versions (k = max_lag) of
+    every parameter at `load_bytes` each."""
+    return (max_lag + 1) * load_bytes * shape.parameters
+
+
+def rollout_ranks_per_node(rollout_ranks: int, gpus_per_node: int) -> int:
+    """The most rollout ranks one node holds: they are the launch's last R ranks, node after node."""
+    return min(rollout_ranks, gpus_per_node)
+
+
 def peak_training_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> int:
     """Modelled peak of one rank's device memory in a training step: resident state plus the largest phase."""
     state = state_bytes(shape, setup.world)
@@ -172,5 +187,5 @@ def first_step_peak_bytes(shape: ModelShape, setup: TrainSetup, tokens: int, ran
                state.params + state.grads + state.moments + t.optimizer_step)
 
 
-__all__ = ["StateBytes", "first_step_peak_bytes", "lm_head_cost", "TrainSetup", "Transients", "block_saved", "peak_training_bytes", "state_bytes",
-           "transients"]
+__all__ = ["StateBytes", "first_step_peak_bytes", "lm_head_cost", "TrainSetup", "Transients", "block_saved", "peak_training_bytes",
+           "rollout_ranks_per_node", "staged_weights_bytes", "state_bytes", "transients"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..config import Config, engine_spec
 from .checks import CheckReport
 from .fit import GIB, SEARCH_LIMIT, MemoryPlan
+from .memory import rollout_ranks_per_node
 from .model import ModelShape
 from .step_time import StepTime, Workload
 
@@ -106,7 +107,21 @@ def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
     if on:
         lines.append(f"  host memory per node for the offloaded state: "
                      f"{s.total * inputs.gpus_per_node / GIB:.1f} GiB (exact)")
+    if plan.staged:
+        lines.append(_staged(inputs, plan, cfg))
     return lines
+
+
+def _staged(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> str:
+    """Split placement's staged weights in host memory, per rollout rank and per node, and whether checked."""
+    rc, b = cfg.rollout, plan.setup.compute_bytes
+    ranks = rollout_ranks_per_node(rc.rollout_ranks, inputs.gpus_per_node)
+    host = plan.host_memory
+    verdict = (f"within a node's {host / GIB:.1f} GiB" if host else
+               "a node's host memory is not in the GPU table (kernels/gpus.py): not checked")
+    return (f"  host memory for split placement's staged weights: {plan.staged / GIB:.1f} GiB per rollout rank "
+            f"({rc.max_lag + 1} versions x {plan.staged // (b * (rc.max_lag + 1)):,} parameters x {b} bytes), "
+            f"{plan.staged * ranks / GIB:.1f} GiB per node ({ranks} rollout rank(s)) (exact); {verdict}")
 
 
 def _tokens(count: int) -> str:
