@@ -5,6 +5,7 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 from __future__ import annotations
 
 import copy
+import os
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -176,7 +177,7 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
         checkpoint()
         # On GPUs, what `flashdapo plan` would refuse for memory is refused here, before anything is built.
         check_launch_memory(cfg, env.world_size, torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
-                            else None)
+                            else None, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
         plan = agree_on_start(cfg, env, run_dir, log)
         attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
