@@ -5,8 +5,8 @@ FSDP2, optimizer and schedule, rollout engine, metrics, and resuming from a chec
 from __future__ import annotations
 
 import copy
-import os
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
