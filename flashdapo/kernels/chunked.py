@@ -82,7 +82,8 @@ def operand_dtype(impl: str, h_dtype: torch.dtype, w_dtype: torch.dtype) -> torc
     return torch.float32
 
 
-def _ops(impl: str):
+def tile_ops_for(impl: str):
+    """The tile operations of `impl`: the Triton passes, or their torch reference (the chunked torch path)."""
     if impl == "triton":
         from . import triton_tiles
 
@@ -92,7 +93,7 @@ def _ops(impl: str):
 
 def _forward(h, w, y, temperature, with_entropy, plan, impl):
     """logp, entropy (or None), m, log s: [N] each, fp32 (fp64 for the fp64 torch path)."""
-    ops, n, vocab = _ops(impl), h.shape[0], w.shape[0]
+    ops, n, vocab = tile_ops_for(impl), h.shape[0], w.shape[0]
     sdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
     m, s, u, z_y = (torch.empty(n, dtype=sdtype, device=h.device) for _ in range(4))
     for v0 in range(0, vocab, plan.chunk_vocab):  # fixed order: the merge is deterministic
@@ -108,7 +109,7 @@ def _forward(h, w, y, temperature, with_entropy, plan, impl):
     return logp, entropy, m, log_s
 
 
-def _fp16_scale(g, ge, vocab: int) -> float:
+def fp16_scale(g, ge, vocab: int) -> float:
     """Power of two that lifts max |dz| to ~2^14 in fp16. |dz| <= |g| + |gH| (log V + 1): p <= 1 and
     p |log p + entropy| <= 1/e + log V."""
     bound = g.abs().max() + (ge.abs().max() * (math.log(vocab) + 1) if ge is not None else 0)
@@ -124,7 +125,7 @@ def _active_rows(grad_logp, grad_ent, n, device):
     return torch.nonzero(active).squeeze(1)  # one host sync: sizes the work to the rows that need it
 
 
-def _check_targets(y_act: torch.Tensor, vocab: int) -> None:
+def check_targets(y_act: torch.Tensor, vocab: int) -> None:
     """ValueError if an active row's target lies outside [0, V): its one-hot term would be lost."""
     if y_act.numel() == 0:
         return
@@ -137,7 +138,7 @@ def _check_targets(y_act: torch.Tensor, vocab: int) -> None:
 
 def _grad_scale(g, ge, temperature, fp16: bool, vocab: int):
     """(g, ge) multiplied by scale / T, and 1 / scale: the GEMMs' alpha that divides the scale out."""
-    scale = _fp16_scale(g, ge, vocab) if fp16 and g.numel() else 1.0
+    scale = fp16_scale(g, ge, vocab) if fp16 and g.numel() else 1.0
     g = g * (scale / temperature)  # 1/T of dz and the fp16 scale: N multiplies, not N V
     return g, (ge * (scale / temperature) if ge is not None else None), 1.0 / scale
 
@@ -146,10 +147,10 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl
     """dh [n_act, H] (fp32/fp64) or None, dW [V, H] in w's dtype (each chunk written once) or None, and
     the active rows. Vocabulary outer: per chunk, dz of all live rows goes into one buffer, then
     dW[chunk] = dz^T h (one GEMM, K = live rows) and dh += dz W[chunk] (accumulated in the GEMM)."""
-    ops, vocab = _ops(impl), w.shape[0]
+    ops, vocab = tile_ops_for(impl), w.shape[0]
     rows = _active_rows(grad_logp, grad_ent, h.shape[0], h.device)
     y_a = y[rows]
-    _check_targets(y_a, vocab)
+    check_targets(y_a, vocab)
     dense = rows.numel() == h.shape[0]
     h_a = h if dense else h[rows]
     m, log_s, ent = (None if t is None else (t if dense else t[rows]) for t in stats)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from .chunked import Plan, _check_targets, _fp16_scale, _ops, operand_dtype, plan_chunks
+from .chunked import Plan, check_targets, fp16_scale, operand_dtype, plan_chunks, tile_ops_for
 from .gemm import mm_acc_, mm_f32
 
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -87,7 +87,7 @@ def _chunk_grads(ops, kept, h_t, w, y_t, stats, g, temperature, bv, out):
     when the dot dtype is its own (fp32), else into one reused 16-bit buffer; both GEMMs accumulate inside."""
     dh_t, dw_acc = out
     act = torch.nonzero(g).squeeze(1)  # one host sync per chunk
-    _check_targets(y_t[act], w.shape[0])
+    check_targets(y_t[act], w.shape[0])
     if dh_t is not None:
         dh_t.zero_()
     if act.numel() == 0:
@@ -95,7 +95,7 @@ def _chunk_grads(ops, kept, h_t, w, y_t, stats, g, temperature, bv, out):
     dense = act.numel() == h_t.shape[0]
     pick = (lambda t: t) if dense else (lambda t: t.index_select(0, act))
     h_a, y_a, (m_a, s_a, log_s_a) = pick(h_t), pick(y_t), (pick(t) for t in stats)
-    scale = _fp16_scale(g[act], None, w.shape[0]) if h_t.dtype == torch.float16 else 1.0
+    scale = fp16_scale(g[act], None, w.shape[0]) if h_t.dtype == torch.float16 else 1.0
     g_a = pick(g) * (scale / temperature)
     direct = dh_t is not None and dense and dh_t.dtype == m_a.dtype  # accumulate into dh itself
     dh_a = dh_t if direct or dh_t is None else torch.zeros(h_a.shape, dtype=m_a.dtype, device=h_t.device)
@@ -121,7 +121,7 @@ def _chunk_grads(ops, kept, h_t, w, y_t, stats, g, temperature, bv, out):
 def _sweep(h, w, y, loss_fn, temperature, need, impl, plan, grad_dtypes):
     """(loss, logp, entropy, dh or None, dW or None) over the rows of h (already kept); dh and dW in
     grad_dtypes (the inputs' dtypes), dW through an fp32 accumulator only when its dtype is 16-bit."""
-    ops, n = _ops(impl), h.shape[0]
+    ops, n = tile_ops_for(impl), h.shape[0]
     sdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
     logp, entropy = (torch.empty(n, dtype=sdtype, device=h.device) for _ in range(2))
     dh = torch.empty(h.shape, dtype=grad_dtypes[0], device=h.device) if need[0] else None
