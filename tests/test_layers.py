@@ -206,3 +206,24 @@ def test_a_planted_package_cycle_is_caught(tmp_path):
 @pytest.mark.parametrize("unit", ["kernels", "models", "trainer.state"])
 def test_the_table_names_the_rooms(unit):
     assert unit in LAYERS
+
+
+def private_imports(package: Path) -> list[str]:
+    """`from module import _name` of another module of the package: a boundary drawn in the wrong place."""
+    found = []
+    for name, path in sorted(module_names(package).items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("flashdapo")):
+                found += [f"{name} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(PACKAGE) == []
+
+
+def test_a_planted_private_import_is_caught(tmp_path):
+    package = _plant(tmp_path, {"__init__.py": "", "eval/__init__.py": "", "eval/a.py": "_X = 1\n",
+                                "eval/b.py": "from .a import _X\n"})
+    assert private_imports(package) == ["flashdapo.eval.b imports a._X"]
