@@ -17,7 +17,7 @@ from flashdapo.config import AlgorithmConfig, Config, ConfigError, engine_spec, 
 from flashdapo.distributed.mesh import shutdown
 from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.setup import setup_run
-from tests.trainer.test_loop import tiny_config
+from tests.helpers.runs import tiny_config
 
 MODES = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 CAP = 2.0

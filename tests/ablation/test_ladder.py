@@ -12,16 +12,8 @@ from flashdapo.ablation.command import parse_ablate_args
 from flashdapo.ablation.runner import AblationError, run_ablation
 from flashdapo.config import load_file, merge
 from flashdapo.config import preset as named_preset
+from tests.helpers.ablation import TINY_BASE
 
-TINY = {
-    "model": {"toy": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-                      "intermediate_size": 64, "sft_steps": 4, "sft_batch": 8}},
-    "data": {"scratchpad": {"num_train": 40, "num_val": 4, "max_digits": 2}},
-    "rollout": {"n": 4, "val_n": 2, "max_response_length": 24},
-    "algorithm": {"overlong_buffer_len": 8},
-    "trainer": {"total_steps": 2, "train_batch": 4, "gen_batch": 8, "mini_batch": 2, "val_every": 1},
-    "checkpoint": {"save_every": 0},
-}
 ARMS_RUN = ["token-level-loss", "dynamic-sampling"]
 
 
@@ -40,7 +32,7 @@ def test_parse_splits_ablate_options_from_train_options(tmp_path):
 
 
 def test_smoke_two_arms_one_seed(tmp_path, capsys):
-    base = merge(named_preset("scratchpad"), TINY)
+    base = merge(named_preset("scratchpad"), TINY_BASE)
     opts, _ = parse_ablate_args(["--out", str(tmp_path), "--seeds", "1", "--arms", *ARMS_RUN,
                                  "--base-probe-prompts", "4"])
     runs = run_ablation(base, opts)

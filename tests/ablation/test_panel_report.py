@@ -20,7 +20,7 @@ from flashdapo.ablation.records import PanelRun
 from flashdapo.ablation.runner import AblationError
 from flashdapo.ablation.stats import holm, paired_test
 from flashdapo.config import merge, preset
-from tests.ablation.test_ladder import TINY as LADDER_TINY
+from tests.helpers.ablation import TINY_BASE
 
 BASE = preset("scratchpad")
 CFG = merge(BASE, {"trainer": {"total_steps": 8, "ppo_epochs": 4}})
@@ -109,7 +109,7 @@ def test_a_metric_not_logged_is_said_not_tested(tmp_path):
 
 
 # The ladder tests' tiny sizes, with a batch that one generation round fills.
-TINY = {**LADDER_TINY, "trainer": {"total_steps": 3, "train_batch": 4, "gen_batch": 4, "mini_batch": 2}}
+TINY = {**TINY_BASE, "trainer": {"total_steps": 3, "train_batch": 4, "gen_batch": 4, "mini_batch": 2}}
 
 
 def test_quick_and_ladder_stand_alone_or_take_a_value(tmp_path):

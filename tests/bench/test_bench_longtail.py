@@ -1,11 +1,10 @@
-"""bench/bench_longtail.py in smoke mode (every arm, one rank, in this process) and the H20 model's roofline."""
+"""bench/bench_longtail.py in smoke mode (every arm, one rank, in this process), the engines it runs (both
+stream; one that did not would be named in one line), and the H20 model's roofline."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `bench` is a top-level folder, not installed
 
@@ -31,8 +30,14 @@ def test_a_lone_longest_response_decodes_for_about_the_issue_figure():
     assert weights_only < seconds < 1.2 * weights_only  # ~78 s of weights plus ~5 s of KV reads
 
 
-def test_an_engine_without_streaming_is_named_in_one_line(tmp_path, capsys):
-    if bench_longtail.engine_streams("vllm"):
-        pytest.skip("the vLLM engine streams: the bench runs it")
+def test_both_engines_stream_so_the_bench_runs_their_arms():
+    """engine_streams follows the engines' streaming contract: were open_stream renamed, the bench would name
+    the vLLM engine as one without streaming and run nothing."""
+    assert bench_longtail.engine_streams("torch") and bench_longtail.engine_streams("vllm")
+
+
+def test_an_engine_without_streaming_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+    # The vLLM engine before it streamed.
+    monkeypatch.setattr(bench_longtail, "engine_streams", lambda engine: engine == "torch")
     assert bench_longtail.main(["--engine", "vllm", "--work", str(tmp_path), "--out", str(tmp_path)]) == 1
     assert capsys.readouterr().out.strip().count("\n") == 0 and not list(tmp_path.iterdir())

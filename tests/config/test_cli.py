@@ -119,7 +119,8 @@ def test_plan_checks_its_own_options_as_the_config_tree_does(capsys):
     assert main(["plan", "--mfu", "1.5"]) == 2
     assert capsys.readouterr().err == "flashdapo: config error: plan.mfu: expected a value in (0, 1], got 1.5\n"
     assert main(["plan", "--nodes", "-1"]) == 2
-    assert capsys.readouterr().err == "flashdapo: config error: plan.nodes: expected >= 0, got -1\n"
+    assert capsys.readouterr().err == ("flashdapo: config error: plan.nodes: expected null or >= 1 (leave it out for "
+                                       "the preset's first documented cluster), got -1\n")
 
 
 def test_a_switch_alone_is_true_and_its_no_form_false():

@@ -90,7 +90,7 @@ def test_auto_correction_is_token_truncate_where_split_trains_older_tokens():
 
     assert resolved() == "none"  # co-located torch engine
     assert resolved(placement="split", rollout_ranks=1, max_lag=1, ds=False) == "token_truncate"
-    assert resolved(placement="split", rollout_ranks=1, max_lag=0) == "token_truncate"  # surplus groups roll over
+    assert resolved(placement="split", rollout_ranks=1, max_lag=0) == "none"  # k = 0 drops the surplus, as co-located
     assert resolved(placement="split", rollout_ranks=1, max_lag=0, ds=False) == "none"  # every token on-policy
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_distributed import ROOT, SCRIPTS, TINY, _env, _metrics, torchrun
+from tests.helpers.runs import ROOT, TINY, TRAINER_SCRIPTS, run_metrics, subprocess_env, torchrun
 
 RUN = [*TINY, "--trainer.total-steps", "3", "--checkpoint.save-every", "1"]
 ERROR = "injected failure in {} on rank 1 at step 2"
@@ -25,8 +25,9 @@ def _launch(nproc: int, nnodes: int, node_rank: int, port: int, where: str, run_
                 [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
                  "--master-addr=127.0.0.1", f"--master-port={port}"])
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc-per-node={nproc}",
-           str(SCRIPTS / "raise_on_rank.py"), where, "1", "2", *RUN, "--logging.run-dir", str(run_dir), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+           str(TRAINER_SCRIPTS / "raise_on_rank.py"), where, "1", "2", *RUN, "--logging.run-dir", str(run_dir),
+           *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
                             cwd=ROOT)
 
 
@@ -67,7 +68,7 @@ def test_one_rank_failing_ends_the_job(tmp_path, where, what):
         done = torchrun(2, "-m", "flashdapo", "train", *RUN, "--logging.run-dir", str(tmp_path),
                         "--checkpoint.resume", "auto")
         assert re.search(r"resumed from \S+step_00000001 at step 1", done.stdout), done.stdout
-        assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3]
+        assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2, 3]
 
 
 @pytest.mark.distributed

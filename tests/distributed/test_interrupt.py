@@ -17,8 +17,7 @@ from flashdapo.distributed.interrupt import Interrupted
 from flashdapo.trainer import loop
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.state.rundir import claim_run_dir
-from tests.trainer.state.test_resume import _config, _metrics, _resume
-from tests.trainer.test_distributed import ROOT, TINY, _env
+from tests.helpers.runs import ROOT, TINY, quick_config, resume_config, run_metrics, subprocess_env
 
 
 def _ctrl_c_during(monkeypatch, step: int, times: int = 1, signum: int = signal.SIGINT):
@@ -37,24 +36,24 @@ def _ctrl_c_during(monkeypatch, step: int, times: int = 1, signum: int = signal.
 
 def test_ctrl_c_stops_after_the_step_with_its_checkpoint_and_resumes_bitwise(tmp_path, monkeypatch, capsys):
     uninterrupted, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
-    train(_config(uninterrupted, trainer={"total_steps": 3}, checkpoint={"save_every": 0}))
+    train(quick_config(uninterrupted, trainer={"total_steps": 3}, checkpoint={"save_every": 0}))
     _ctrl_c_during(monkeypatch, 2)
     with pytest.raises(Interrupted, match=r"^stopped at step 2 by Ctrl-C, after saving its checkpoint \S+"
                                           r"step_00000002; resume with --checkpoint.resume auto$"):
-        train(_config(stopped, trainer={"total_steps": 3}, checkpoint={"save_every": 0}))
+        train(quick_config(stopped, trainer={"total_steps": 3}, checkpoint={"save_every": 0}))
     assert "Ctrl-C: stopping after step 2" in capsys.readouterr().err
-    assert [r["step"] for r in _metrics(stopped)] == [1, 2]
+    assert [r["step"] for r in run_metrics(stopped)] == [1, 2]
     assert sorted(p.name for p in (stopped / "checkpoints").iterdir()) == ["step_00000002"]
     monkeypatch.undo()
-    train(_resume(stopped, trainer={"total_steps": 3}, checkpoint={"save_every": 0}))
-    assert _metrics(stopped) == _metrics(uninterrupted)
+    train(resume_config(stopped, trainer={"total_steps": 3}, checkpoint={"save_every": 0}))
+    assert run_metrics(stopped) == run_metrics(uninterrupted)
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch):
     _ctrl_c_during(monkeypatch, 2, times=2)
     with pytest.raises(Interrupted, match=r"stopped by Ctrl-C during step 2, without a checkpoint of it; the newest "
                                           r"checkpoint is \S+step_00000001; resume with --checkpoint.resume auto"):
-        train(_config(tmp_path, trainer={"total_steps": 3}))
+        train(quick_config(tmp_path, trainer={"total_steps": 3}))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]
 
 
@@ -84,7 +83,8 @@ def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "flashdapo",
            "train", *TINY, "--trainer.total-steps", "500", "--checkpoint.save-every", "0", "--logging.run-dir",
            str(tmp_path)]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
+                                cwd=ROOT)
     metrics, start = tmp_path / "metrics.jsonl", time.time()
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.time() - start < 240:
         time.sleep(0.2)
@@ -140,14 +140,14 @@ def test_sigterm_at_any_point_of_setup_stops_before_the_first_step(tmp_path, mon
     before its first step, never trains on."""
     quick = {"trainer": {"total_steps": 1, "val_before_train": False}, "checkpoint": {"export_hf": False}}
     calls = _sigterm_at_call(monkeypatch, None)
-    train(_config(tmp_path / "count", **quick))
+    train(quick_config(tmp_path / "count", **quick))
     total = calls[0]
     assert total > 100, total
     for k in sorted({1, 2, 3, *(total * i // 10 for i in range(1, 10)), total}):
         run_dir = tmp_path / f"at-{k}"
         _sigterm_at_call(monkeypatch, k)
         with pytest.raises(Interrupted) as info:
-            train(_config(run_dir, **quick))
+            train(quick_config(run_dir, **quick))
         _assert_stopped_in_setup(run_dir, info)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
@@ -171,6 +171,6 @@ def test_sigterm_inside_a_finalizer_during_setup_still_stops(tmp_path, monkeypat
 
     monkeypatch.setattr(run_module, "build_datasets", datasets_then_collect)
     with pytest.raises(Interrupted) as info:
-        train(_config(tmp_path, trainer={"total_steps": 1, "val_before_train": False}))
+        train(quick_config(tmp_path, trainer={"total_steps": 1, "val_before_train": False}))
     _assert_stopped_in_setup(tmp_path, info)
     assert "Exception ignored" not in capsys.readouterr().err

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.trainer.test_distributed import ROOT, _env
+from tests.helpers.runs import ROOT, subprocess_env
 
 SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "split_bridges.py"
 
@@ -17,7 +17,7 @@ SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "split_bridges.py"
 def _run(tmp_path, mode: str, nproc: int = 3, timeout: int = 120) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
            str(tmp_path), mode]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=ROOT)
 
 
 @pytest.mark.distributed

@@ -186,7 +186,7 @@ def test_vllm_engine_through_the_recording_double(export, two_sources, tmp_path)
     from flashdapo.eval.sampling import EvalSampling, sample_prompts
     from flashdapo.reward import dapo_verify
     from flashdapo.tokenizer import load_tokenizer
-    from tests.rollout.test_vllm_engine import FAKE_VLLM
+    from tests.helpers.vllm_double import FAKE_VLLM
 
     args = SimpleNamespace(engine="vllm", model=str(export), tensor_parallel_size=1, max_prompt_length=64,
                            max_new_tokens=6, seed=3)

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.test_distributed import ROOT, SCRIPTS, TINY, _env, _metrics, torchrun
+from tests.helpers.runs import ROOT, TINY, TRAINER_SCRIPTS, run_metrics, subprocess_env, torchrun
 
 MODES = ("token-mean", "seq-mean-token-mean")
 
 
 def _run(tmp_path, name: str, ranks: int, budget: int, sp: int):
     (tmp_path / name).mkdir()
-    torchrun(ranks, str(SCRIPTS / "sequence_parallel_update.py"), str(tmp_path / name), str(budget), str(sp))
+    torchrun(ranks, str(TRAINER_SCRIPTS / "sequence_parallel_update.py"), str(tmp_path / name), str(budget), str(sp))
     return tmp_path / name
 
 
@@ -76,7 +76,7 @@ def test_attention_under_sequence_parallel_equals_one_process(tmp_path, ranks):
     of 6 in layer 1, and both through flash-attn's varlen function (the stand-in, bf16). float64: the same
     log-probs and gradients to rounding; bf16: no further from the float64 reference than HF's padded SDPA in
     bf16 is."""
-    torchrun(ranks, str(SCRIPTS / "sequence_parallel_attention.py"), str(tmp_path))
+    torchrun(ranks, str(TRAINER_SCRIPTS / "sequence_parallel_attention.py"), str(tmp_path))
     results = torch.load(tmp_path / "results.pt")
     for name in ("kv1", "window"):
         (logp, grads), (ref_logp, ref_grads) = results[name]["sp"], results[name]["padded"]
@@ -163,9 +163,9 @@ def test_train_command_under_sequence_parallel_resumes_bitwise(tmp_path):
     torchrun(2, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--logging.run-dir", str(resumed))
     torchrun(2, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir", str(resumed),
              "--checkpoint.resume", "auto")
-    rows = _metrics(straight)
+    rows = run_metrics(straight)
     # The 2-step run validated at its last step (step 2); the straight run did not: compare the rest.
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and _without_val(_metrics(resumed)) == _without_val(rows)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and _without_val(run_metrics(resumed)) == _without_val(rows)
     trained = [r for r in rows if "actor/grad_norm" in r]
     for r in rows:  # each group counted once, not once per rank of its sequence-parallel group
         informative = round(r["train/kept_fraction"] * r["train/num_gen_batches"] * 8)
@@ -189,7 +189,7 @@ def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
 @pytest.mark.distributed
 def test_sequence_parallel_that_cannot_work_is_one_line(tmp_path):
     run = ["-m", "flashdapo", "train", *TINY, "--logging.run-dir", str(tmp_path / "run")]
-    env = {**_env(), "FLASHDAPO_DEBUG": "0"}
+    env = {**subprocess_env(), "FLASHDAPO_DEBUG": "0"}
     alone = subprocess.run([sys.executable, *run, "--trainer.sequence-parallel", "2"], capture_output=True,
                            text=True, env=env, cwd=ROOT, timeout=300)
     lines = _error_lines(alone)

@@ -7,7 +7,8 @@ from flashdapo.__main__ import main
 from flashdapo.config import PRESET_CLUSTERS, toy
 from flashdapo.plan.model import build_meta_model, model_shape
 from flashdapo.plan.shapes import BUILTIN_SHAPES, ModelSource, builtin_shape
-from tests.test_preflight import model_dir, train_file
+from tests.helpers.data_files import train_file
+from tests.helpers.model_dirs import model_dir
 
 CASES = [(name, c) for name, clusters in PRESET_CLUSTERS.items() for c in clusters]
 

@@ -11,7 +11,7 @@ from flashdapo.config import toy
 from flashdapo.plan.memory import TrainSetup, first_step_peak_bytes, state_bytes
 from flashdapo.plan.model import build_meta_model, model_shape
 from flashdapo.plan.shapes import ModelSource, builtin_shape
-from tests.trainer.test_distributed import ROOT, torchrun
+from tests.helpers.runs import ROOT, torchrun
 
 SCRIPT = ROOT / "tests" / "plan" / "scripts" / "measure_memory.py"
 

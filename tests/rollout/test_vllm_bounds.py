@@ -23,9 +23,11 @@ from flashdapo.rollout.vllm_bounds import (
     with_flashdapo_names,
 )
 from flashdapo.rollout.vllm_engine import VLLMEngine
-from tests.rollout.test_vllm_engine import FakeLLM, fake_vllm, push, torchrun_env  # noqa: F401 (the fixture)
+from tests.helpers.vllm_double import FakeLLM, fake_vllm, push
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 32
+# Every test runs as a torchrun rank 0 whose thread count is restored (tests/rollout/conftest.py).
+pytestmark = pytest.mark.usefixtures("torchrun_env")
 
 
 @pytest.fixture

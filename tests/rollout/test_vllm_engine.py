@@ -1,4 +1,5 @@
-"""VLLMEngine orchestration against a recording double of the `vllm.LLM` surface (vLLM 0.33.0).
+"""VLLMEngine orchestration against a recording double of the `vllm.LLM` surface (vLLM 0.33.0,
+tests/helpers/vllm_double.py).
 
 The double mirrors what the engine relies on: LLM(**kwargs), generate, sleep, wake_up, reset_prefix_cache,
 apply_model, collective_rpc; child seeds seed + k for n > 1; FlatLogprobs / dict log-probs; finish
@@ -22,7 +23,6 @@ import socket
 import sys
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -42,216 +42,23 @@ from flashdapo.rollout.vllm_engine import (
 )
 from flashdapo.rollout.vllm_process import library_versions
 from flashdapo.seeds import derive_seed
+from tests.helpers.vllm_double import (
+    EOS,
+    FAKE_VLLM,
+    FakeLLM,
+    FakePlatform,
+    FakeSamplingParams,
+    fake_vllm,
+    make_engine,
+    names,
+    push,
+    tiny_qwen2,
+    vllm_qwen2_param_names,
+)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-EOS = 2
-# Copied from vllm 0.33 model_executor/models/qwen2.py (Qwen2Model.hf_to_vllm_mapper), independently of
-# the engine's own table, so the mapping is checked against vLLM's rather than against itself.
-VLLM_QWEN2_STACKED = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"),
-                      ".v_proj": (".qkv_proj", "v"), ".gate_proj": (".gate_up_proj", 0),
-                      ".up_proj": (".gate_up_proj", 1)}
-
-
-def tiny_qwen2(tied: bool) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=24,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        tie_word_embeddings=tied))
-
-
-def vllm_qwen2_param_names(config: Qwen2Config) -> list[str]:
-    """named_parameters() of vLLM 0.33's Qwen2ForCausalLM (qwen2.py: qkv bias on, o_proj bias off)."""
-    per_layer = ["self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.o_proj.weight",
-                 "mlp.gate_up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-                 "post_attention_layernorm.weight"]
-    names = ["model.embed_tokens.weight"]
-    names += [f"model.layers.{i}.{s}" for i in range(config.num_hidden_layers) for s in per_layer]
-    return names + ["model.norm.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
-
-
-class FakeQwen2:
-    """vLLM's in-worker model: named_parameters and load_weights with vLLM's name handling."""
-
-    def __init__(self, config: Qwen2Config):
-        self.config, self.loads = config, []
-        self.params = vllm_qwen2_param_names(config)
-
-    def named_parameters(self):
-        return [(name, None) for name in self.params]
-
-    def load_weights(self, weights):
-        loaded = set()
-        for name, tensor in weights:
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                raise ValueError("'lm_head.weight' was skipped because it is tied to the embedding")
-            target, shard = name, None
-            for hf_part, (vllm_part, shard_id) in VLLM_QWEN2_STACKED.items():
-                if hf_part in target:
-                    target, shard = target.replace(hf_part, vllm_part, 1), shard_id
-            if target not in self.params:
-                raise ValueError(f"There is no module or parameter named {target!r}")
-            self.loads.append((name, target, shard, tensor.clone()))
-            loaded.add(target)
-        return loaded
-
-
-@dataclasses.dataclass
-class FakeSamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    seed: int | None = None
-    detokenize: bool = True
-    flat_logprobs: bool = False
-
-
-@dataclasses.dataclass
-class FakeFlatLogprobs:
-    start_indices: list
-    end_indices: list
-    token_ids: list
-    logprobs: list
-
-    def __len__(self):
-        return len(self.start_indices)
-
-
-class FakeLLM:
-    """Records every call; samples deterministically from per-request seeds (child k: seed + k)."""
-
-    config = tiny_qwen2(tied=False).config
-    flat, extra_entries, finish_override = True, False, None
-
-    def __init__(self, model, **kwargs):
-        self.init_kwargs = {"model": model, **kwargs}
-        if kwargs.get("distributed_executor_backend") == "external_launcher":  # uniproc_executor.py
-            self.launcher = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
-        seed = kwargs.get("seed", 0)  # utils/torch_utils.py set_random_seed, from the worker
-        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
-        if "OMP_NUM_THREADS" not in os.environ:  # set_torch_threads_for_runtime
-            torch.set_num_threads(1)
-        self.calls, self.sleeping = [], set()
-        self.model = FakeQwen2(self.config)
-        self.weights_version, self.cache_version = 0, None  # weights the prefix cache's KV was computed with
-
-    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None,
-                 tokenization_kwargs=None, mm_processor_kwargs=None):
-        self.calls.append(("generate", [p["prompt_token_ids"] for p in prompts], list(sampling_params)))
-        self.generate_threads = torch.get_num_threads()
-        if self.sleeping:
-            raise RuntimeError(f"generate while {self.sleeping} asleep: vLLM's scheduler would stay paused")
-        if self.cache_version not in (None, self.weights_version):
-            raise RuntimeError("generate would reuse prefix-cache KV computed with older weights")
-        self.cache_version = self.weights_version
-        return [SimpleNamespace(outputs=[self._sample(sp, k) for k in reversed(range(sp.n))])
-                for sp in sampling_params]
-
-    def _sample(self, sp, k):
-        g = torch.Generator().manual_seed(sp.seed + k)
-        length = int(torch.randint(1, sp.max_tokens + 1, (1,), generator=g))
-        tokens = torch.randint(3, 40, (length,), generator=g).tolist()
-        reason = "length" if length == sp.max_tokens else "stop"
-        if reason == "stop":
-            tokens[-1] = EOS
-        values = (-torch.rand(length, generator=g) * 5).tolist()
-        if self.flat:
-            ids, lps, starts, ends = [], [], [], []
-            for tok, lp in zip(tokens, values, strict=True):
-                starts.append(len(ids))
-                ids.append(tok), lps.append(lp)
-                if self.extra_entries:
-                    ids.append(tok + 100), lps.append(-0.01)
-                ends.append(len(ids))
-            logprobs = FakeFlatLogprobs(starts, ends, ids, lps)
-        else:
-            logprobs = [{t: SimpleNamespace(logprob=v), t + 100: SimpleNamespace(logprob=-0.01)}
-                        for t, v in zip(tokens, values, strict=True)]
-        return SimpleNamespace(index=k, token_ids=tokens, logprobs=logprobs, expected=values,
-                               finish_reason=self.finish_override or reason)
-
-    def sleep(self, level=1, mode="abort"):
-        self.calls.append(("sleep", level))
-        self.cache_version = None  # core.py: pause_scheduler(clear_cache=True) resets the prefix cache
-        if "weights" in self.sleeping:  # executor/abstract.py: "Executor is already sleeping."
-            return
-        self.sleeping = {"weights", "kv_cache"}
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-        assert all(t in self.sleeping for t in tags), f"waking {tags} while {self.sleeping} sleep"
-        self.sleeping -= set(tags)
-        return not self.sleeping
-
-    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
-        self.calls.append(("reset_prefix_cache",))
-        self.cache_version = None
-        return True
-
-    def apply_model(self, func):
-        assert "weights" not in self.sleeping, "touching a sleeping (offloaded/discarded) model"
-        return [func(self.model)]
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        """Only the worker's `reload_weights` (gpu_worker.py), with an iterator: without one it reloads the
-        checkpoint from disk (reload/inplace.py)."""
-        self.calls.append((method,))
-        assert method == "reload_weights" and kwargs["weights_iterator"] is not None, (method, kwargs)
-        assert kwargs["is_checkpoint_format"] is True
-        assert "weights" not in self.sleeping, "loading weights into a sleeping (offloaded/discarded) model"
-        self.weights_version += 1
-        for name, tensor in kwargs["weights_iterator"]:  # the Qwen2 loader, one tensor at a time
-            self.model.load_weights([(name, tensor)])
-        return [None]
-
-
-@dataclasses.dataclass
-class FakePlatform:
-    """vllm.platforms.current_platform: sleep mode on CUDA/ROCm/XPU only (platforms/interface.py)."""
-
-    device_name: str = "cuda"
-
-    def is_cpu(self):
-        return self.device_name == "cpu"
-
-    def is_sleep_mode_available(self):
-        return self.device_name == "cuda"
-
-
-def fake_vllm(llm=None, version=VLLM_VERSION_READ, device="cuda"):
-    return SimpleNamespace(LLM=llm or FakeLLM, SamplingParams=FakeSamplingParams, __version__=version,
-                           __name__="fake_vllm", platforms=SimpleNamespace(current_platform=FakePlatform(device)))
-
-
-FAKE_VLLM = fake_vllm()
-
-
-@pytest.fixture(autouse=True)
-def torchrun_env(monkeypatch):
-    """Every test starts as a torchrun rank 0 whose thread count and RNGs the double may change."""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_engine(rank=0, world_size=1, tp_gather=None, vllm_module=FAKE_VLLM, **config):
-    os.environ["RANK"] = str(rank)  # as torchrun sets it (the fixture restores it)
-    return VLLMEngine(RolloutConfig(engine="vllm", **config), "/ckpt/qwen", rank=rank, world_size=world_size,
-                      local_rank=0, max_model_len=64, seed=5, tp_gather=tp_gather, vllm_module=vllm_module)
-
-
-def push(engine, tied=False):
-    """The RolloutEngine contract's wake: the engine pulls the weights in its own dtype."""
-    hf = tiny_qwen2(tied)
-    engine.wake(lambda dtype: iter_full_state_dict(hf, dtype=dtype))
-
-
-def names(calls):
-    return [c if c[0] in ("sleep", "wake_up") else c[0] for c in calls]
+# Every test runs as a torchrun rank 0 whose thread count is restored (tests/rollout/conftest.py).
+pytestmark = pytest.mark.usefixtures("torchrun_env")
 
 
 def test_llm_built_with_the_colocated_contract():
@@ -382,9 +189,9 @@ def test_tested_vllm_version_pinned_and_logged():
     assert f'"vllm=={VLLM_VERSION_READ}"' in pyproject
     line = library_versions()
     assert line.startswith(f"torch {torch.__version__}, triton ") and ", vllm " in line
-    with pytest.warns(UserWarning, match="vLLM 0.34.0 is installed; the engine was checked against vLLM 0.33.0 "
-                                         "and 0.32.0"):
-        make_engine(vllm_module=fake_vllm(version="0.34.0"))
+    with pytest.warns(UserWarning, match="vLLM 0.35.0 is installed; the engine was checked against vLLM 0.32.0, "
+                                         "0.33.0, 0.34.0"):  # refused without the override: test_vllm_versions.py
+        make_engine(vllm_module=fake_vllm(version="0.35.0"), vllm_untested_ok=True)
 
 
 def test_generate_refuses_dummy_or_discarded_weights():

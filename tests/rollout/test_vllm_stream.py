@@ -1,4 +1,5 @@
-"""VLLMEngine's streaming (vllm_stream.py) against a double of vLLM's step-wise `LLMEngine` surface.
+"""VLLMEngine's streaming (vllm_stream.py) against a double of vLLM's step-wise `LLMEngine` surface
+(tests/helpers/vllm_double.py).
 
 The double mirrors what the stream relies on (vLLM 0.32.0 `v1/engine/llm_engine.py`, `output_processor.py`):
 add_request(request_id, prompt, params), FCFS admission as the batch has room, one token per running
@@ -10,117 +11,31 @@ seed. Real vLLM: tests/vllm/test_vllm_stream.py.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import importlib.util
 import inspect
 import threading
-from collections import deque
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from flashdapo.rollout.base import Request, SamplingParams
-from tests.rollout.test_vllm_engine import (
+from tests.helpers.vllm_double import (
     EOS,
-    FakeFlatLogprobs,
-    FakeLLM,
-    FakeSamplingParams,
-    fake_vllm,
+    STREAM_VLLM,
+    FakeStepEngine,
+    RequestOutputKind,
+    StreamSamplingParams,
     make_engine,
     names,
     push,
-    torchrun_env,  # noqa: F401  (autouse: a torchrun rank 0 whose threads are restored)
+    script,
 )
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# Every test runs as a torchrun rank 0 whose thread count is restored (tests/rollout/conftest.py).
+pytestmark = pytest.mark.usefixtures("torchrun_env")
 
 
-class RequestOutputKind(enum.Enum):  # vllm/sampling_params.py
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
-
-
-@dataclasses.dataclass
-class StreamSamplingParams(FakeSamplingParams):
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-
-
-def script(seed: int, max_tokens: int) -> tuple[list[int], list[float], str]:
-    """What a request with this seed samples: its tokens, their log-probs, its finish reason."""
-    g = torch.Generator().manual_seed(seed)
-    length = int(torch.randint(1, max_tokens + 1, (1,), generator=g))
-    tokens = torch.randint(3, 40, (length,), generator=g).tolist()
-    reason = "length" if length == max_tokens else "stop"
-    if reason == "stop":
-        tokens[-1] = EOS
-    return tokens, (-torch.rand(length, generator=g) * 5).tolist(), reason
-
-
-@dataclasses.dataclass
-class _Running:
-    request_id: str
-    tokens: list[int]
-    logprobs: list[float]
-    reason: str
-    emitted: int = 0
-
-
-class FakeStepEngine:
-    """`llm.llm_engine`: FCFS, at most `max_num_seqs` running, one sampled token per running request a step."""
-
-    max_num_seqs = 3
-    finish_override: str | None = None
-
-    def __init__(self):
-        self.calls, self.waiting, self.running = [], deque(), {}
-
-    def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None,
-                    tokenization_kwargs=None, trace_headers=None, priority=0, session_id=None,
-                    prompt_text=None, kv_hints=None):
-        assert isinstance(request_id, str) and params.n == 1
-        assert request_id not in self.running and all(r.request_id != request_id for r in self.waiting)
-        self.calls.append(("add", request_id, list(prompt["prompt_token_ids"]), params))
-        self.waiting.append(_Running(request_id, *script(params.seed, params.max_tokens)))
-        return request_id
-
-    def step(self):
-        self.calls.append(("step",))
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting.popleft()
-            self.running[request.request_id] = request
-        outputs = []
-        for request in list(self.running.values()):
-            tok, lp = request.tokens[request.emitted], request.logprobs[request.emitted]
-            request.emitted += 1
-            finished = request.emitted == len(request.tokens)
-            reason = (self.finish_override or request.reason) if finished else None
-            delta = SimpleNamespace(token_ids=[tok], logprobs=FakeFlatLogprobs([0], [1], [tok], [lp]),
-                                    finish_reason=reason)
-            outputs.append(SimpleNamespace(request_id=request.request_id, finished=finished, outputs=[delta]))
-            if finished:
-                del self.running[request.request_id]
-        return outputs
-
-    def abort_request(self, request_ids, internal=False):
-        self.calls.append(("abort", list(request_ids)))
-        self.waiting = deque(r for r in self.waiting if r.request_id not in request_ids)
-        for request_id in request_ids:
-            self.running.pop(request_id, None)
-
-    def has_unfinished_requests(self):
-        return bool(self.waiting or self.running)
-
-
-class StreamLLM(FakeLLM):
-    def __init__(self, model, **kwargs):
-        super().__init__(model, **kwargs)
-        self.llm_engine = FakeStepEngine()
-
-
-STREAM_VLLM = SimpleNamespace(**{**vars(fake_vllm(StreamLLM)), "SamplingParams": StreamSamplingParams,
-                                 "RequestOutputKind": RequestOutputKind})
 SAMPLING = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=-1, seed=123)
 
 

@@ -12,7 +12,7 @@ from flashdapo.errors import user_error_line
 from flashdapo.rollout.vllm_platform import warn_if_untested
 from flashdapo.tools.warning_lines import WarningAsError, attach_run, showing_warnings
 from flashdapo.trainer.observe.logprob_check import warn_logprob_mismatch
-from tests.trainer.test_distributed import TINY
+from tests.helpers.runs import TINY
 
 
 def test_a_training_warning_prints_one_line_once_and_its_repeats_at_the_end(tmp_path, capsys):

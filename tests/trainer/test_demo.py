@@ -42,7 +42,7 @@ def test_make_demo_runs_twice_in_a_row(tmp_path, monkeypatch):
     from pathlib import Path
 
     from flashdapo.__main__ import main as cli
-    from tests.trainer.test_distributed import TINY
+    from tests.helpers.runs import TINY
 
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     recipe = re.search(r"^demo:.*\n\t(.*)$", makefile, re.M).group(1).split("#")[0]

@@ -17,31 +17,7 @@ from safetensors.torch import load_file
 
 from flashdapo.trainer.state.checkpoint import CheckpointError, resume_candidates
 from flashdapo.trainer.state.rundir import RunDirError, claim_run_dir
-
-SCRIPTS = Path(__file__).parent / "scripts"
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
-    return env
-
-
-def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-TINY = ["--model.toy.sft-steps", "20", "--model.toy.hidden-size", "32", "--model.toy.intermediate-size", "64",
-        "--rollout.n", "4", "--rollout.val-n", "2", "--data.toy.num-val", "8",
-        "--trainer.train-batch", "4", "--trainer.gen-batch", "4", "--trainer.mini-batch", "2",
-        "--trainer.micro-batch-tokens", "64", "--trainer.val-every", "0", "--trainer.val-before-train", "False",
-        "--algorithm.dynamic-sampling", "False", "--logging.plot", "False", "--logging.progress", "False"]
-
+from tests.helpers.runs import ROOT, TINY, TRAINER_SCRIPTS, run_metrics, subprocess_env, torchrun
 
 PAIRS = [("token-mean", "none"), ("seq-mean-token-mean", "token_truncate"), ("seq-mean-token-sum", "sequence_mask"),
          ("token-mean-per-micro-batch", "token_mask"), ("token-mean", "sequence_truncate")]
@@ -54,7 +30,7 @@ def test_two_ranks_and_micro_batches_update_equals_one_rank(tmp_path):
     runs = {"whole": (1, "100000"), "micro": (1, "30"), "two": (2, "48")}
     for name, (ranks, budget) in runs.items():
         (tmp_path / name).mkdir()
-        torchrun(ranks, str(SCRIPTS / "update_equivalence.py"), str(tmp_path / name), budget)
+        torchrun(ranks, str(TRAINER_SCRIPTS / "update_equivalence.py"), str(tmp_path / name), budget)
     initial = torch.load(tmp_path / "whole" / "initial.pt")
     for mode, correction in PAIRS:
         tag = f"{mode}_{correction}"
@@ -96,7 +72,7 @@ def test_mini_batches_of_fewer_groups_than_slots_update_as_one_rank(tmp_path):
     (mini_batch x rollout.n >= data-parallel slots): the same update as 1 rank, every mode and correction."""
     for name, ranks in (("one", 1), ("two", 2)):
         (tmp_path / name).mkdir()
-        torchrun(ranks, str(SCRIPTS / "update_equivalence.py"), str(tmp_path / name), "48", "1")
+        torchrun(ranks, str(TRAINER_SCRIPTS / "update_equivalence.py"), str(tmp_path / name), "48", "1")
     for mode, correction in PAIRS:
         tag = f"{mode}_{correction}"
         ref, two = (json.loads((tmp_path / name / f"losses_{tag}.json").read_text()) for name in ("one", "two"))
@@ -107,7 +83,7 @@ def test_mini_batches_of_fewer_groups_than_slots_update_as_one_rank(tmp_path):
 
 @pytest.mark.distributed
 def test_global_dynamic_sampling_keeps_exactly_train_batch_groups(tmp_path):
-    torchrun(2, str(SCRIPTS / "dynamic_sampling.py"), str(tmp_path))
+    torchrun(2, str(TRAINER_SCRIPTS / "dynamic_sampling.py"), str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["rounds"] == ranks[1]["rounds"] == 2
     assert ranks[0]["informative"] == ranks[1]["informative"] == 4
@@ -120,11 +96,6 @@ def test_global_dynamic_sampling_keeps_exactly_train_batch_groups(tmp_path):
         assert len(ranks[0]["kept"][k]) == len(ranks[1]["kept"][k]) == 4
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sigkill_mid_step_then_resume_auto_reproduces_the_uninterrupted_run(tmp_path):
@@ -132,15 +103,15 @@ def test_sigkill_mid_step_then_resume_auto_reproduces_the_uninterrupted_run(tmp_
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     torchrun(1, "-m", "flashdapo", "train", *TINY, *steps, "--logging.run-dir", str(straight))
     # SIGKILL inside step 3, after the checkpoint of step 2 was written.
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "kill_during_step.py"), "3", *TINY, *steps,
-                           "--logging.run-dir", str(crashed)], capture_output=True, text=True, env=_env(),
+    proc = subprocess.run([sys.executable, str(TRAINER_SCRIPTS / "kill_during_step.py"), "3", *TINY, *steps,
+                           "--logging.run-dir", str(crashed)], capture_output=True, text=True, env=subprocess_env(),
                           cwd=ROOT, timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]
-    assert [r["step"] for r in _metrics(crashed)] == [1, 2]
+    assert [r["step"] for r in run_metrics(crashed)] == [1, 2]
     assert not (crashed / "export").exists()
     torchrun(1, "-m", "flashdapo", "train", *TINY, *steps, "--logging.run-dir", str(crashed),
              "--checkpoint.resume", "auto")
-    assert _metrics(crashed) == _metrics(straight)
+    assert run_metrics(crashed) == run_metrics(straight)
     final_a = load_file(straight / "export" / "model.safetensors")
     final_b = load_file(crashed / "export" / "model.safetensors")
     assert final_a.keys() == final_b.keys()
@@ -165,7 +136,7 @@ def test_checkpoint_saved_by_two_ranks_resumes_on_one(tmp_path):
     assert all(torch.equal(saved[k], resharded[k]) for k in saved)
     # And training goes on from it (the optimizer state was resharded too).
     torchrun(1, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "3", "--checkpoint.resume", "auto")
-    rows = _metrics(run_dir)
+    rows = run_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(r["actor/pg_loss"])) for r in rows)
 
@@ -209,7 +180,7 @@ def test_hf_checkpoint_loads_into_two_shards_exactly(tmp_path):
 
     model = build_toy_model(ModelConfig(), vocab_size=40, max_positions=64, seed=3)
     model.save_pretrained(tmp_path / "ckpt")
-    torchrun(2, str(SCRIPTS / "load_checkpoint.py"), str(tmp_path / "ckpt"), str(tmp_path))
+    torchrun(2, str(TRAINER_SCRIPTS / "load_checkpoint.py"), str(tmp_path / "ckpt"), str(tmp_path))
     loaded = torch.load(tmp_path / "loaded.pt")
     saved = load_file(tmp_path / "ckpt" / "model.safetensors")
     assert loaded["params"].keys() == saved.keys()
@@ -249,7 +220,7 @@ def test_workers_stop_when_the_torchrun_launcher_is_killed_and_their_lock_refuse
            "train", *TINY, "--trainer.total-steps", "100000", "--checkpoint.save-every", "1",
            "--logging.run-dir", str(run_dir)]
     with (tmp_path / "out.txt").open("w") as out:
-        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=ROOT)
     workers = []
     try:
         deadline = time.monotonic() + 240

@@ -6,8 +6,7 @@ import torch
 
 from flashdapo.models import policy
 from flashdapo.models.policy import PolicyModel
-from tests.trainer.test_loop import tiny_config
-from tests.trainer.test_old_logprobs import _first_step_weights
+from tests.helpers.runs import first_step_weights, tiny_config
 
 
 def test_fused_update_equals_generic(tmp_path, monkeypatch):
@@ -15,10 +14,10 @@ def test_fused_update_equals_generic(tmp_path, monkeypatch):
     calls = []
     real = policy.fused_token_loss
     monkeypatch.setattr(policy, "fused_token_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
-    fused, w_fused = _first_step_weights(cfg, monkeypatch)
+    fused, w_fused = first_step_weights(cfg, monkeypatch)
     assert calls, "the CPU update should take the fused sweep"
     monkeypatch.setattr(PolicyModel, "fused_loss", lambda self, device: False)
-    generic, w_generic = _first_step_weights(tiny_config(tmp_path / "generic", trainer={"mini_batch": 2}),
+    generic, w_generic = first_step_weights(tiny_config(tmp_path / "generic", trainer={"mini_batch": 2}),
                                              monkeypatch)
     assert fused["actor/grad_norm"] > 0
     for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"):

@@ -12,7 +12,8 @@ from flashdapo.reward import Verdict
 from flashdapo.trainer.loop import probe, split_metrics, train_step
 from flashdapo.trainer.observe.probe import build_probe_set, probe_due, probe_metrics
 from flashdapo.trainer.setup import setup_run
-from tests.trainer.test_loop import _collect, tiny_config
+from tests.helpers.collecting import collect
+from tests.helpers.runs import tiny_config
 
 NEW_STEP_KEYS = ("actor/clipfrac_upper", "actor/clipfrac_lower", "actor/clipfrac_dual", "train/all_equal_fraction",
                  "train/all_correct_fraction", "train/all_wrong_fraction", "train/generated_samples_cum",
@@ -33,7 +34,7 @@ def test_all_equal_share_counts_generated_groups_with_or_without_dynamic_samplin
     # Round 1 holds prompts 0..3: 0 all correct, 1 informative, 2 and 3 all wrong.
     trainer = {"train_batch": 4, "gen_batch": 4} if not dynamic_sampling else {"train_batch": 1, "gen_batch": 4,
                                                                                 "mini_batch": 1}
-    collected = _collect(set(), algorithm={"dynamic_sampling": dynamic_sampling}, trainer=trainer,
+    collected = collect(set(), algorithm={"dynamic_sampling": dynamic_sampling}, trainer=trainer,
                          verifier=_verifier(all_right={0}, one_right={1}))
     assert collected.groups_generated == 4 and collected.num_gen_batches == 1
     assert (collected.groups_all_equal, collected.groups_all_correct, collected.groups_all_wrong) == (3, 1, 2)

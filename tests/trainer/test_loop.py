@@ -1,11 +1,8 @@
 """The DAPO loop end to end on the toy task (seconds), and dynamic sampling with a scripted scorer."""
 
-import dataclasses
 import json
 import math
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,32 +15,17 @@ from flashdapo.profiling import StageTimer
 from flashdapo.reward import RewardError, Verdict
 from flashdapo.tasks.toy import toy_records
 from flashdapo.trainer import loop
-from flashdapo.trainer.collect import rounds as sampling
-from flashdapo.trainer.collect.rounds import DynamicSamplingError, collect_groups
+from flashdapo.trainer.collect import filter as sampling
+from flashdapo.trainer.collect.filter import DynamicSamplingError
+from flashdapo.trainer.collect.rounds import collect_groups
 from flashdapo.trainer.loop import train, train_step
 from flashdapo.trainer.observe.sinks import REQUIRED_KEYS, format_line
 from flashdapo.trainer.setup import setup_run
 from flashdapo.trainer.state.export import export_hf
-from tests.trainer.scripted import PlainTokenizer, ScriptedEngine, numbered_prompts, scripted_verifier
-
-
-def tiny_config(run_dir, **overrides):
-    """The toy preset shrunk to seconds: a few warm-up steps, small batches."""
-    base = toy()
-    small = {
-        "model": {"toy": {"sft_steps": 5, "hidden_size": 32, "intermediate_size": 64}},
-        "data": {"toy": {"num_val": 6}},
-        "rollout": {"n": 4, "val_n": 2},
-        # An untrained model is always wrong: without dynamic sampling its groups still train, through the
-        # overlong penalty's different scores for different lengths.
-        "algorithm": {"dynamic_sampling": False},
-        "trainer": {"total_steps": 2, "train_batch": 4, "gen_batch": 4, "mini_batch": 2, "val_every": 2,
-                    "micro_batch_tokens": 64},
-        "checkpoint": {"save_every": 0},
-        "logging": {"run_dir": str(run_dir), "plot": True, "progress": False},
-    }
-    cfg = merge(base, small)
-    return merge(cfg, overrides) if overrides else cfg
+from tests.helpers.collecting import collect
+from tests.helpers.data_files import write_aime_style_parquet
+from tests.helpers.runs import tiny_config
+from tests.trainer.scripted import PlainTokenizer, ScriptedEngine, numbered_prompts
 
 
 def _read_metrics(run_dir):
@@ -74,18 +56,6 @@ def test_end_to_end_run_writes_metrics_plot_and_loadable_export(tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def _write_aime_style_parquet(path, records):
-    """A parquet in the DAPO / AIME-2024 schema (prompt chat list, reward_model.ground_truth, extras)."""
-    table = pa.table({
-        "data_source": ["toy"] * len(records),
-        "prompt": [r.messages for r in records],
-        "ability": ["MATH"] * len(records),
-        "reward_model": [{"ground_truth": r.ground_truth, "style": "rule"} for r in records],
-        "extra_info": [{"index": i} for i in range(len(records))],
-    })
-    pq.write_table(table, path)
-
-
 def test_train_cli_path_runs_validation_checkpoint_plot_and_eval(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     # The loop's heartbeat at logging.heartbeat_s / 100 (the field allows 1 s at least; a tiny step is shorter).
@@ -110,7 +80,7 @@ def test_train_cli_path_runs_validation_checkpoint_plot_and_eval(tmp_path, capsy
 
     # `flashdapo eval` on the export, with an AIME-schema parquet (each problem twice: deduplicated).
     records = toy_records(ToyTaskConfig(num_val=5), "val")
-    _write_aime_style_parquet(tmp_path / "eval.parquet", records + records)
+    write_aime_style_parquet(tmp_path / "eval.parquet", records + records)
     assert cli(["eval", "--model", str(run_dir / "export"), "--data", str(tmp_path / "eval.parquet"),
                 "--out", str(tmp_path / "eval"), "--k", "3", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
@@ -131,51 +101,37 @@ def test_same_seed_same_first_step(tmp_path):
 # Dynamic sampling with a scripted engine and scorer
 
 
-def _collect(informative_ids, num_prompts=12, algorithm=None, trainer=None, keep_generated=False, verifier=None):
-    cfg = toy()
-    cfg = dataclasses.replace(
-        cfg, rollout=dataclasses.replace(cfg.rollout, n=4),
-        algorithm=dataclasses.replace(cfg.algorithm, **(algorithm or {})),
-        trainer=dataclasses.replace(cfg.trainer, **({"train_batch": 4, "gen_batch": 4, "mini_batch": 2} |
-                                                     (trainer or {}))))
-    sampler = PromptSampler(numbered_prompts(num_prompts), cfg.trainer.gen_batch, seed=0, shuffle=False)
-    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
-    return collect_groups(1, sampler, ScriptedEngine(), PlainTokenizer(),
-                          verifier or scripted_verifier(informative_ids), cfg, env, StageTimer(env.device),
-                          keep_generated=keep_generated)
-
-
 def test_partly_informative_refills_to_exactly_train_batch_whole_groups():
     # Prompts 0..11 in order, 4 per round; informative: 1, 2 (round 1), 5 (round 2), 8, 9, 10 (round 3).
-    collected = _collect({1, 2, 5, 8, 9, 10})
+    collected = collect({1, 2, 5, 8, 9, 10})
     assert collected.num_gen_batches == 3
     assert [int(g.prompt[0]) for g in collected.groups] == [1, 2, 5, 8]
     assert all(g.size == 4 for g in collected.groups)
     assert collected.groups_informative == 6 and collected.groups_generated == 12
     # Every response sampled counts, kept or not (train/generated_tokens): 3 rounds of 4 prompts x 4.
-    every = _collect(set(range(12)), trainer={"train_batch": 12, "gen_batch": 12})
+    every = collect(set(range(12)), trainer={"train_batch": 12, "gen_batch": 12})
     assert collected.generated_tokens == sum(len(r) for g in every.groups for r in g.responses) > 0
 
 
 def test_no_informative_group_raises_with_counts():
     with pytest.raises(DynamicSamplingError, match=r"found 0 informative groups in 3 generation rounds"):
-        _collect(set(), algorithm={"max_gen_batches": 3, "on_max_gen_batches": "error"})
+        collect(set(), algorithm={"max_gen_batches": 3, "on_max_gen_batches": "error"})
 
 
 def test_no_informative_group_continue_trains_on_what_it_has():
     with pytest.warns(UserWarning, match="training on what was found"):
-        collected = _collect({2}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"})
+        collected = collect({2}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"})
     assert collected.num_gen_batches == 2 and [int(g.prompt[0]) for g in collected.groups] == [2]
 
 
 def test_short_batch_keeps_the_mini_batch_size_and_takes_fewer_optimizer_steps():
     # train_batch 8 in mini-batches of 4 (2 optimizer steps); two rounds find 3 informative groups (1, 2, 5).
     with pytest.warns(UserWarning, match=r"3 groups in 1 mini-batches of up to 4 \(instead of 2\)"):
-        collected = _collect({1, 2, 5}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"},
+        collected = collect({1, 2, 5}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"},
                              trainer={"train_batch": 8, "mini_batch": 4})
     assert [[int(g.prompt[0]) for g in part] for part in collected.mini_batches] == [[1, 2, 5]]
     with pytest.warns(UserWarning, match=r"5 groups in 2 mini-batches of up to 4 \(instead of 2\)"):
-        collected = _collect({0, 1, 2, 5, 6}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"},
+        collected = collect({0, 1, 2, 5, 6}, algorithm={"max_gen_batches": 2, "on_max_gen_batches": "continue"},
                              trainer={"train_batch": 8, "mini_batch": 4})
     assert [len(part) for part in collected.mini_batches] == [4, 1]
 
@@ -188,16 +144,16 @@ def test_filter_metric_score_keeps_groups_whose_scores_differ(metric, kept):
         prompt_id, sample = map(int, text.split())
         return Verdict(-0.5 if prompt_id in (0, 2) and sample == 1 else -1.0, False, text)
     with pytest.warns(UserWarning, match="training on what was found"):
-        collected = _collect(set(), algorithm={"filter_metric": metric, "max_gen_batches": 1,
+        collected = collect(set(), algorithm={"filter_metric": metric, "max_gen_batches": 1,
                                                "on_max_gen_batches": "continue"}, verifier=verify)
     assert [int(g.prompt[0]) for g in collected.groups] == kept
 
 
 def test_extra_generation_rounds_of_a_long_step_print_their_progress(capsys, monkeypatch):
-    _collect({1, 2, 5, 8, 9, 10})  # rounds of milliseconds: the step line's `rounds N` says enough
+    collect({1, 2, 5, 8, 9, 10})  # rounds of milliseconds: the step line's `rounds N` says enough
     assert "generation round" not in capsys.readouterr().out
     monkeypatch.setattr(sampling, "ROUND_LINE_AFTER_S", 0.0)  # as if each round took longer than the bound
-    _collect({1, 2, 5, 8, 9, 10})
+    collect({1, 2, 5, 8, 9, 10})
     lines = [line for line in capsys.readouterr().out.splitlines() if "generation round" in line]
     assert lines == ["flashdapo: step 1: generation round 2: 2 of 4 informative groups kept so far",
                      "flashdapo: step 1: generation round 3: 3 of 4 informative groups kept so far"]
@@ -207,7 +163,7 @@ def test_unbounded_dynamic_sampling_warns_with_the_kept_rate():
     # Informative prompts only in rounds 21 and 22 (4 prompts a round): the warning after round 20 says so.
     with pytest.warns(UserWarning, match=r"step 1: 20 generation rounds kept 0 of 80 groups \(0.0%\); train_batch "
                                          r"needs 4: it may never end. algorithm.max_gen_batches=0 is unbounded"):
-        collected = _collect({80, 81, 84, 85}, num_prompts=88, algorithm={"max_gen_batches": 0})
+        collected = collect({80, 81, 84, 85}, num_prompts=88, algorithm={"max_gen_batches": 0})
     assert collected.num_gen_batches == 22 and len(collected.groups) == 4
 
 
@@ -224,7 +180,7 @@ def test_a_non_finite_reward_names_the_prompt_and_response():
 
 
 def test_dynamic_sampling_off_keeps_everything():
-    collected = _collect(set(), algorithm={"dynamic_sampling": False})
+    collected = collect(set(), algorithm={"dynamic_sampling": False})
     assert collected.num_gen_batches == 1 and len(collected.groups) == 4
 
 

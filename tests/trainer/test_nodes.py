@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_distributed import SCRIPTS, TINY, _env, _metrics
+from tests.helpers.runs import TINY, TRAINER_SCRIPTS, run_metrics, subprocess_env
 
 RUN = [*TINY, "--checkpoint.save-every", "1", "--checkpoint.export-hf", "False"]
 
@@ -36,8 +36,8 @@ def _two_nodes(tmp_path: Path, run_dir: str, *extra: str) -> tuple[list[int], st
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id=nodes-{port}",
                "--max-restarts=0", "-m", "flashdapo", "train", *RUN, "--logging.run-dir", run_dir, *extra]
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
     try:
         outputs = [p.communicate(timeout=240)[0] for p in procs]
     except subprocess.TimeoutExpired:
@@ -72,12 +72,12 @@ def test_a_shared_absolute_run_dir_trains_and_resumes_on_two_nodes(tmp_path):
     shared = tmp_path / "shared" / "run"
     codes, out = _two_nodes(tmp_path, str(shared), "--trainer.total-steps", "2")
     assert codes == [0, 0], out
-    assert [r["step"] for r in _metrics(shared)] == [1, 2]
+    assert [r["step"] for r in run_metrics(shared)] == [1, 2]
     assert not list(shared.glob(".flashdapo-storage-check-*"))  # the token file is removed
     codes, out = _two_nodes(tmp_path, str(shared), "--trainer.total-steps", "3", "--checkpoint.resume", "auto")
     assert codes == [0, 0], out
     assert re.search(r"resumed from \S+step_00000002 at step 2", out), out
-    assert [r["step"] for r in _metrics(shared)] == [1, 2, 3]
+    assert [r["step"] for r in run_metrics(shared)] == [1, 2, 3]
 
 
 @pytest.mark.distributed
@@ -86,9 +86,9 @@ def test_a_rank_stalled_at_start_fails_the_job_after_setup_timeout_not_collectiv
     """Rank 1 stalls 10 minutes at the start-up checks: rank 0's wait ends after trainer.setup_timeout_s (5 s)
     in one line naming the setting, and no rank outlives the job (collective_timeout_s stays 1800 s)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(SCRIPTS / "stall_at_start.py"), "1", "600", *RUN, "--trainer.setup-timeout-s", "5",
+           str(TRAINER_SCRIPTS / "stall_at_start.py"), "1", "600", *RUN, "--trainer.setup-timeout-s", "5",
            "--logging.run-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out = proc.communicate(timeout=150)[0]

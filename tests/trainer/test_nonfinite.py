@@ -13,7 +13,7 @@ from flashdapo.trainer import update as update_module
 from flashdapo.trainer.loop import train_step
 from flashdapo.trainer.setup import setup_run
 from flashdapo.trainer.update import NonFiniteError
-from tests.trainer.test_loop import tiny_config
+from tests.helpers.runs import tiny_config
 
 
 def _finite(run) -> bool:

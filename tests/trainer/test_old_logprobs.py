@@ -5,13 +5,10 @@ import torch
 
 from flashdapo.algorithm import token_loss
 from flashdapo.config import AlgorithmConfig
-from flashdapo.distributed.mesh import shutdown
 from flashdapo.kernels import token_logprobs
 from flashdapo.trainer import update
 from flashdapo.trainer.batch import Group
-from flashdapo.trainer.loop import train_step
-from flashdapo.trainer.setup import setup_run
-from tests.trainer.test_loop import tiny_config
+from tests.helpers.runs import first_step_weights, tiny_config
 
 
 def test_token_loss_on_policy_equals_explicit_old_and_plain_policy_gradient():
@@ -41,29 +38,15 @@ def test_token_loss_on_policy_equals_explicit_old_and_plain_policy_gradient():
     assert float(stats.pg_clipfrac) == 0 and float(stats.ppo_kl) == 0 and float(stats.ratio) == float(stats.num_tokens)
 
 
-def _first_step_weights(cfg, monkeypatch, force_recompute=False):
-    if force_recompute:
-        monkeypatch.setattr(update, "on_policy", lambda _cfg: False)
-    run = setup_run(cfg)
-    try:
-        metrics = train_step(run, 1)
-        weights = [p.detach().clone() for p in run.policy.parameters()]
-    finally:
-        run.logger.close()
-        shutdown()
-        monkeypatch.undo()
-    return metrics, weights
-
-
 def test_on_policy_step_skips_the_pass_and_matches_recompute(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path / "a", trainer={"mini_batch": 4})  # train_batch 4: one optimizer step
     real = update.compute_old_logprobs
     calls = []
     monkeypatch.setattr(update, "compute_old_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
-    skipped, w_skipped = _first_step_weights(cfg, monkeypatch)
+    skipped, w_skipped = first_step_weights(cfg, monkeypatch)
     assert not calls
     monkeypatch.setattr(update, "compute_old_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
-    recomputed, w_recomputed = _first_step_weights(tiny_config(tmp_path / "b", trainer={"mini_batch": 4}),
+    recomputed, w_recomputed = first_step_weights(tiny_config(tmp_path / "b", trainer={"mini_batch": 4}),
                                                    monkeypatch, force_recompute=True)
     assert calls
     assert skipped["actor/grad_norm"] == pytest.approx(recomputed["actor/grad_norm"], rel=1e-5)
@@ -78,8 +61,8 @@ def test_rollout_old_logprobs_use_the_engine_and_match_recompute(tmp_path, monke
 
     monkeypatch.setattr(update, "compute_old_logprobs", no_pass)
     cfg = tiny_config(tmp_path / "rollout", algorithm={"old_logprobs": "rollout"})  # 2 mini-batches
-    rollout, w_rollout = _first_step_weights(cfg, monkeypatch)
-    recomputed, w_recomputed = _first_step_weights(tiny_config(tmp_path / "recompute"), monkeypatch)
+    rollout, w_rollout = first_step_weights(cfg, monkeypatch)
+    recomputed, w_recomputed = first_step_weights(tiny_config(tmp_path / "recompute"), monkeypatch)
     assert len(w_rollout) == len(w_recomputed)
     # The torch engine's log-probs match the trainer's to ~1e-6: the two updates barely differ.
     for a, b in zip(w_rollout, w_recomputed):

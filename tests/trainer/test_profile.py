@@ -14,7 +14,7 @@ from flashdapo.config import ConfigError, ProfileConfig, merge, toy
 from flashdapo.kernels import token_logprobs
 from flashdapo.preflight import check_layout
 from flashdapo.profiling import Recorder, StepProfiler, named, recording, traced
-from tests.trainer.test_distributed import TINY, torchrun
+from tests.helpers.runs import TINY, torchrun
 
 RANGES = {"step", "weight_sync", "gen", "reward", "old_log_prob", "adv", "update_actor", "lm_head.forward",
           "lm_head.backward"}

@@ -6,7 +6,7 @@ import flashdapo.trainer.setup as run_module
 from flashdapo.rollout.torch_engine import TorchEngine
 from flashdapo.tokenizer import eos_token_ids
 from flashdapo.trainer.loop import train
-from tests.trainer.test_loop import tiny_config
+from tests.helpers.runs import tiny_config
 
 
 class RecordingEngine(TorchEngine):

@@ -21,8 +21,9 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.runs import ROOT, subprocess_env
+from tests.helpers.vllm_runs import FINALIZER_ERROR
 from tests.vllm import stream_script as plan
-from tests.vllm.test_real_vllm import FINALIZER_ERROR, ROOT, _env
 from tests.vllm.toy import toy_export
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -35,7 +36,7 @@ def streamed(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_stream")
     model, out = toy_export(root / "tied"), root / "out.json"
     proc = subprocess.run([sys.executable, "-m", "tests.vllm.stream_script", str(model), str(out)],
-                          capture_output=True, text=True, timeout=400, env=_env(), cwd=ROOT)
+                          capture_output=True, text=True, timeout=400, env=subprocess_env(), cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert FINALIZER_ERROR not in proc.stderr
     return json.loads(out.read_text())

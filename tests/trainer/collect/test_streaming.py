@@ -5,29 +5,19 @@ without an early stop is the rounds run bitwise, a fixed-seed streaming run repe
 bitwise from a checkpoint holding carried responses."""
 
 import json
-import math
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from flashdapo.config import merge, toy
-from flashdapo.distributed.mesh import DistEnv
+from flashdapo.config import merge
 from flashdapo.profiling import StageTimer
 from flashdapo.reward import Verdict
 from flashdapo.trainer.collect.streaming import StreamState, stream_groups
-from tests.trainer.scripted import PlainTokenizer, ScriptedStream, numbered_prompts
-from tests.trainer.test_distributed import ROOT, SCRIPTS, TINY, _env, torchrun
-
-ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
-N = 4
-
-
-def long_tail(prompt: int, member: int) -> int:
-    """Heavy-tailed response lengths (3..~90 tokens), fixed per (prompt, member)."""
-    u = ((prompt * 7919 + member * 104729) % 1000 + 0.5) / 1000
-    return 3 + int(4 * math.exp(2.6 * u ** 3))
+from tests.helpers.collecting import ENV, N, long_tail, stream_config, stream_sampler
+from tests.helpers.runs import ROOT, TINY, TRAINER_SCRIPTS, subprocess_env, torchrun
+from tests.trainer.scripted import PlainTokenizer, ScriptedStream
 
 
 def every_prompt_informative(text: str, truth: str) -> Verdict:
@@ -36,16 +26,9 @@ def every_prompt_informative(text: str, truth: str) -> Verdict:
     return Verdict(1.0 if ok else -1.0, ok, text)
 
 
-def _cfg(carry: bool, **trainer):
-    return merge(toy(), {"rollout": {"n": N, "streaming": True, "partial_rollouts": carry, "max_carry_steps": 50,
-                                     "max_response_length": 200},
-                         "algorithm": {"max_gen_batches": 0},
-                         "trainer": {"train_batch": 4, "gen_batch": 8, "mini_batch": 4, **trainer}})
-
-
 def _steps(cfg, steps: int, engine: ScriptedStream, state: StreamState | None = None, start: int = 1):
     state = state or StreamState()
-    sampler = _sampler(cfg)
+    sampler = stream_sampler(cfg)
     out = []
     for step in range(start, start + steps):
         engine.version = step
@@ -55,14 +38,8 @@ def _steps(cfg, steps: int, engine: ScriptedStream, state: StreamState | None = 
     return out, state, sampler
 
 
-def _sampler(cfg):
-    from flashdapo.data import PromptSampler
-
-    return PromptSampler(numbered_prompts(4000), cfg.trainer.gen_batch, seed=0, shuffle=False)
-
-
 def test_carried_responses_keep_each_tokens_version_and_log_prob():
-    cfg = _cfg(carry=True)
+    cfg = stream_config(carry=True)
     steps, _, _ = _steps(cfg, 6, ScriptedStream(long_tail, N))
     mixed = 0
     for step, (collected, stats) in enumerate(steps, start=1):
@@ -79,7 +56,7 @@ def test_carried_responses_keep_each_tokens_version_and_log_prob():
 
 @pytest.mark.parametrize("carry", [True, False])
 def test_no_response_is_lost_or_trained_twice(carry):
-    cfg = _cfg(carry)
+    cfg = stream_config(carry)
     steps, state, _ = _steps(cfg, 8, ScriptedStream(long_tail, N))
     trained = [int(g.prompt[0]) for collected, _ in steps for g in collected.groups]
     assert len(trained) == 8 * 4 and len(set(trained)) == len(trained)
@@ -96,7 +73,7 @@ def test_no_response_is_lost_or_trained_twice(carry):
 def test_early_stop_without_carry_biases_toward_short_responses_and_carry_does_not():
     def mean_trained_length(carry: bool) -> float:
         # 16 prompts in flight, 4 trained per step: the early stop takes the fastest quarter.
-        steps, _, _ = _steps(_cfg(carry, gen_batch=16), 30, ScriptedStream(long_tail, N))
+        steps, _, _ = _steps(stream_config(carry, gen_batch=16), 30, ScriptedStream(long_tail, N))
         lengths = [len(r) for collected, _ in steps for g in collected.groups for r in g.responses]
         return sum(lengths) / len(lengths)
 
@@ -123,7 +100,7 @@ def test_the_wait_after_the_target_is_the_steps_run_until_the_ranks_agree(monkey
 
     # One pull of 8 prompts, all informative: the 4th group to complete meets the target of 4, at the step
     # where its longest response finishes (one token per step, every request from the first step on).
-    cfg = merge(_cfg(carry=True), {"algorithm": {"max_gen_batches": 1}, "rollout": {"agree_every": every}})
+    cfg = merge(stream_config(carry=True), {"algorithm": {"max_gen_batches": 1}, "rollout": {"agree_every": every}})
     met = sorted(max(long_tail(p, m) for m in range(N)) for p in range(8))[3]
     engine = CountingStream(long_tail, N)
     monkeypatch.setattr(streaming, "_clock", lambda: float(engine.steps))  # one unit per engine step
@@ -136,13 +113,13 @@ def test_the_wait_after_the_target_is_the_steps_run_until_the_ranks_agree(monkey
 
 
 def test_stream_state_round_trips_through_a_checkpoint_file(tmp_path):
-    cfg = _cfg(carry=True)
+    cfg = stream_config(carry=True)
     _, state, sampler = _steps(cfg, 2, ScriptedStream(long_tail, N))
     assert state.pending and any(len(r.tokens) for g in state.pending.values() for r in g.responses)
     torch.save(state.to_plain(), tmp_path / "s.pt")
     restored = StreamState.from_plain(torch.load(tmp_path / "s.pt", weights_only=True))
     a, _, _ = _steps(cfg, 3, ScriptedStream(long_tail, N), state, start=3)
-    sampler2 = _sampler(cfg)
+    sampler2 = stream_sampler(cfg)
     sampler2.load_state_dict(sampler.state_dict())
     b, _, _ = _steps(cfg, 3, ScriptedStream(long_tail, N), restored, start=3)
     for (ca, _), (cb, _) in zip(a, b):
@@ -185,9 +162,9 @@ def test_streaming_repeats_and_resumes_bitwise_with_carried_responses(tmp_path, 
     torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "4", "--logging.run-dir",
              str(straight))
     if ranks == 1:  # SIGKILL inside step 3 (after its generation), after the checkpoint of step 2
-        proc = subprocess.run([sys.executable, str(SCRIPTS / "kill_during_step.py"), "3", *common,
+        proc = subprocess.run([sys.executable, str(TRAINER_SCRIPTS / "kill_during_step.py"), "3", *common,
                                "--trainer.total-steps", "4", "--logging.run-dir", str(resumed)],
-                              capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+                              capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
         assert proc.returncode == -9, proc.stderr[-3000:]
     else:
         torchrun(ranks, "-m", "flashdapo", "train", *common, "--trainer.total-steps", "2", "--logging.run-dir",

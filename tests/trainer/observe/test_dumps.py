@@ -15,8 +15,9 @@ from flashdapo.trainer.batch import build_train_batch
 from flashdapo.trainer.collect.streaming import StreamState, stream_groups
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.observe.dumps import dump_train_rollouts
+from tests.helpers.collecting import ENV, N, collect, long_tail, stream_config, stream_sampler
+from tests.helpers.runs import tiny_config
 from tests.trainer.scripted import PlainTokenizer, ScriptedStream
-from tests.trainer.test_loop import _collect, tiny_config
 
 
 def _lines(path):
@@ -25,7 +26,7 @@ def _lines(path):
 
 def test_every_generated_group_is_dumped_with_its_status_and_advantages(tmp_path):
     # Prompts 0..11, 4 per round; informative 1, 2 | 5 | 8, 9, 10: train_batch 4 trains 1, 2, 5, 8.
-    collected = _collect({1, 2, 5, 8, 9, 10}, keep_generated=True)
+    collected = collect({1, 2, 5, 8, 9, 10}, keep_generated=True)
     responses = [r for g in collected.groups for r in g.responses]
     batch = build_train_batch(collected.mini_batches, [torch.zeros(len(r)) for r in responses], toy().algorithm)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
@@ -50,10 +51,8 @@ def one_in_three_all_wrong(text: str, truth: str) -> Verdict:
 
 
 def test_streaming_dumps_every_finished_group_and_those_kept_for_the_next_step(tmp_path):
-    from tests.trainer.collect.test_streaming import ENV, N, _cfg, _sampler, long_tail
-
-    cfg = _cfg(carry=True)
-    state, sampler, engine = StreamState(), _sampler(cfg), ScriptedStream(long_tail, N)
+    cfg = stream_config(carry=True)
+    state, sampler, engine = StreamState(), stream_sampler(cfg), ScriptedStream(long_tail, N)
     earlier: list[str] = []  # the previous step's next_step prompts
     rolled = 0
     for step in range(1, 6):

@@ -85,7 +85,7 @@ def test_a_plot_that_cannot_be_written_never_stops_training(tmp_path, monkeypatc
 
     from flashdapo.trainer.loop import train
     from flashdapo.trainer.observe import sinks as metrics
-    from tests.trainer.test_loop import tiny_config
+    from tests.helpers.runs import tiny_config
 
     def full_disk(history, path, title):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

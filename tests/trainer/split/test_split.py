@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from flashdapo.trainer.split.schedule import expected_lag, last_pushed_step, weights_step
-from tests.trainer.test_distributed import ROOT, TINY, _env
+from tests.helpers.runs import ROOT, TINY, subprocess_env
 
 SPLIT = ["--rollout.placement", "split", "--rollout.rollout-ranks", "1"]
 STEPS = ["--trainer.total-steps", "3"]
@@ -27,7 +27,8 @@ SPLIT_TIMING = ("split/trainer_idle", "split/rollout_idle", "split/weight_push_s
 def _start(nproc: int, run_dir, *args: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
            "flashdapo", "train", *TINY, *STEPS, *args, "--logging.run-dir", str(run_dir)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
+                            cwd=ROOT)
 
 
 def _together(*runs: tuple) -> None:
@@ -126,7 +127,7 @@ def test_the_push_check_names_a_perturbed_tied_head(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "trainer" / "scripts" / "split_perturb_push.py"), "1", *TINY, *STEPS, *SPLIT,
            "--rollout.max-lag", "0", "--logging.run-dir", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
     assert proc.returncode != 0
     line = next((x for x in proc.stderr.splitlines() if "after loading the weights of step 1" in x), "")
     assert "tensors that differ: model.embed_tokens.weight" in line, proc.stderr[-3000:]

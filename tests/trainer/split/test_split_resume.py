@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.test_distributed import ROOT, TINY, _env
+from tests.helpers.runs import ROOT, TINY, subprocess_env
 
 ARGS = [*TINY, "--rollout.placement", "split", "--rollout.rollout-ranks", "1", "--rollout.max-lag", "1",
         "--algorithm.filter-metric", "score", "--rollout.max-response-length", "24", "--algorithm.dynamic-sampling",
@@ -52,9 +52,9 @@ def _rows(run_dir: Path):
 @pytest.mark.parametrize(("role", "rank"), [("trainer", 0), ("rollout", 1)])
 def test_sigkill_of_either_side_then_resume_is_the_uninterrupted_run(tmp_path, role, rank):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    env = {**_env(), "FLASHDAPO_TEST_TAG": str(killed)}
-    ref = subprocess.Popen(_cmd(straight), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                           cwd=ROOT)
+    env = {**subprocess_env(), "FLASHDAPO_TEST_TAG": str(killed)}
+    ref = subprocess.Popen(_cmd(straight), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=subprocess_env(), cwd=ROOT)
     victim = subprocess.Popen(_cmd(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               cwd=ROOT)
     metrics, deadline = killed / "metrics.jsonl", time.time() + 300
@@ -68,8 +68,8 @@ def test_sigkill_of_either_side_then_resume_is_the_uninterrupted_run(tmp_path, r
     out = victim.communicate(timeout=120)[0]
     assert victim.returncode != 0, f"the {role} rank was not killed in time:\n{out[-3000:]}"
     assert ref.communicate(timeout=400)[0] is not None and ref.returncode == 0
-    resumed = subprocess.run(_cmd(killed, "--checkpoint.resume", "auto"), capture_output=True, text=True, env=_env(),
-                             cwd=ROOT, timeout=400)
+    resumed = subprocess.run(_cmd(killed, "--checkpoint.resume", "auto"), capture_output=True, text=True,
+                             env=subprocess_env(), cwd=ROOT, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     found = re.search(r"resumed from \S+step_(\d+) at step (\d+)", resumed.stdout)
     assert found and int(found.group(2)) >= 1, resumed.stdout[-3000:]  # a real resume, not a fresh start

@@ -14,36 +14,19 @@ import yaml
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from flashdapo.config import ToyTaskConfig, merge
+from flashdapo.config import ToyTaskConfig
 from flashdapo.tasks.toy import build_toy_tokenizer, toy_records
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.state.run_settings import ResumeRefused, file_sha256
-from tests.trainer.test_loop import _write_aime_style_parquet, tiny_config
-
-QUICK = {"trainer": {"total_steps": 2, "val_before_train": False, "val_every": 0},
-         "checkpoint": {"save_every": 1, "keep_last": 3}, "logging": {"plot": False}}
-
-
-def _config(run_dir, **overrides):
-    cfg = tiny_config(run_dir, **QUICK)
-    return merge(cfg, overrides) if overrides else cfg
-
-
-def _resume(run_dir, **overrides):
-    cfg = _config(run_dir, checkpoint={"resume": "auto"})
-    return merge(cfg, overrides) if overrides else cfg
-
-
-def _metrics(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+from tests.helpers.data_files import write_aime_style_parquet
+from tests.helpers.runs import quick_config, resume_config, run_metrics
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished 2-step run (checkpoints at steps 1 and 2); tests copy it before resuming."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    train(_config(run_dir))
+    train(quick_config(run_dir))
     return run_dir
 
 
@@ -64,7 +47,7 @@ def run_dir(finished, tmp_path):
 def test_a_resume_with_changed_settings_is_refused_naming_each_field(run_dir, overrides, expected):
     before = (run_dir / "metrics.jsonl").read_text()
     with pytest.raises(ResumeRefused) as info:
-        train(_resume(run_dir, **overrides))
+        train(resume_config(run_dir, **overrides))
     message = str(info.value)
     assert "\n" not in message and expected in message and "step_00000002" in message, message
     assert "--checkpoint.allow-changes " + " ".join(part.split()[0] for part in expected.split("; ")) in message
@@ -73,19 +56,19 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_field(run_dir, ov
 
 def test_an_accepted_lr_change_is_the_rate_the_resumed_run_trains_at(run_dir, capsys):
     new_lr = 2e-3
-    run = train(_resume(run_dir, trainer={"total_steps": 3}, optim={"lr": new_lr},
+    run = train(resume_config(run_dir, trainer={"total_steps": 3}, optim={"lr": new_lr},
                         checkpoint={"allow_changes": ["optim.lr"]}))
     out = capsys.readouterr().out
     assert "settings changed from the checkpoint's (checkpoint.allow_changes=optim.lr): optim.lr 0.0005 -> 0.002" in out
     warmup = max(run.cfg.optim.warmup_steps, 1)
     # The schedule's factor at step 3 (2 steps taken) times the NEW base rate, as the loop logged it and the
     # optimizer used it; after step 3 the optimizer holds the factor of 3 steps taken.
-    assert _metrics(run_dir)[-1]["step"] == 3
-    assert _metrics(run_dir)[-1]["actor/lr"] == pytest.approx(new_lr * min(1.0, 3 / warmup), rel=1e-12)
+    assert run_metrics(run_dir)[-1]["step"] == 3
+    assert run_metrics(run_dir)[-1]["actor/lr"] == pytest.approx(new_lr * min(1.0, 3 / warmup), rel=1e-12)
     assert run.optimizer.param_groups[0]["lr"] == pytest.approx(new_lr * min(1.0, 4 / warmup), rel=1e-12)
     assert run.scheduler.base_lrs == [new_lr]
     # The new rate is recorded as this run's setting: a second resume at it needs no override.
-    train(_resume(run_dir, trainer={"total_steps": 4}, optim={"lr": new_lr}))
+    train(resume_config(run_dir, trainer={"total_steps": 4}, optim={"lr": new_lr}))
     # Each start kept its own config; run.json says what changed.
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["lr"] == 5e-4
     assert yaml.safe_load((run_dir / "config.resume-1.yaml").read_text())["optim"]["lr"] == new_lr
@@ -97,29 +80,29 @@ def test_an_accepted_lr_change_is_the_rate_the_resumed_run_trains_at(run_dir, ca
 
 def test_an_unchanged_resume_reproduces_the_uninterrupted_run_bitwise(finished, tmp_path):
     uninterrupted = tmp_path / "uninterrupted"
-    train(_config(uninterrupted, trainer={"total_steps": 3}))
+    train(quick_config(uninterrupted, trainer={"total_steps": 3}))
     shutil.copytree(finished, tmp_path / "resumed", ignore=shutil.ignore_patterns(".flashdapo.lock"))
     resumed = tmp_path / "resumed"
-    train(_resume(resumed, trainer={"total_steps": 3}, checkpoint={"resume": str(resumed / "checkpoints" /
+    train(resume_config(resumed, trainer={"total_steps": 3}, checkpoint={"resume": str(resumed / "checkpoints" /
                                                                                   "step_00000001")}))
-    assert _metrics(resumed) == _metrics(uninterrupted)
+    assert run_metrics(resumed) == run_metrics(uninterrupted)
     ours, theirs = (load_file(d / "export" / "model.safetensors") for d in (resumed, uninterrupted))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_cumulative_counters_continue_across_a_resume(finished, tmp_path):
     uninterrupted = tmp_path / "uninterrupted"
-    train(_config(uninterrupted, trainer={"total_steps": 3}, checkpoint={"export_hf": False}))
+    train(quick_config(uninterrupted, trainer={"total_steps": 3}, checkpoint={"export_hf": False}))
     shutil.copytree(finished, tmp_path / "resumed", ignore=shutil.ignore_patterns(".flashdapo.lock"))
     resumed = tmp_path / "resumed"
     state = torch.load(resumed / "checkpoints" / "step_00000001" / "trainer_state.pt", weights_only=True)
-    train(_resume(resumed, trainer={"total_steps": 3}, checkpoint={"export_hf": False, "resume": str(
+    train(resume_config(resumed, trainer={"total_steps": 3}, checkpoint={"export_hf": False, "resume": str(
         resumed / "checkpoints" / "step_00000001")}))
     keys = ("train/generated_samples_cum", "train/generated_tokens_cum")
-    ours, theirs = ([{k: r[k] for k in keys} for r in _metrics(d) if r["step"] > 0] for d in (resumed, uninterrupted))
+    ours, theirs = ([{k: r[k] for k in keys} for r in run_metrics(d) if r["step"] > 0] for d in (resumed, uninterrupted))
     assert ours == theirs and len(ours) == 3
     # The running sums of the per-step counts, continued from the checkpoint's (not restarted at 0).
-    steps = [r for r in _metrics(uninterrupted) if r["step"] > 0]
+    steps = [r for r in run_metrics(uninterrupted) if r["step"] > 0]
     assert [r["train/generated_tokens_cum"] for r in steps] == list(
         itertools.accumulate(r["train/generated_tokens"] for r in steps))
     assert [r["train/generated_samples_cum"] for r in steps] == [4 * 4 * s for s in (1, 2, 3)]  # gen_batch x n
@@ -148,26 +131,26 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before_it(finished, 
     damage(run_dir / "checkpoints" / "step_00000002")
     if without_run_json:
         (run_dir / "run.json").unlink()
-    run = train(_resume(run_dir))
+    run = train(resume_config(run_dir))
     out = capsys.readouterr().out
     skipped = [line for line in out.splitlines() if "skipping checkpoint step_00000002" in line]
     assert len(skipped) == 1 and what in skipped[0], out
     assert "belongs to run" not in out and "of another run" not in out
     assert run.start_step == 1 and run.run_id == run_id and f"resumed from {run_dir}/checkpoints/step_00000001" in out
-    assert _metrics(run_dir) == _metrics(finished)  # step 2 retrained from step 1 as the first run trained it
+    assert run_metrics(run_dir) == run_metrics(finished)  # step 2 retrained from step 1 as the first run trained it
 
 
 def test_a_changed_train_file_with_the_same_rows_is_refused(tmp_path):
     records = toy_records(ToyTaskConfig(num_train=24, seed=3), "train")
     data = tmp_path / "train.parquet"
-    _write_aime_style_parquet(data, records)
+    write_aime_style_parquet(data, records)
     run_dir = tmp_path / "run"
-    train(_config(run_dir, data={"train_files": [str(data)]}, trainer={"total_steps": 1}))
+    train(quick_config(run_dir, data={"train_files": [str(data)]}, trainer={"total_steps": 1}))
     old_hash = file_sha256(data)
     changed = [dataclasses.replace(records[0], ground_truth=records[0].ground_truth + "0"), *records[1:]]
-    _write_aime_style_parquet(data, changed)  # same row count, one answer changed
+    write_aime_style_parquet(data, changed)  # same row count, one answer changed
     with pytest.raises(ResumeRefused, match=rf"data.train_files \[\"sha256:{old_hash}\"\] -> \[\"sha256:"):
-        train(_resume(run_dir, data={"train_files": [str(data)]}))
+        train(resume_config(run_dir, data={"train_files": [str(data)]}))
 
 
 def _model_dir(path, cls, config_cls, tokenizer, **extra):
@@ -185,15 +168,15 @@ def test_a_resume_with_another_architecture_is_refused(tmp_path):
     qwen = _model_dir(tmp_path / "qwen", Qwen2ForCausalLM, Qwen2Config, tokenizer)
     llama = _model_dir(tmp_path / "llama", LlamaForCausalLM, LlamaConfig, tokenizer)
     data = tmp_path / "train.parquet"
-    _write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
+    write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
     files = {"train_files": [str(data)]}
     run_dir = tmp_path / "run"
-    train(_config(run_dir, model={"path": str(qwen)}, data=files, trainer={"total_steps": 1}))
+    train(quick_config(run_dir, model={"path": str(qwen)}, data=files, trainer={"total_steps": 1}))
     with pytest.raises(ResumeRefused, match=r"model.architecture Qwen2ForCausalLM -> LlamaForCausalLM; "
                                             r"model.config.model_type qwen2 -> llama.*model.parameters sha256:"):
-        train(_resume(run_dir, model={"path": str(llama)}, data=files))
+        train(resume_config(run_dir, model={"path": str(llama)}, data=files))
     with pytest.raises(ResumeRefused, match="'model.architecture' cannot be allowed"):
-        train(_resume(run_dir, model={"path": str(llama)}, data=files,
+        train(resume_config(run_dir, model={"path": str(llama)}, data=files,
                       checkpoint={"allow_changes": ["model.architecture"]}))
 
 
@@ -202,15 +185,15 @@ def test_checkpoints_of_two_runs_in_one_directory_are_refused_naming_them(tmp_pa
     """Another run's checkpoint copied into checkpoints/, older or newer than this run's, with or without
     run.json: refused in one line naming both runs, nothing touched (no splice of two runs' metrics)."""
     mine, other = tmp_path / "mine", tmp_path / "other"
-    first = train(_config(mine, checkpoint={"save_every": 2}))  # checkpoint at step 2 only
-    second = train(_config(other, trainer={"total_steps": 3, "seed": 1}))  # steps 1, 2, 3
+    first = train(quick_config(mine, checkpoint={"save_every": 2}))  # checkpoint at step 2 only
+    second = train(quick_config(other, trainer={"total_steps": 3, "seed": 1}))  # steps 1, 2, 3
     if not with_run_json:
         (mine / "run.json").unlink()
     before = (mine / "metrics.jsonl").read_text()
     for step in (1, 3):  # older than this run's newest, then newer
         shutil.copytree(other / "checkpoints" / f"step_{step:08d}", mine / "checkpoints" / f"step_{step:08d}")
         with pytest.raises(ResumeRefused) as info:
-            train(_resume(mine, trainer={"total_steps": 4}))
+            train(resume_config(mine, trainer={"total_steps": 4}))
         message = str(info.value)
         assert "\n" not in message and "holds checkpoints of 2 run(s)" in message, message
         assert f"run {first.run_id}: step_00000002" in message and f"run {second.run_id}: " in message, message
@@ -223,24 +206,24 @@ def test_checkpoints_of_two_runs_in_one_directory_are_refused_naming_them(tmp_pa
         with pytest.raises(ResumeRefused, match=f"holds checkpoints of 1 run\\(s\\) \\(run {second.run_id}: "
                                                 f"step_00000003, step_00000001\\) and its run.json records run "
                                                 f"{first.run_id}"):
-            train(_resume(mine, trainer={"total_steps": 4}))
+            train(resume_config(mine, trainer={"total_steps": 4}))
 
 
 def test_another_runs_checkpoint_by_path_or_behind_a_damaged_one_is_refused(tmp_path):
     mine, other = tmp_path / "mine", tmp_path / "other"
-    first = train(_config(mine, checkpoint={"save_every": 2}))
-    second = train(_config(other, trainer={"total_steps": 3, "seed": 1}))
+    first = train(quick_config(mine, checkpoint={"save_every": 2}))
+    second = train(quick_config(other, trainer={"total_steps": 3, "seed": 1}))
     before = (mine / "metrics.jsonl").read_text()
     # Named by path from another run's directory.
     with pytest.raises(ResumeRefused, match=f"belongs to run {second.run_id}, but this run directory holds run "
                                             f"{first.run_id}"):
-        train(_resume(mine, checkpoint={"resume": str(other / "checkpoints" / "step_00000002")}))
+        train(resume_config(mine, checkpoint={"resume": str(other / "checkpoints" / "step_00000002")}))
     # Behind a damaged newest checkpoint (its marker names no run), another run's readable one.
     shutil.copytree(other / "checkpoints" / "step_00000003", mine / "checkpoints" / "step_00000004")
     shutil.copytree(other / "checkpoints" / "step_00000001", mine / "checkpoints" / "step_00000003")
     (mine / "checkpoints" / "step_00000004" / "COMPLETE").write_text("{not json")
     with pytest.raises(ResumeRefused, match=f"run {second.run_id}: step_00000003"):
-        train(_resume(mine, trainer={"total_steps": 5}))
+        train(resume_config(mine, trainer={"total_steps": 5}))
     assert (mine / "metrics.jsonl").read_text() == before
 
 
@@ -264,10 +247,10 @@ def _merged(*trees: dict) -> dict:
     ({"model": {"dtype": "bfloat16"}}, ["model.dtype"], False),
 ], ids=["seed", "shuffle", "toy-data", "prompt-length", "batch", "rollout", "algorithm", "optim", "dtype"])
 def test_every_change_allow_changes_accepts_really_resumes(run_dir, capsys, overrides, allow, restarts):
-    run = train(_resume(run_dir, **_merged(overrides, {"trainer": {"total_steps": 3},
+    run = train(resume_config(run_dir, **_merged(overrides, {"trainer": {"total_steps": 3},
                                                        "checkpoint": {"allow_changes": allow}})))
     out = capsys.readouterr().out
-    assert run.start_step == 2 and [r["step"] for r in _metrics(run_dir)] == [1, 2, 3], out
+    assert run.start_step == 2 and [r["step"] for r in run_metrics(run_dir)] == [1, 2, 3], out
     assert "settings changed from the checkpoint's" in out
     restarted = [line for line in out.splitlines() if "the prompt order restarts" in line]
     assert len(restarted) == (1 if restarts else 0), out
@@ -275,18 +258,18 @@ def test_every_change_allow_changes_accepts_really_resumes(run_dir, capsys, over
 
 def test_an_accepted_train_file_change_restarts_the_prompt_order_over_the_new_data(tmp_path, capsys):
     data = tmp_path / "train.parquet"
-    _write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24, seed=3), "train"))
+    write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24, seed=3), "train"))
     run_dir = tmp_path / "run"
-    train(_config(run_dir, data={"train_files": [str(data)]}, trainer={"total_steps": 2}))
-    _write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=30, seed=4), "train"))
+    train(quick_config(run_dir, data={"train_files": [str(data)]}, trainer={"total_steps": 2}))
+    write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=30, seed=4), "train"))
     capsys.readouterr()
-    run = train(_resume(run_dir, data={"train_files": [str(data)]}, trainer={"total_steps": 3},
+    run = train(resume_config(run_dir, data={"train_files": [str(data)]}, trainer={"total_steps": 3},
                         checkpoint={"allow_changes": ["data.train_files"]}))
     lines = [line for line in capsys.readouterr().out.splitlines() if "the prompt order restarts" in line]
     assert lines == ["flashdapo: data.train_files changed (checkpoint.allow_changes): the prompt order restarts at "
                      "the first prompt of this run's data (30 prompts) instead of the checkpoint's position (epoch 0, "
                      "prompt 8 of 24)"]
-    assert run.start_step == 2 and [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+    assert run.start_step == 2 and [r["step"] for r in run_metrics(run_dir)] == [1, 2, 3]
     assert run.sampler.state_dict()["position"] == 4  # step 3 drew the first gen_batch of the new order
 
 
@@ -297,11 +280,11 @@ def test_a_refusal_never_suggests_an_allowance_that_is_refused(tmp_path):
     qwen = _model_dir(tmp_path / "qwen", Qwen2ForCausalLM, Qwen2Config, tokenizer)
     llama = _model_dir(tmp_path / "llama", LlamaForCausalLM, LlamaConfig, tokenizer)
     data = tmp_path / "train.parquet"
-    _write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
+    write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
     files = {"train_files": [str(data)]}
-    train(_config(tmp_path / "run", model={"path": str(qwen)}, data=files, trainer={"total_steps": 1}))
+    train(quick_config(tmp_path / "run", model={"path": str(qwen)}, data=files, trainer={"total_steps": 1}))
     with pytest.raises(ResumeRefused) as info:
-        train(_resume(tmp_path / "run", model={"path": str(llama)}, data=files, optim={"lr": 1e-3}))
+        train(resume_config(tmp_path / "run", model={"path": str(llama)}, data=files, optim={"lr": 1e-3}))
     message = str(info.value)
     assert "optim.lr 0.0005 -> 0.001" in message and "model.architecture, model.config.model_type" in message
     assert "cannot be allowed" in message and "--checkpoint.allow-changes" not in message, message
@@ -310,13 +293,13 @@ def test_a_refusal_never_suggests_an_allowance_that_is_refused(tmp_path):
 @pytest.mark.parametrize("total", [2, 1], ids=["at", "past"])
 def test_a_resume_with_nothing_to_train_says_so_and_keeps_the_export(run_dir, capsys, total):
     export = run_dir / "export" / "model.safetensors"
-    before, metrics = export.stat().st_mtime_ns, _metrics(run_dir)
-    run = train(_resume(run_dir, trainer={"total_steps": total}))
+    before, metrics = export.stat().st_mtime_ns, run_metrics(run_dir)
+    run = train(resume_config(run_dir, trainer={"total_steps": total}))
     out = capsys.readouterr().out
     where = "at" if total == 2 else "past"
     assert f"step 2 is {where} trainer.total_steps={total}: nothing to train (raise --trainer.total-steps" in out
     assert f"the export in {run_dir / 'export'} already holds step 2: kept, not rewritten" in out
-    assert run.start_step == 2 and export.stat().st_mtime_ns == before and _metrics(run_dir) == metrics
+    assert run.start_step == 2 and export.stat().st_mtime_ns == before and run_metrics(run_dir) == metrics
     shutil.rmtree(run_dir / "export")  # an export that is missing (a crash during it) is written
-    train(_resume(run_dir, trainer={"total_steps": total}))
+    train(resume_config(run_dir, trainer={"total_steps": total}))
     assert "exported the final policy" in capsys.readouterr().out and export.is_file()

@@ -12,7 +12,7 @@ from flashdapo.config import merge
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.state.checkpoint import CheckpointError
 from flashdapo.trainer.state.rundir import RunDirError, claim_run_dir
-from tests.trainer.test_loop import tiny_config
+from tests.helpers.runs import tiny_config
 
 
 def _old_run(path):

@@ -11,7 +11,7 @@ from flashdapo.distributed.mesh import DistEnv
 from flashdapo.trainer.state import startup
 from flashdapo.trainer.state.checkpoint import CheckpointError
 from flashdapo.trainer.state.run_settings import ResumeRefused
-from tests.trainer.state.test_resume import _config
+from tests.helpers.runs import quick_config
 
 
 def _env(rank: int) -> DistEnv:
@@ -30,7 +30,7 @@ def test_every_rank_resumes_what_rank0_chose_whatever_it_sees_itself(tmp_path, m
     mine = _checkpoint(tmp_path / "rank1-view", 6)  # rank 1's own view holds a newer checkpoint
     chosen = str(tmp_path / "run" / "checkpoints" / "step_00000004")
     monkeypatch.setattr(startup, "broadcast_object", lambda obj, src=0: ("run-a", [chosen]))
-    cfg = _config(mine.parents[2], checkpoint={"resume": "auto"})
+    cfg = quick_config(mine.parents[2], checkpoint={"resume": "auto"})
     assert startup.choose_resume(cfg, _env(1), mine.parents[2], print) == ("run-a", [Path(chosen)])
     refused = ResumeRefused("rank 0's refusal")
     monkeypatch.setattr(startup, "broadcast_object", lambda obj, src=0: refused)

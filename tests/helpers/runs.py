@@ -1,0 +1,101 @@
+"""Tiny toy training runs: the toy preset shrunk to seconds (in this process, or on the command line under
+torchrun), the environment of the processes a test starts, and the step records a run writes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from flashdapo.config import merge, toy
+from flashdapo.distributed.mesh import shutdown
+from flashdapo.trainer import update
+from flashdapo.trainer.loop import train_step
+from flashdapo.trainer.setup import setup_run
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER_SCRIPTS = ROOT / "tests" / "trainer" / "scripts"
+"""The torchrun scripts of the trainer's tests (tests/trainer/scripts), run by path."""
+
+
+def subprocess_env():
+    """The environment of a process a test starts: this checkout importable, one thread per process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
+    return env
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` of `nproc` ranks from the repository root; asserts a zero exit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+TINY = ["--model.toy.sft-steps", "20", "--model.toy.hidden-size", "32", "--model.toy.intermediate-size", "64",
+        "--rollout.n", "4", "--rollout.val-n", "2", "--data.toy.num-val", "8",
+        "--trainer.train-batch", "4", "--trainer.gen-batch", "4", "--trainer.mini-batch", "2",
+        "--trainer.micro-batch-tokens", "64", "--trainer.val-every", "0", "--trainer.val-before-train", "False",
+        "--algorithm.dynamic-sampling", "False", "--logging.plot", "False", "--logging.progress", "False"]
+"""`flashdapo train` fields of a tiny toy run (the command-line twin of tiny_config)."""
+
+
+def run_metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl rows without their timings (`timing_s/`, `perf/`): what two runs of the same
+    training share."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+
+
+def tiny_config(run_dir, **overrides):
+    """The toy preset shrunk to seconds: a few warm-up steps, small batches."""
+    base = toy()
+    small = {
+        "model": {"toy": {"sft_steps": 5, "hidden_size": 32, "intermediate_size": 64}},
+        "data": {"toy": {"num_val": 6}},
+        "rollout": {"n": 4, "val_n": 2},
+        # An untrained model is always wrong: without dynamic sampling its groups still train, through the
+        # overlong penalty's different scores for different lengths.
+        "algorithm": {"dynamic_sampling": False},
+        "trainer": {"total_steps": 2, "train_batch": 4, "gen_batch": 4, "mini_batch": 2, "val_every": 2,
+                    "micro_batch_tokens": 64},
+        "checkpoint": {"save_every": 0},
+        "logging": {"run_dir": str(run_dir), "plot": True, "progress": False},
+    }
+    cfg = merge(base, small)
+    return merge(cfg, overrides) if overrides else cfg
+
+
+QUICK = {"trainer": {"total_steps": 2, "val_before_train": False, "val_every": 0},
+         "checkpoint": {"save_every": 1, "keep_last": 3}, "logging": {"plot": False}}
+"""tiny_config's fields for a run to resume: 2 steps, a checkpoint after each, no validation or plot."""
+
+
+def quick_config(run_dir, **overrides):
+    """tiny_config with QUICK: a 2-step run checkpointed after each step."""
+    cfg = tiny_config(run_dir, **QUICK)
+    return merge(cfg, overrides) if overrides else cfg
+
+
+def resume_config(run_dir, **overrides):
+    """quick_config resuming its run directory's newest checkpoint (`checkpoint.resume auto`)."""
+    cfg = quick_config(run_dir, checkpoint={"resume": "auto"})
+    return merge(cfg, overrides) if overrides else cfg
+
+
+def first_step_weights(cfg, monkeypatch, force_recompute=False):
+    """The metrics of step 1 of `cfg` and the policy's parameters after it (force_recompute: the old
+    log-probs recomputed even where the update is on-policy)."""
+    if force_recompute:
+        monkeypatch.setattr(update, "on_policy", lambda _cfg: False)
+    run = setup_run(cfg)
+    try:
+        metrics = train_step(run, 1)
+        weights = [p.detach().clone() for p in run.policy.parameters()]
+    finally:
+        run.logger.close()
+        shutdown()
+        monkeypatch.undo()
+    return metrics, weights

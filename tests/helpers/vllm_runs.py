@@ -1,0 +1,40 @@
+"""Toy DAPO runs on real vLLM (its CPU build here, `make vllm-cpu`): the command line every run shares, a
+`flashdapo train` under torchrun on a toy export (tests/vllm/toy.py), and what vLLM prints when its engine
+outlives the process group."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.runs import ROOT, subprocess_env
+from tests.vllm.toy import KV_GIB
+
+ARGS = ["--rollout.engine", "vllm", "--rollout.n", "4", "--rollout.val-n", "2", "--rollout.max-response-length",
+        "16", "--rollout.kv-cache-gib", str(KV_GIB), "--rollout.logprob-check-every", "1", "--data.toy.num-val", "4",
+        "--data.max-prompt-length", "48", "--trainer.train-batch", "4", "--trainer.gen-batch", "4",
+        "--trainer.mini-batch", "2", "--trainer.micro-batch-tokens", "256", "--trainer.val-every", "0",
+        "--trainer.val-before-train", "False", "--algorithm.dynamic-sampling", "False", "--logging.plot", "False",
+        "--logging.progress", "False"]
+FINALIZER_ERROR = "Invalid process group"  # vLLM's finalizer on a destroyed group (engine not shut down first)
+
+
+def run_checked(cmd: list[str], expect_rc: int | None = 0, timeout: int = 400) -> subprocess.CompletedProcess:
+    """`cmd` from the repository root (subprocess_env); asserts its exit code unless expect_rc is None."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=ROOT)
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, \
+            f"{' '.join(cmd)}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def train(nproc: int, model: Path, run_dir: Path, *extra: str, script: list[str] | None = None,
+          expect_rc: int | None = 0) -> subprocess.CompletedProcess:
+    """`flashdapo train` (or `script`) on `nproc` torchrun ranks with ARGS, from the toy export `model` and the
+    train.jsonl beside it (the `exports` fixture, tests/vllm/conftest.py)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    entry = script or ["-m", "flashdapo", "train"]
+    data = ["--data.train-files", str(model.parent / "train.jsonl")]
+    return run_checked([*launcher, *entry, "--model.path", str(model), *data, *ARGS, "--logging.run-dir",
+                        str(run_dir), *extra], expect_rc)
