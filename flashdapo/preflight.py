@@ -76,7 +76,8 @@ def check_machine(cfg: Config) -> None:
 def check_layout(cfg: Config, world_size: int) -> None:
     """What a launch of `world_size` ranks needs of `cfg`, on any machine (`flashdapo plan` runs this for a
     cluster it is not on): batch sizes the ranks and data-parallel slots can share, a tensor-parallel size
-    the ranks divide into, profiled ranks that exist, data for a model of one's own."""
+    the ranks divide into, profiled ranks that exist and train (not split placement's rollout ranks), data for a
+    model of one's own."""
     if cfg.rollout.placement == "split":
         check_split_layout(cfg, world_size)
     else:
@@ -89,6 +90,12 @@ def check_layout(cfg: Config, world_size: int) -> None:
     if outside:
         raise ConfigError(f"profile.ranks: rank {outside[0]} is not in a launch of {world_size} ranks (0.."
                           f"{world_size - 1}); leave it empty to profile every rank")
+    trainers = world_size - cfg.rollout.rollout_ranks if cfg.rollout.placement == "split" else world_size
+    generating = [r for r in cfg.profile.ranks if r >= trainers]
+    if generating:  # split placement: the last rollout_ranks ranks only generate, and profile nothing
+        raise ConfigError(f"profile.ranks: rank {generating[0]} is a rollout rank under rollout.placement=split "
+                          f"(ranks {trainers}..{world_size - 1} generate, and only training steps are profiled); "
+                          f"name trainer ranks 0..{trainers - 1}, or leave it empty to profile every trainer rank")
     if cfg.model.path and not cfg.data.train_files:
         raise ConfigError(f"data.train_files: empty with model.path={cfg.model.path}; the built-in toy task is for "
                           "the toy model: give --data.train-files FILE [FILE ...] (.parquet or .jsonl)")
@@ -204,21 +211,42 @@ def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str,
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
         notes.append(f"{path}: the tokenizer has no chat template; prompts use the plain one "
                      "('User: <prompt>\\n\\nAssistant:')")
+    check_chat_template(tokenizer, path)
     return ModelCheck(tokenizer, notes)
+
+
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+"""Where a model directory keeps its chat template, in the order transformers prefers them."""
+
+
+def check_chat_template(tokenizer: Any, path: str) -> None:
+    """The chat template renders a plain user message, as every prompt is rendered (data.chat_ids). A template
+    transformers' sandbox refuses (jinja2's SecurityError: it reaches for Python internals, as a malicious one
+    does), or one that does not parse or raises, is one line naming its file, before any data or weights load."""
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "What is 1 + 1?"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except TemplateError as err:
+        where = next((f"{path}/{name}" for name in TEMPLATE_FILES if (Path(path) / name).is_file()), path)
+        what = (("transformers' sandbox refused it: it reaches for Python internals no chat template needs (a "
+                 "malicious template does)") if isinstance(err, SecurityError) else "it does not render")
+        raise ModelDirError(f"{where}: the chat template fails on a plain user message ({type(err).__name__}: "
+                            f"{' '.join(str(err).split())}); {what}: use the model's original tokenizer files, or "
+                            "fix the template") from err
+
+
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+"""config.json fields every supported family needs, each a positive integer."""
 
 
 def check_model_config(config: dict[str, Any], where: str, max_tokens: int, tokens_field: str,
                        positions: str = "error", named: str = "config.json") -> list[str]:
     """What a model's config.json alone decides (`flashdapo plan` runs this where the tokenizer is absent):
-    a supported architecture, and `max_tokens` (prompt + response, named by `tokens_field`) within its
+    what `check_model_shape` checks, and `max_tokens` (prompt + response, named by `tokens_field`) within its
     positions (`positions`: 'error' refuses, 'note' reports it). Returns the notes for the log."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        architectures = ", ".join(config.get("architectures") or []) or "no architectures"
-        raise ModelDirError(f"{where}: model_type {model_type!r} ({architectures}) is not supported; supported: "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if not isinstance(config.get("vocab_size"), int):
-        raise ModelDirError(f"{where}: config.json has no integer vocab_size")
+    check_model_shape(config, where, named)
     notes = []
     limit = config.get("max_position_embeddings")
     if isinstance(limit, int) and max_tokens > limit:
@@ -230,10 +258,44 @@ def check_model_config(config: dict[str, Any], where: str, max_tokens: int, toke
     return notes
 
 
+def check_model_shape(config: Any, where: str, named: str = "config.json") -> None:
+    """A model's config.json (`named`, for `where`) the model can be built from: a JSON object, a supported
+    architecture, SHAPE_FIELDS positive integers, key/value heads (when given) dividing the attention heads,
+    and the attention heads dividing the width unless head_dim is given. One line each, naming the file and
+    the field."""
+    if not isinstance(config, dict):
+        raise ModelDirError(f"{named}: expected a JSON object (a model's config.json), got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        architectures = config.get("architectures")
+        architectures = (", ".join(map(str, architectures)) if isinstance(architectures, list) else "") or \
+            "no architectures"
+        raise ModelDirError(f"{where}: model_type {model_type!r} ({architectures}) is not supported; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    for name in SHAPE_FIELDS:
+        if not _positive_int(config.get(name)):
+            raise ModelDirError(f"{named}: {name}: expected a positive integer, got {config.get(name)!r}"
+                                + (" (missing)" if name not in config else ""))
+    for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        if config.get(name) is not None and not _positive_int(config[name]):
+            raise ModelDirError(f"{named}: {name}: expected a positive integer (or no such key), got {config[name]!r}")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise ModelDirError(f"{named}: num_key_value_heads: {kv_heads} does not divide num_attention_heads "
+                            f"{heads}; expected a divisor of it")
+    if config.get("head_dim") is None and config["hidden_size"] % heads:
+        raise ModelDirError(f"{named}: num_attention_heads: {heads} does not divide hidden_size "
+                            f"{config['hidden_size']} (and no head_dim is given); expected a divisor of it")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _check_vocabulary(tokenizer: Any, config: dict[str, Any], where: str) -> None:
     rows = config.get("vocab_size")
-    if not isinstance(rows, int):
-        raise ModelDirError(f"{where}: config.json has no integer vocab_size")
+    if not _positive_int(rows):
+        raise ModelDirError(f"{where}: config.json has no positive integer vocab_size")
     if len(tokenizer) > rows:
         raise ModelDirError(f"{where}: the tokenizer has {len(tokenizer):,} tokens but the model's embedding has "
                             f"{rows:,} rows (config.json vocab_size): a tokenizer of another model?")

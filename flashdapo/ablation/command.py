@@ -3,7 +3,7 @@ OPTIONS]`: the options of AblateOptions, then any `flashdapo train` option (--pr
 
 from __future__ import annotations
 
-from ..config import PRESETS, Config, starting_point
+from ..config import PRESETS, Config, ConfigError, starting_point
 from .options import DEFAULT_ABLATION_PRESET, AblateOptions
 from .panel_runner import run_panels
 from .records import ArmRun, PanelRun
@@ -35,9 +35,25 @@ def parse_ablate_command(argv: list[str]) -> tuple[AblateOptions, Config, Config
     return opts, config, base
 
 
+def check_choices(opts: AblateOptions, argv: list[str]) -> None:
+    """Refuse an option the chosen mode would ignore: --arms (the ladder's rungs) without --ladder, --panels with
+    --ladder or --quick (which choose the runs themselves)."""
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+    if given("--arms") and not opts.ladder:
+        raise ConfigError("ablate.arms: --arms chooses the rungs of the ladder and needs --ladder; the panels are "
+                          "chosen with --panels NAME ...")
+    if given("--panels") and (opts.ladder or opts.quick):
+        mode = "--ladder runs the ladder's rungs (choose them with --arms)" if opts.ladder else \
+            "--quick runs its own panels and arms"
+        raise ConfigError(f"ablate.panels: --panels chooses the mechanism panels, but {mode}; drop one of them")
+
+
 def ablate_main(argv: list[str]) -> list[ArmRun] | list[PanelRun]:
     """`flashdapo ablate`: parse, then run the panels (panel_runner.run_panels) or, with --ladder, the ladder
     (runner.run_ablation)."""
     opts, config, start = parse_ablate_command(argv)
+    check_choices(opts, argv)
     log = lambda m: print(f"flashdapo: {m}", flush=True)  # noqa: E731
     return run_ablation(config, opts, log=log) if opts.ladder else run_panels(config, opts, log=log, start=start)

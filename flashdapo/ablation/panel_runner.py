@@ -4,11 +4,14 @@ Each run is a plain `flashdapo train` run (its config.yaml reruns it alone) in O
 warmed-up base model: one per distinct task and model setting (OUT/base-TAG/, TAG a hash of those settings, so
 --quick and the default share it), on that task's problems written as data files (OUT/data-TAG/). Resumable as the ladder is: a rerun skips finished runs
 (arm.json), continues an interrupted one, and refuses a directory holding a run with another config. Arms of a
-panel share `trainer.seed` = s for seed s: the same data order and sampling seeds (pairs).
+panel share `trainer.seed` = s for seed s: the same data order and sampling seeds (pairs). A call that runs some
+panels keeps, in ablation.md, the finished runs of the other panels an earlier call ran in the same OUT
+(`finished_elsewhere`), as the ladder keeps other arms' rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -34,7 +37,7 @@ from .final_eval import FinalScore, final_evaluation, read_final_evaluation
 from .options import AblateOptions, panel_seeds
 from .panel_report import write_panel_report
 from .records import PanelRun
-from .runner import AblationError, train_or_reuse
+from .runner import DONE_MARKER, AblationError, train_or_reuse
 
 
 @dataclass(frozen=True)
@@ -148,9 +151,40 @@ def run_panels(base: Config, opts: AblateOptions, log: Callable[[str], None] = p
         run = _run(planned, opts)
         runs.append(run)
         log(panel_progress_line(number, len(plan.runs), run, time.perf_counter() - started))
-    md = write_panel_report(out, runs, plan.unavailable, base, opts)
+    kept = finished_elsewhere(base, opts, start)
+    if kept:
+        names = ", ".join(dict.fromkeys(r.panel.name for r in kept))
+        log(f"ablation: the report keeps {len(kept)} finished run(s) of other panels in {out} ({names})")
+    md = write_panel_report(out, runs + kept, plan.unavailable, base, opts)
     log(f"ablation: wrote {md} and a picture per panel (panel-*.png)")
     return runs
+
+
+def finished_elsewhere(base: Config, opts: AblateOptions, start: Config | None = None) -> list[PanelRun]:
+    """Runs of panels this call does not run that an earlier `flashdapo ablate` finished in the same OUT with the
+    config these options give them (their arm.json), read back with their final evaluations: a rerun with other
+    panels keeps the earlier panels' sections in ablation.md. A run finished with another config is left out."""
+    out, asked = Path(opts.out), {panel.name for panel, _ in selected_panels(opts)}
+    seeds = {p.name: [int(d.name[4:]) for d in (out / "panels" / p.name).glob("*/seed*") if d.name[4:].isdigit()]
+             for p in PANELS if p.name not in asked}
+    others = [name for name, found in seeds.items() if found]
+    if not others:
+        return []
+    wider = dataclasses.replace(opts, panels=others, quick=False, seeds=max(max(seeds[n]) for n in others) + 1)
+    try:
+        plan = plan_panels(base, wider, start)
+    except (AblationError, ConfigError):  # the options now clash with a panel not run: nothing of it to keep
+        return []
+    kept = []
+    for planned in plan.runs:
+        run_dir = Path(planned.config.logging.run_dir)
+        marker = run_dir / DONE_MARKER
+        if marker.is_file() and json.loads(marker.read_text()).get("config") == planned.config.to_dict():
+            history, wall, _ = train_or_reuse(planned.config, f"{planned.panel.name}/{planned.arm.name}",
+                                              planned.seed)  # finished: read back, nothing rerun
+            final = read_final_evaluation(run_dir) if planned.panel.final_eval else []
+            kept.append(PanelRun(planned.panel, planned.arm, planned.seed, planned.config, history, wall, True, final))
+    return kept
 
 
 def _run(planned: PlannedRun, opts: AblateOptions) -> PanelRun:

@@ -1,10 +1,12 @@
 """Declarative checks of the config tree.
 
-A field states what it accepts in its type: `Annotated[int, ge(1)]`, `Annotated[float, within(0, 1)]`;
-the type itself is checked strictly (a bool is a bool, an int an int, a float a finite number). A
-section states checks between its fields as `RULES`. One walker, `check_section`, runs all of them when
-a section is built and names each failing field by its path in the tree (`optim.lr`), which is derived
-from where the section sits under the root (`register_tree`), never retyped.
+A field states what it accepts in its type: `Annotated[int, ge(1)]`, `Annotated[float, within(0, 1)]`, an
+upper bound where a huge value would take the machine (`at_most(1024, why)`), `IS_PATH` for a path (`~`
+expanded when the section is built); the type itself is checked strictly (a bool is a bool, an int an int,
+a float a finite number). A section states checks between its fields as `RULES`. One walker,
+`check_section`, runs all of them when a section is built and names each failing field by its path in the
+tree (`optim.lr`), which is derived from where the section sits under the root (`register_tree`), never
+retyped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 import inspect
 import math
 import operator
+import os
 import textwrap
 import types
 import typing
@@ -50,11 +53,61 @@ def within(low: float, high: float, bounds: str = "[]") -> Check:
     return Check(lambda v: low_ok(low, v) and high_ok(v, high), f"a value in {bounds[0]}{low}, {high}{bounds[1]}")
 
 
+def at_most(high: int | float, why: str) -> Check:
+    """value <= high: the upper bound of a setting whose huge value would take the machine (allocate or loop
+    without end); `why` says so in the refusal (`rollout.agree_every: expected at most 1,024 (...), got ...`)."""
+    shown = f"{high:,}" if isinstance(high, int) else f"{high:,g}"
+    return Check(lambda v: v <= high, f"at most {shown} ({why})")
+
+
+TOKENS_MAX = 1 << 20
+"""The most tokens of a prompt or a response (1,048,576): beyond any model's positions."""
+TOKENS_WHY = "1M tokens, beyond any model's positions"
+BATCH_MAX = 1 << 16
+"""The most prompts of a batch, sequences of a decode batch or samples of a probe (65,536): the released recipe
+samples 1,536 prompts a round."""
+BATCH_WHY = "held in memory at once"
+SEED_MAX = at_most(2**32 - 1, "seeds are 32-bit")
+"""The range of a seed (derived seeds pack it as a signed 64-bit integer with the step and rank added)."""
+TIMEOUT_MAX_S = 7 * 24 * 3600
+"""The longest timeout, a week: the process group's timeout must fit its clock's integer milliseconds."""
+
+
+@dataclass(frozen=True)
+class PathMarker:
+    """Marks a field (`Annotated[str, IS_PATH]`, or a list of them) as a filesystem path: building its section
+    expands a leading `~` (os.path.expanduser) before the checks, whether the value came from the command line,
+    a config file or code."""
+
+
+IS_PATH = PathMarker()
+
+
+def is_path_field(cls: type, name: str) -> bool:
+    """Whether field `name` of section `cls` is marked IS_PATH."""
+    tp = _hints(cls)[name]
+    return typing.get_origin(tp) is Annotated and any(isinstance(m, PathMarker) for m in typing.get_args(tp)[1:])
+
+
+def expand_paths(section: Any) -> None:
+    """Expand `~` in every IS_PATH field of `section` (a string, or a list of strings), in place."""
+    for f in dataclasses.fields(section):
+        if not is_path_field(type(section), f.name):
+            continue
+        value = getattr(section, f.name)
+        if isinstance(value, str):
+            setattr(section, f.name, os.path.expanduser(value))
+        elif isinstance(value, list):
+            setattr(section, f.name, [os.path.expanduser(v) if isinstance(v, str) else v for v in value])
+
+
 # Shorthands of the section modules' field types.
 Positive = Annotated[int, ge(1)]
 NonNegative = Annotated[int, ge(0)]
 PositiveFloat = Annotated[float, gt(0)]
 Fraction = Annotated[float, within(0, 1)]
+PathStr = Annotated[str, IS_PATH]
+"""A filesystem path (`~` expanded)."""
 
 
 @dataclass(frozen=True)
@@ -195,4 +248,5 @@ class Section:
     RULES: ClassVar[tuple[Rule, ...]] = ()
 
     def __post_init__(self) -> None:
+        expand_paths(self)
         check_section(self)

@@ -25,7 +25,7 @@ from typing import Annotated, Any, TypeVar
 
 import tyro
 
-from .checks import Check
+from .checks import Check, PathMarker
 from .presets import DEFAULT_PRESET, PRESETS, starting_point
 from .tree import Config
 
@@ -78,9 +78,9 @@ def _number_rule(type_info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constru
     return None if words is None else _number(type_info.type, words)
 
 
-def option(tp: Any, help_text: str, *checks: Check) -> Any:
-    """`tp` with its checks and the help `--help` shows for it: the type of an option built at run time
-    (eval's and generate's argument classes), whose help is not a field docstring."""
+def option(tp: Any, help_text: str, *checks: Check | PathMarker) -> Any:
+    """`tp` with its checks (and IS_PATH for a path) and the help `--help` shows for it: the type of an option
+    built at run time (eval's and generate's argument classes), whose help is not a field docstring."""
     return Annotated[(tp, *checks, tyro.conf.arg(help=help_text))]
 
 
@@ -162,7 +162,7 @@ def _describe(event: Any) -> str | None:
         message = " ".join(event.message.split())
         union = _UNION_FAILURE.match(message)  # `float | None` lists each member's refusal: say what it takes
         if union:
-            message = f"expected {union['metavar']}, got {union['value']}"
+            message = f"expected {_union_words(union['metavar'])}, got {union['value']}"
         return f"{name}: {message}" if name else message
     if isinstance(event, _errors.UnrecognizedArgs):
         return "unrecognized argument(s): " + " ".join(event.tokens)
@@ -173,6 +173,14 @@ def _describe(event: Any) -> str | None:
             return f"{_flag(event.argument)}: expected a value"
         return f"{_flag(event.argument)}: takes no value, got {event.offending_value!r}"
     return None
+
+
+def _union_words(metavar: str) -> str:
+    """What an optional number takes, in the words of the number rule (`{None}|INT` -> 'an integer'): None is
+    the value of leaving it out (its help says what that means)."""
+    words = {"INT": "an integer", "FLOAT": "a number"}
+    kinds = [m for m in metavar.split("|") if m != "{None}"]
+    return " or ".join(words.get(m, m) for m in kinds) if kinds else metavar
 
 
 _UNION_FAILURE = re.compile(r"no type matching (?P<metavar>\S+) could be instantiated from \[(?P<value>.*?)\]\.")

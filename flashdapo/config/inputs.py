@@ -7,7 +7,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from .checks import Check, Fraction, NonNegative, Positive, PositiveFloat, Rule, Section, ge, within
+from .checks import (
+    IS_PATH,
+    SEED_MAX,
+    TOKENS_MAX,
+    TOKENS_WHY,
+    Check,
+    Fraction,
+    NonNegative,
+    PathStr,
+    Positive,
+    PositiveFloat,
+    Rule,
+    Section,
+    at_most,
+    ge,
+    within,
+)
+
+TOY_MODEL = "the built-in toy model, built on this machine; a real model comes from model.path"
+GENERATED = "generated up front, in memory"
+SFT_EXAMPLES_MAX = 10_000_000
+"""model.toy.sft_steps x sft_batch: the warm-up's examples are generated up front, in memory."""
 
 
 def _formats_toy_prompt(text: str) -> bool:
@@ -23,26 +44,29 @@ class ToyModelConfig(Section):
     """Shape of the tiny Qwen2-style model built from a config when `model.path` is empty (for either
     built-in task, `data.task`), and its supervised warm-up."""
 
-    hidden_size: Positive = 64
+    hidden_size: Annotated[Positive, at_most(8192, TOY_MODEL)] = 64
     """Model width."""
-    num_layers: Positive = 2
+    num_layers: Annotated[Positive, at_most(256, TOY_MODEL)] = 2
     """Decoder blocks."""
-    num_heads: Positive = 4
+    num_heads: Annotated[Positive, at_most(256, TOY_MODEL)] = 4
     """Attention heads."""
-    num_kv_heads: Positive = 2
+    num_kv_heads: Annotated[Positive, at_most(256, TOY_MODEL)] = 2
     """Key/value heads (grouped-query attention)."""
-    intermediate_size: Positive = 192
+    intermediate_size: Annotated[Positive, at_most(32768, TOY_MODEL)] = 192
     """MLP width."""
-    sft_steps: NonNegative = 300
+    sft_steps: Annotated[NonNegative, at_most(1_000_000, f"its examples are {GENERATED}")] = 300
     """Supervised warm-up steps on the built-in task that make the 'base model' before DAPO (0 disables)."""
     sft_lr: PositiveFloat = 3e-3
     """Learning rate of the supervised warm-up."""
-    sft_batch: Positive = 32
+    sft_batch: Annotated[Positive, at_most(65536, f"its examples are {GENERATED}")] = 32
     """Examples per supervised warm-up step."""
 
     RULES = (
         Rule("hidden_size", lambda c: c.hidden_size % c.num_heads == 0, lambda c: "a multiple of num_heads"),
         Rule("num_kv_heads", lambda c: c.num_heads % c.num_kv_heads == 0, lambda c: "a divisor of num_heads"),
+        Rule("sft_steps", lambda c: c.sft_steps * c.sft_batch <= SFT_EXAMPLES_MAX,
+             lambda c: f"at most {SFT_EXAMPLES_MAX:,} examples in all, sft_steps x sft_batch ({c.sft_batch}) (the "
+                       f"warm-up's examples are {GENERATED})"),
     )
 
 
@@ -50,7 +74,7 @@ class ToyModelConfig(Section):
 class ModelConfig(Section):
     """The policy."""
 
-    path: str = ""
+    path: PathStr = ""
     """Local HF checkpoint directory (config, safetensors, tokenizer). Empty: build the toy model."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter dtype used for compute (master weights and gradient reduction stay fp32; FSDP2 mixed
@@ -68,9 +92,9 @@ class ModelConfig(Section):
 class ToyTaskConfig(Section):
     """The built-in verifiable task: small-integer arithmetic posed as a math problem."""
 
-    num_train: Positive = 2000
+    num_train: Annotated[Positive, at_most(10_000_000, GENERATED)] = 2000
     """Training problems generated."""
-    num_val: NonNegative = 100
+    num_val: Annotated[NonNegative, at_most(1_000_000, GENERATED)] = 100
     """Validation problems (each distinct)."""
     held_out_val: bool = False
     """Validation problems never appear in training (tests generalization). False: validation samples
@@ -82,16 +106,18 @@ class ToyTaskConfig(Section):
     """Fraction of warm-up responses whose answer is a near miss (off by 1 or 2): the warmed-up model
     then knows the candidates but samples the right one only about 1 - wrong_fraction of the time,
     which is what RL sharpens."""
-    filler_median: Annotated[float, ge(0)] = 0.0
+    filler_median: Annotated[float, ge(0), at_most(1000, "each warm-up response opens with up to 20 x this many "
+                                                          "tokens")] = 0.0
     """Median number of filler tokens ('.' each, then a newline) that open a warm-up response, drawn lognormal
     (filler_sigma) and capped at 20 x the median: the warmed-up model's response lengths are then heavy-tailed
     (the `longtail` preset, bench/bench_longtail.py). 0: no filler."""
-    filler_sigma: Annotated[float, ge(0)] = 1.0
+    filler_sigma: Annotated[float, ge(0), at_most(10, "a log-normal draw of e^(sigma z) overflows")] = 1.0
     """Standard deviation of the filler count's logarithm (with filler_median > 0): at 1.0 the longest of a
     few hundred responses has ~15-20x the median's filler."""
-    max_operand: Positive = 9
+    max_operand: Annotated[Positive, at_most(999, "every problem, (max_operand + 1)^2 per operation, is listed "
+                                                  "up front")] = 9
     """Operands are drawn from 0..max_operand."""
-    seed: NonNegative = 1234
+    seed: Annotated[NonNegative, SEED_MAX] = 1234
     """Seed of the problem generator."""
     ops: Annotated[str, Check(lambda s: bool(s) and set(s) <= set("+-*") and len(set(s)) == len(s),
                               "distinct characters among '+', '-', '*'")] = "+"
@@ -115,9 +141,9 @@ class ScratchpadTaskConfig(Section):
     """The built-in scratchpad task (flashdapo/tasks/scratchpad.py): multi-digit addition worked out column by
     column before the answer; harder than the toy, with varying response lengths and a held-out validation set."""
 
-    num_train: Positive = 2000
+    num_train: Annotated[Positive, at_most(10_000_000, GENERATED)] = 2000
     """Training problems generated (distinct, none of them a validation problem)."""
-    num_val: NonNegative = 64
+    num_val: Annotated[NonNegative, at_most(1_000_000, GENERATED)] = 64
     """Held-out validation problems (distinct, never in training)."""
     min_digits: Positive = 1
     """Fewest digits of an operand."""
@@ -133,7 +159,7 @@ class ScratchpadTaskConfig(Section):
     verbose_fraction: Fraction = 0.35
     """Warm-up demonstrations written long-hand (the problem restated, each column's digit and carry spelled
     out): on long problems these run past the response limit."""
-    seed: NonNegative = 4321
+    seed: Annotated[NonNegative, SEED_MAX] = 4321
     """Seed of the problem generator."""
     prompt_format: Annotated[str, Check(_formats_scratchpad_prompt, "a format string using {a} and {b} and no "
                                                                     "other fields")] = \
@@ -143,7 +169,7 @@ class ScratchpadTaskConfig(Section):
     RULES = (Rule("max_digits", lambda c: c.max_digits >= c.min_digits, lambda c: f">= min_digits ({c.min_digits})"),)
 
 
-DataFiles = Annotated[list[str], Check(lambda files: all(f.endswith((".parquet", ".jsonl")) for f in files),
+DataFiles = Annotated[list[str], IS_PATH, Check(lambda files: all(f.endswith((".parquet", ".jsonl")) for f in files),
                                        "*.parquet or *.jsonl paths")]
 
 
@@ -155,7 +181,7 @@ class DataConfig(Section):
     """Training files (.parquet or .jsonl). Empty: the built-in toy task."""
     val_files: DataFiles = field(default_factory=list)
     """Validation files (same formats). Empty with empty train_files: the toy task's validation split."""
-    max_prompt_length: Positive = 2048
+    max_prompt_length: Annotated[Positive, at_most(TOKENS_MAX, TOKENS_WHY)] = 2048
     """Prompt token budget after the chat template."""
     truncation: Literal["left", "drop", "error"] = "left"
     """Prompts over max_prompt_length: keep the last tokens (DAPO), drop them (counted), or stop."""

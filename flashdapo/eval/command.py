@@ -31,7 +31,20 @@ from ..config import (
     engine_spec,
     starting_point,
 )
-from ..config.checks import Check, Rule, Section, field_docs, field_path, field_spec, ge, register_tree
+from ..config.checks import (
+    BATCH_MAX,
+    BATCH_WHY,
+    IS_PATH,
+    Check,
+    Rule,
+    Section,
+    at_most,
+    field_docs,
+    field_path,
+    field_spec,
+    ge,
+    register_tree,
+)
 from ..data import load_eval_prompts
 from ..distributed.failfast import FailFast
 from ..distributed.mesh import DistEnv, init_distributed
@@ -65,6 +78,12 @@ def _are_files(paths: list[str]) -> bool:
     return bool(paths) and all(p.endswith((".parquet", ".jsonl")) and Path(p).is_file() for p in paths)
 
 
+def _distinct_files(paths: list[str]) -> bool:
+    """No file given twice (under two spellings either: `a.jsonl`, `./a.jsonl`, a link to it)."""
+    resolved = [Path(p).resolve() for p in paths]
+    return len(set(resolved)) == len(resolved)
+
+
 def tree_options(base: Config, options: dict[str, str]) -> list[tuple[str, Any, Any]]:
     """(name, annotated type, field) of each option standing for a config field (`options`: name -> field
     path): the field's type, checks and help, `base`'s value as the default."""
@@ -86,16 +105,20 @@ def eval_args_class(base: Config) -> type:
     from ..config.cli import option  # the command line alone needs tyro
 
     fields: list[tuple[str, Any, Any]] = [
-        ("model", option(str, "Local HF model directory (e.g. a run's export/ folder).",
+        ("model", option(str, "Local HF model directory (e.g. a run's export/ folder).", IS_PATH,
                          Check(lambda p: Path(p).is_dir(), "an existing directory")), ...),
         ("data", option(list[str], "Evaluation files, e.g. aime-2024.parquet math500.parquet; metrics are reported "
-                                   "per data source (the data_source column, else the file name) and pooled.",
-                        Check(_are_files, "one or more existing .parquet or .jsonl files")), ...),
+                                   "per data source (the data_source column, else the file name) and pooled; "
+                                   "each file once.", IS_PATH,
+                        Check(_are_files, "one or more existing .parquet or .jsonl files"),
+                        Check(_distinct_files, "each file once (one given twice would count its problems twice)")),
+         ...),
         ("out", option(str, "Output directory: samples.jsonl (appended per prompt; a rerun with the same OUT "
-                            "resumes) and metrics.json."), ...),
+                            "resumes) and metrics.json.", IS_PATH), ...),
         ("prompts_per_call", option(
             int, "Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
-                 f"only on the seed and the prompt), {engine_spec('vllm').prompts_per_call} with vllm.", ge(0)), 0),
+                 f"only on the seed and the prompt), {engine_spec('vllm').prompts_per_call} with vllm.", ge(0),
+            at_most(BATCH_MAX, BATCH_WHY)), 0),
         ("progress", option(bool, "Show prompts done / total, tokens/s and the ETA (`--no-progress`: false)."),
          True),
         ("fsdp", option(

@@ -17,19 +17,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 from ..config import Config, ConfigError, DataConfig, engine_spec, starting_point
-from ..config.checks import Check, Rule, Section, field_path, ge, register_tree
-from ..data import DAPO_TEMPLATE, Record, prompts_from_records, read_records
+from ..config.checks import IS_PATH, Check, Rule, Section, at_most, field_path, ge, register_tree
+from ..config.sampling import SAMPLES_MAX
+from ..data import DAPO_TEMPLATE, Record, chat_ids, prompts_from_records, read_records
 from ..distributed.mesh import init_distributed, shutdown
+from ..errors import file_in_the_way
 from ..models.model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from .command import OPTIONS, eval_engine, tree_options
 from .examples import example_records
 from .results import PromptResult
 from .sampling import EvalSampling, sample_prompts
+from .store import EvalStoreError
 
 GENERATE_OPTIONS = {name: path for name, path in OPTIONS.items() if name != "k"}
 """The options of `flashdapo eval` that `generate` shares (its --n stands for eval's --k)."""
@@ -46,20 +50,21 @@ def generate_args_class(base: Config) -> type:
     from ..config.cli import option as opt  # the command line alone needs tyro
 
     fields: list[tuple[str, Any, Any]] = [
-        ("model", opt(str, "Local HF model directory (e.g. a run's export/ folder).",
+        ("model", opt(str, "Local HF model directory (e.g. a run's export/ folder).", IS_PATH,
                       Check(lambda p: bool(p) and Path(p).is_dir(), "an existing model directory (e.g. runs/toy/export)")),
          ""),
         ("prompt", opt(list[str], "Prompts, each one user message of the chat template, as typed (no ground truth).",
                        Check(lambda ps: all(p.strip() for p in ps), "prompts with text")), dataclasses.field(
             default_factory=list)),
-        ("data", opt(str, "A .parquet or .jsonl file in the DAPO-Math-17k schema (or {problem, answer} rows).",
+        ("data", opt(str, "A .parquet or .jsonl file in the DAPO-Math-17k schema (or {problem, answer} rows).", IS_PATH,
                      Check(_data_file, "an existing .parquet or .jsonl file")), ""),
         ("limit", opt(int, "With --data: its first N prompts (0: all).", ge(0)), 0),
         ("examples", opt(bool, "A few math problems in the DAPO format, with their answers (eval/examples.py; "
                                "`--examples` alone: true)."), False),
-        ("n", opt(int, "Responses per prompt.", ge(1)), 4),
+        ("n", opt(int, "Responses per prompt.", ge(1), at_most(SAMPLES_MAX, "responses per prompt held together")),
+         4),
         ("out", opt(str, "Also write the responses to this .jsonl file (one prompt per line, as eval's "
-                         "samples.jsonl)."), ""),
+                         "samples.jsonl).", IS_PATH), ""),
         *tree_options(base, GENERATE_OPTIONS),
     ]
     fields = [(n, t, d if isinstance(d, dataclasses.Field) else dataclasses.field(default=d)) for n, t, d in fields]
@@ -99,10 +104,23 @@ def _records(args: Any) -> list[Record]:
     return [Record([{"role": "user", "content": text}], "", f"--prompt {i}") for i, text in enumerate(args.prompt)]
 
 
+def warn_long_prompts(records: list[Record], tokenizer: Any, limit: int) -> None:
+    """A warning line for a prompt longer than --max-prompt-length (chat template included): it is cut on the
+    left, as training cuts it, and the model sees only its end."""
+    for record in records:
+        length = len(chat_ids(tokenizer, record.messages))
+        if length > limit:
+            warnings.warn(f"{record.source}: the prompt has {length:,} tokens (chat template included), more than "
+                          f"--max-prompt-length {limit:,}: only its last {limit:,} are sampled from (cut on the "
+                          "left, as training cuts it); raise --max-prompt-length to keep it whole", stacklevel=2)
+
+
 def run_generate(args: Any) -> list[PromptResult]:
     """Sample `args.n` responses per prompt from `args.model`, print them with their verdicts, write `args.out`."""
     from ..reward import get_verifier
 
+    if args.out:
+        check_out(args.out)  # before any sampling: a path that cannot be written fails first
     check_model_dir(args.model, "--model")
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
                           "--max-prompt-length + --max-new-tokens", "error" if engine_spec(args.engine).refuses_long_context else "note")
@@ -112,6 +130,7 @@ def run_generate(args: Any) -> list[PromptResult]:
         for note in checked.notes:
             print(f"flashdapo generate: {note}", flush=True)
         records = _records(args)
+        warn_long_prompts(records, tokenizer, args.max_prompt_length)
         # Each record a prompt of its own (no dedup), truncated on the left as training does.
         prompts = prompts_from_records(records, tokenizer, DataConfig(max_prompt_length=args.max_prompt_length,
                                                                       dedup=False)).prompts
@@ -128,10 +147,34 @@ def run_generate(args: Any) -> list[PromptResult]:
     texts = {r.source: r.messages[-1]["content"] for r in records}
     for result in results:
         print(format_result(result, texts.get(result.source, result.prompt), args.n), flush=True)
-    print(summary_line(results, args.out), flush=True)
     if args.out:
         write_jsonl(results, Path(args.out))
+    print(summary_line(results, args.out), flush=True)
     return results
+
+
+def check_out(out: str) -> None:
+    """`--out` is a file flashdapo can write: not a directory, its folder created (or there) and writable.
+    Probed by opening it for appending (an existing file is not changed; one created is removed again), so a
+    wrong path is one line before the model loads. EvalStoreError naming it."""
+    path = Path(out)
+    if path.is_dir():
+        raise EvalStoreError(f"--out {out} is a directory; give a file path for the responses (e.g. "
+                             f"{path / 'responses.jsonl'})")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except (FileExistsError, NotADirectoryError) as err:
+        raise EvalStoreError(f"--out {out}: cannot create it, {file_in_the_way(path)} is a file, not a directory; "
+                             "choose another path") from err
+    except OSError as err:
+        raise EvalStoreError(f"--out {out}: cannot write it ({err.strerror or err}"
+                             f"{': ' + str(err.filename) if err.filename and str(err.filename) != out else ''}); "
+                             "fix its permissions or choose another path") from err
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def format_result(result: PromptResult, text: str, n: int) -> str:
@@ -166,8 +209,12 @@ def summary_line(results: list[PromptResult], out: str) -> str:
 
 def write_jsonl(results: list[PromptResult], path: Path) -> None:
     """One JSON object per prompt (PromptResult.to_dict: prompt, ground truth, each response judged)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in results), encoding="utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in results), encoding="utf-8")
+    except OSError as err:
+        raise EvalStoreError(f"--out {path}: cannot write the responses ({err.strerror or err}); they are printed "
+                             "above: free disk space (or fix the error) and run again to write them") from err
 
 
 __all__ = ["generate_args_class", "generate_main", "run_generate"]

@@ -6,8 +6,8 @@ seconds: the model on the meta device, the launch's own checks, the memory per G
                  [--mfu F] [--SECTION.FIELD VALUE ...]
 
 The config is resolved by the code `flashdapo train` uses (preset, file, then any train flag). Nodes and GPUs
-per node default to the preset's first documented cluster (config.PRESET_CLUSTERS). Exit 0 with the table;
-exit 1 with one line when the launch would be refused or does not fit.
+per node not given are the preset's first documented cluster's (config.PRESET_CLUSTERS; the plan says so in a
+note). Exit 0 with the table; exit 1 with one line when the launch would be refused or does not fit.
 """
 
 # No `from __future__ import annotations`: PlanOptions' checks must be objects, not strings the parser evaluates
@@ -18,7 +18,18 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from ..config import DEFAULT_PRESET, PRESET_CLUSTERS, Config, ConfigError
-from ..config.checks import Section, field_docs, ge, register_tree, within
+from ..config.checks import (
+    IS_PATH,
+    TOKENS_MAX,
+    TOKENS_WHY,
+    Check,
+    Section,
+    at_most,
+    field_docs,
+    ge,
+    register_tree,
+    within,
+)
 from ..config.presets import Cluster
 from ..errors import FlashdapoError
 from ..kernels.gpus import GPUS, gpu_named
@@ -29,6 +40,8 @@ from .report import PlanInputs, render
 from .shapes import BUILTIN_SHAPES, model_source
 from .step_time import Workload, step_time
 
+_CLUSTER_DEFAULT = ">= 1 (leave it out for the preset's first documented cluster)"
+
 
 @dataclass
 class PlanOptions(Section):
@@ -36,19 +49,21 @@ class PlanOptions(Section):
 
     preset: str = DEFAULT_PRESET
     """The preset to start from (then --config FILE, then any --SECTION.FIELD VALUE)."""
-    nodes: Annotated[int, ge(0)] = 0
-    """Nodes (torchrun --nnodes); 0: the preset's first documented cluster's."""
-    gpus_per_node: Annotated[int, ge(0)] = 0
-    """GPUs per node (torchrun --nproc-per-node); 0: the preset's first documented cluster's."""
+    nodes: Annotated[int | None, Check(lambda n: n >= 1, _CLUSTER_DEFAULT)] = None
+    """Nodes (torchrun --nnodes); not given (None): the preset's first documented cluster's, which the plan
+    notes."""
+    gpus_per_node: Annotated[int | None, Check(lambda n: n >= 1, _CLUSTER_DEFAULT)] = None
+    """GPUs per node (torchrun --nproc-per-node); not given (None): the preset's first documented cluster's,
+    which the plan notes."""
     gpu: str = "h20"
     """The GPU, by its name in the GPU table (kernels/gpus.py)."""
-    model_config: str = ""
+    model_config: Annotated[str, IS_PATH] = ""
     """A config.json to plan for instead of model.path's."""
     model_shape: str = ""
     """A built-in shape (plan/shapes.py) to plan for instead of model.path's."""
-    mean_response_tokens: Annotated[int, ge(0)] = 0
+    mean_response_tokens: Annotated[int, ge(0), at_most(TOKENS_MAX, TOKENS_WHY)] = 0
     """Assumed mean response length; 0: a fifth of rollout.max_response_length."""
-    mean_prompt_tokens: Annotated[int, ge(0)] = 0
+    mean_prompt_tokens: Annotated[int, ge(0), at_most(TOKENS_MAX, TOKENS_WHY)] = 0
     """Assumed mean prompt length; 0: an eighth of data.max_prompt_length."""
     mfu: Annotated[float, within(0, 1, "(]")] = 0.4
     """Assumed model FLOPs utilization."""
@@ -84,13 +99,15 @@ def plan_main(argv: list[str]) -> int:
     args, cfg = parse_plan_args(argv)
     name = args.preset
     default = PRESET_CLUSTERS.get(name, (Cluster(1, 1),))[0]
-    nodes, per_node = args.nodes or default.nodes, args.gpus_per_node or default.gpus_per_node
+    nodes = default.nodes if args.nodes is None else args.nodes
+    per_node = default.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     try:
         gpu = gpu_named(args.gpu)
         source = model_source(cfg, args.model_config or None, args.model_shape or None)
-        shape = model_shape(build_meta_model(source, cfg), _name(cfg, source))
+        shape = model_shape(_meta_model(source, cfg), _name(cfg, source))
         world = nodes * per_node
         checks = launch_checks(cfg, world, source, shape)
+        checks.notes += _default_cluster_note(args, name, nodes, per_node)
         plan = memory_plan(cfg, world, shape, gpu)
         flipped = dataclasses.replace(cfg, trainer=dataclasses.replace(
             cfg.trainer, fsdp_cpu_offload=not cfg.trainer.fsdp_cpu_offload))
@@ -106,6 +123,28 @@ def plan_main(argv: list[str]) -> int:
                         alternative=alternative)
     print("\n".join(render(inputs, shape, checks, plan, time, work)))
     return 0
+
+
+def _default_cluster_note(args: PlanOptions, preset: str, nodes: int, per_node: int) -> list[str]:
+    """The note saying which of --nodes and --gpus-per-node were not given, and what the plan took."""
+    missing = [flag for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node))
+               if value is None]
+    if not missing:
+        return []
+    return [f"{' and '.join(missing)} not given: {nodes} node(s) x {per_node} GPU(s), the first documented cluster "
+            f"of preset '{preset}' (config/presets.py PRESET_CLUSTERS)"]
+
+
+def _meta_model(source, cfg):
+    """The model on the meta device; a config.json transformers cannot build from is one line naming it (the
+    checks of preflight.check_model_shape run first, so this is the backstop)."""
+    try:
+        return build_meta_model(source, cfg)
+    except Exception as err:
+        if source.toy:
+            raise
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ConfigError(f"{source.origin}: transformers cannot build the model from it: {first}") from err
 
 
 def _name(cfg, source) -> str:

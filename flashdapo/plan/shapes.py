@@ -61,12 +61,13 @@ def builtin_shape(name: str) -> dict[str, Any] | None:
 def model_source(cfg: Config, model_config: str | None = None, model_shape: str | None = None) -> ModelSource:
     """The model of `cfg`: `model_config` (a config.json path) first, then `model_shape` (a built-in name),
     then model.path's config.json when it is here, then the built-in shape named by model.path's last
-    component; an empty model.path is the toy model."""
+    component; an empty model.path is the toy model. A config.json read from a file is checked as the launch
+    checks it (preflight.check_model_shape) before anything builds it: one line naming the file and field."""
     if model_config:
-        path = Path(model_config)
+        path = Path(model_config).expanduser()
         if not path.is_file():
             raise ConfigError(f"--model-config: {model_config} is not a file; give a model's config.json")
-        return ModelSource(json.loads(path.read_text(encoding="utf-8")), str(path))
+        return ModelSource(read_config_json(path, "--model-config"), str(path))
     if model_shape:
         values = builtin_shape(model_shape)
         if values is None:
@@ -76,7 +77,7 @@ def model_source(cfg: Config, model_config: str | None = None, model_shape: str 
         return ModelSource({}, "the toy model (model.toy)", toy=True)
     here = Path(cfg.model.path) / "config.json"
     if here.is_file():
-        return ModelSource(json.loads(here.read_text(encoding="utf-8")), str(here), model_dir=cfg.model.path)
+        return ModelSource(read_config_json(here, "model.path"), str(here), model_dir=cfg.model.path)
     values = builtin_shape(Path(cfg.model.path).name)
     if values is None:
         raise ConfigError(f"model.path: {cfg.model.path} has no config.json on this machine and its name is not a "
@@ -85,9 +86,28 @@ def model_source(cfg: Config, model_config: str | None = None, model_shape: str 
     return ModelSource(values, _builtin_origin(Path(cfg.model.path).name))
 
 
+def read_config_json(path: Path, field: str) -> dict[str, Any]:
+    """The model config.json at `path` (given by `field`), checked: valid JSON, an object, and what the launch
+    checks of it (preflight.check_model_shape: architecture, positive integer sizes, heads that divide)."""
+    from ..preflight import check_model_shape
+
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"{field}: {path}: cannot read it ({err.strerror})") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{field}: {path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start})") from err
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{field}: {path}: not valid JSON at line {err.lineno}, column {err.colno}: "
+                          f"{err.msg}") from err
+    check_model_shape(values, f"{field}={path}", str(path))
+    return values
+
+
 def _builtin_origin(name: str) -> str:
     key = next(k for k in BUILTIN_SHAPES if k.lower() == name.lower())
     return f"built-in shape {key} (huggingface.co/Qwen/{key} config.json)"
 
 
-__all__ = ["BUILTIN_SHAPES", "ModelSource", "builtin_shape", "model_source"]
+__all__ = ["BUILTIN_SHAPES", "ModelSource", "builtin_shape", "model_source", "read_config_json"]

@@ -15,7 +15,9 @@ The choices, before the code:
   clock: a fixed seed repeats bitwise. Why not every step: each agreement waits for the slowest rank, and
   on a loaded CPU such waits (scheduling, pack rebuilds at different steps) cost about as much as the
   steps themselves; the few steps run past the target are not lost (their groups roll into the next step,
-  their tokens are carried).
+  their tokens are carried). Between agreements a rank records only the engine steps that kept a group
+  (`_Window`), so memory does not grow with agree_every; the step that met the target is found from those
+  records (one gather, once per step) when the agreement sees it met.
 - **Order.** Which groups are kept is decided by completion; their order is that of submission: a
   group's origin is (the sampler batch its prompt came from, counted over the run; rank; its position in
   the rank's share). So without an early stop the step trains on the groups rounds would, in the same
@@ -42,7 +44,7 @@ import torch
 from ...algorithm import rollout_correction_sums
 from ...config import Config
 from ...data import Prompt, PromptSampler
-from ...distributed.collectives import all_reduce
+from ...distributed.collectives import all_gather_objects, all_reduce
 from ...distributed.mesh import DistEnv
 from ...profiling import StageTimer
 from ...reward import Verifier
@@ -134,7 +136,8 @@ class StreamStats:
     ranks' next agreement."""
     wait_after_target_s: float = 0.0
     """From the end of the engine step after which train_batch groups were kept (over all ranks) to the end
-    of the stream (the steps until the ranks agreed, then the abort and carry-over); the max over ranks."""
+    of the stream (the steps until the ranks agreed, then the abort and carry-over); the max over the ranks
+    that kept a group in that engine step (the others did not record its time: `_Window`)."""
 
 
 def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine, tokenizer, verifier: Verifier,
@@ -160,7 +163,8 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     with timer("gen"):
         _carry(state, engine.abort(), cfg, stats, version)
     if met is not None:
-        stats.ticks_after_target, stats.wait_after_target_s = met[0], _clock() - met[1]
+        stats.ticks_after_target = met[0]
+        stats.wait_after_target_s = _clock() - met[1] if met[1] is not None else 0.0
     found = int(all_reduce(torch.tensor([len(kept)])).item())
     check_shortfall(step, found, f"{pulls} batches of {tc.gen_batch} prompts", cfg, env)
     mini_batches, leftover = deal([kept], cfg, env, with_leftover=True)
@@ -183,31 +187,29 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
 def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine, kept: list[Group],
                   generated: list[tuple[Group, bool]], gen_sums: torch.Tensor, stats: StreamStats, tokenizer,
                   verifier: Verifier, cfg: Config, env: DistEnv, timer: StageTimer,
-                  version: int) -> tuple[int, tuple[int, float] | None]:
+                  version: int) -> tuple[int, tuple[int, float | None] | None]:
     """Top up, step the engine, score and filter finished groups into `kept` (and all of them, with whether
     kept, into `generated`), until train_batch are kept on all ranks together or nothing is left to run;
-    the sampler batches pulled, and (engine steps run since, the clock at) the end of the engine step after
-    which the target was first met (None: never met). The ranks agree (one all-reduce) every
-    rollout.agree_every engine steps, so every rank takes every branch together; between agreements a rank
-    tops up from its own queue."""
+    the sampler batches pulled, and (engine steps run since, this rank's clock at) the end of the engine step
+    after which the target was first met (None: never met; the clock None on a rank that kept no group in that
+    step). The ranks agree (one all-reduce) every rollout.agree_every engine steps, so every rank takes every
+    branch together; between agreements a rank tops up from its own queue."""
     per_rank = max(1, (cfg.rollout.max_in_flight or cfg.trainer.gen_batch) // env.world_size)
     every, target = cfg.rollout.agree_every, cfg.trainer.train_batch
     pulls, started, totals, due = 0, time.perf_counter(), None, True
-    marks = [(_clock(), len(kept))]  # since the last agreement: (clock, kept) at it and after each engine step
+    window = _Window(_clock(), len(kept))  # since the last agreement
     while True:
         with timer("gen"):
             more = _wants_more(totals, cfg)
             submitted = _top_up(state, engine, per_rank, cfg, env.rank, step) if more else 0
-            if due or len(marks) > every:  # agree: the first time, after a pull, then every `every` steps
+            if due or window.steps >= every:  # agree: the first time, after a pull, then every `every` steps
                 due = False
                 need_pull = more and not state.queue and len(state.pending) < per_rank
-                kept_after = [k for _, k in marks] + [marks[-1][1]] * (every + 1 - len(marks))
                 totals = all_reduce(torch.tensor([len(kept), engine.pending(), int(need_pull), len(state.pending),
-                                                  int(submitted), *kept_after]))
-                if int(totals[0]) >= target:  # met at the first mark whose kept groups (over ranks) reach it
-                    first = next(i for i, k in enumerate(totals[5:].tolist()) if k >= target)
-                    return pulls, (len(marks) - 1 - first, marks[first][0])
-                marks = [(_clock(), len(kept))]
+                                                  int(submitted)]))
+                if int(totals[0]) >= target:
+                    return pulls, window.met(target)
+                window = _Window(_clock(), len(kept))
                 if int(totals[2]) and (cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches):
                     if pulls and env.is_main:  # a progress line on long steps; a warning every 20 unbounded pulls
                         report_round(step, pulls, int(totals[0]), cfg, time.perf_counter() - started)
@@ -233,7 +235,55 @@ def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine,
                     if keep:
                         kept.append(group)
                     generated.append((group, keep))
-        marks.append((_clock(), len(kept)))
+        window.stepped(len(kept))
+
+
+@dataclass
+class _Window:
+    """The engine steps since the ranks' last agreement, in memory that does not grow with rollout.agree_every:
+    the kept count and clock at the agreement, and (step, kept count, clock) after each engine step that kept
+    a group (at most one entry per group kept in the window)."""
+
+    clock: float
+    kept: int
+    steps: int = 0
+    rises: list[tuple[int, int, float]] = field(default_factory=list)
+
+    def stepped(self, kept: int) -> None:
+        """An engine step ran; `kept`: this rank's kept groups after it."""
+        self.steps += 1
+        if kept > (self.rises[-1][1] if self.rises else self.kept):
+            self.rises.append((self.steps, kept, _clock()))
+
+    def met(self, target: int) -> tuple[int, float | None]:
+        """The target of kept groups (over all ranks) was met within the window: (engine steps run since the
+        first step after which it was, this rank's clock at that step's end, None if this rank kept no group in
+        it). Every rank calls this together: the ranks' rises are gathered (one collective)."""
+        everyone = all_gather_objects((self.kept, [(s, k) for s, k, _ in self.rises]))
+        first = first_step_reaching(target, everyone)
+        if first == 0:
+            return self.steps, self.clock
+        return self.steps - first, next((clock for s, _, clock in self.rises if s == first), None)
+
+
+def first_step_reaching(target: int, ranks: list[tuple[int, list[tuple[int, int]]]]) -> int:
+    """The first engine step of a window (0: its start) after which the ranks' kept groups sum to `target`,
+    from each rank's (kept at the start, [(step, kept after it) at each step that kept a group]); the window's
+    end must reach it."""
+    total = sum(start for start, _ in ranks)
+    if total >= target:
+        return 0
+    changes: dict[int, int] = {}
+    for start, rises in ranks:
+        before = start
+        for step, kept in rises:
+            changes[step] = changes.get(step, 0) + kept - before
+            before = kept
+    for step in sorted(changes):
+        total += changes[step]
+        if total >= target:
+            return step
+    raise ValueError(f"first_step_reaching: the window's kept groups ({total}) never reach {target}")
 
 
 def _clock() -> float:

@@ -151,13 +151,19 @@ def record_start(path: Path, run_id: str, step: int, config_yaml: str, resumed_f
                  changes: list[tuple[str, Any, Any]], fresh: bool) -> str:
     """Rank 0, once a run has started: write its config (config.yaml on the first start, never rewritten;
     config.resume-<N>.yaml on the N-th resume) and append the start to run.json. Returns the config's name.
-    A fresh run (checkpoint.resume empty; claim_run_dir found no run data here) starts a new record."""
+    A fresh run (checkpoint.resume empty; claim_run_dir found no run data here) starts a new record, and so
+    does the first start of `checkpoint.resume auto` in a directory without a run record that found no
+    checkpoint to resume (`flashdapo ablate` starts every run so); a config.yaml already there is then kept:
+    the config this start was given, written beforehand (the ablation writes each run's, `auto` fields and all,
+    so that it reruns the run alone)."""
+    first = fresh or (resumed_from is None and _read_record(path) is None)
     name = "config.yaml"
-    if not fresh and (path / name).exists():
+    if not first and (path / name).exists():
         taken = [int(m.group(1)) for p in path.iterdir() if (m := _RESUME_CONFIG.match(p.name))]
         name = f"config.resume-{max(taken, default=0) + 1}.yaml"
-    (path / name).write_text(config_yaml)
-    record = (None if fresh else _read_record(path)) or {"run_id": run_id, "starts": []}
+    if fresh or not (path / name).exists():
+        (path / name).write_text(config_yaml)
+    record = (None if first else _read_record(path)) or {"run_id": run_id, "starts": []}
     start: dict[str, Any] = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step,
                              "config": name}
     if resumed_from is not None:
