@@ -228,9 +228,19 @@ class PromptDataset:
         return self.prompts[index]
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template with the generation prompt."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]], where: str = "") -> list[int]:
+    """Token ids of `messages` (the prompt at `where`) under the tokenizer's chat template with the generation
+    prompt. A template that fails on them (jinja2's errors: transformers' sandbox refusing it, a
+    raise_exception) is a DataError naming the prompt and the tokenizer."""
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as err:
+        if not type(err).__module__.startswith("jinja2"):
+            raise
+        owner = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise DataError(f"{where or 'a prompt'}: the chat template of {owner} fails on it ({type(err).__name__}: "
+                        f"{' '.join(str(err).split())}); use the model's original tokenizer files, fix the template, "
+                        "or drop the row") from err
     if hasattr(out, "keys") and "input_ids" in out:  # BatchEncoding / dict (transformers 5 default)
         out = out["input_ids"]
     if hasattr(out, "tolist"):
@@ -295,7 +305,7 @@ def prompts_from_records(records: list[Record], tokenizer: Any, cfg: DataConfig,
             if cfg.dedup:
                 continue
         else:
-            seen[key] = _fit(chat_ids(tokenizer, record.messages), record, cfg)
+            seen[key] = _fit(chat_ids(tokenizer, record.messages, record.source), record, cfg)
         ids, was_truncated = seen[key]
         if ids is None:
             dropped += 1

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
+import re
+from pathlib import Path
 
 DEBUG_ENV = "FLASHDAPO_DEBUG"
 
@@ -61,3 +64,24 @@ def user_error_line(err: BaseException) -> str | None:
     else:
         return None
     return "flashdapo: error: " + " ".join(message.split())
+
+
+def file_in_the_way(path: os.PathLike | str) -> str:
+    """The file standing where a parent directory of `path` should be (mkdir's FileExistsError or
+    NotADirectoryError name the path asked for, not it); `path`'s parent when there is none."""
+    target = Path(path)
+    for parent in reversed(target.parents):
+        if parent.exists() and not parent.is_dir():
+            return str(parent)
+    return str(target.parent)
+
+
+def refused_pickle(err: BaseException) -> str | None:
+    """For torch.load(weights_only=True) refusing a pickled object: the object's name, as torch gives it ('' if
+    none); None for any other error. torch's message then suggests weights_only=False, which would run it: never
+    a hint to pass on (flashdapo's files, and model weights, hold only tensors and plain data)."""
+    text = str(err)
+    if not isinstance(err, pickle.UnpicklingError) or "weights_only" not in text:
+        return None
+    found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"[Uu]nsupported global: (\S+)", text)
+    return found.group(1) if found else ""

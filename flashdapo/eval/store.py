@@ -3,7 +3,9 @@
 The choices, stated first:
 - Every finished prompt is appended as one JSON line (`PromptResult`: prompt id, 'file:row', data
   source, ground truth, and per sample the response, extracted answer, score, length, finish reason),
-  then the file is flushed and fsync'ed, so a killed evaluation loses at most the prompts in flight.
+  then the file is flushed and fsync'ed, so a killed evaluation loses at most the prompts in flight. A write
+  that fails (a full disk) cuts the file back to where it ended before, so it never ends in a torn line, and
+  stops the evaluation with one line naming the file; a rerun resumes.
 - OUT/eval_settings.json records what determines the samples (model, data files, k, sampling, seed,
   verifier, engine). A rerun into the same OUT must match it (else a one-line error naming the first
   differing setting) and skips the prompts already in samples.jsonl; the metrics are computed from the
@@ -41,13 +43,42 @@ METRICS = "metrics.json"
 LOCK = ".flashdapo-eval.lock"
 
 
+RERUN = "free disk space (or fix the error), then rerun the same command: it resumes after the prompts already written"
+
+
 def _write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or is left as it was (EvalStoreError naming it, e.g. on a full disk)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise EvalStoreError(f"{path}: cannot write it ({err.strerror or err}); {RERUN}") from err
+
+
+def append_whole(path: Path, data: bytes) -> None:
+    """Append `data` to `path` and fsync; if the write fails (a full disk), cut the file back to its length
+    before, so it never ends in a torn line, and raise the OSError."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # load() drops a torn last line with a warning
+            raise
+    finally:
+        os.close(fd)
 
 
 class SampleLog:
@@ -122,10 +153,11 @@ class SampleLog:
         """Append results, one line each, and fsync: on disk once this returns."""
         if not results:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r.to_dict()) + "\n" for r in results))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            append_whole(self.path, "".join(json.dumps(r.to_dict()) + "\n" for r in results).encode("utf-8"))
+        except OSError as err:
+            raise EvalStoreError(f"{self.path}: cannot append {len(results)} prompt result(s) ({err.strerror or err}); "
+                                 f"the file is kept as it was before them: {RERUN}") from err
 
     def write_metrics(self, report: EvalReport, extra: dict[str, Any]) -> Path:
         """OUT/metrics.json: the flat metrics (`eval/...`), every source's pass@j / maj@j, and `extra`."""

@@ -4,7 +4,9 @@ transformers' own errors for a wrong directory mislead ("install sentencepiece" 
 omit the file ("header too large" without naming a corrupt safetensors shard), and safetensors reports a
 file it may not read as "No such file or directory": a denied permission is named as such. This check names the
 directory or file and what an HF checkpoint directory must hold: config.json, weights (*.safetensors or
-*.bin), tokenizer files. It reads only the safetensors headers, not the tensors.
+*.bin), tokenizer files. It reads only the safetensors headers, not the tensors, and (without safetensors
+weights) the pickles of pytorch_model*.bin memory-mapped, as transformers reads them (weights_only): a file
+holding a pickled object is named, without torch's hint to load it unsafely.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import FlashdapoError
+from ..errors import FlashdapoError, refused_pickle
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 EXPECTED = "an HF checkpoint directory (config.json, *.safetensors weights, tokenizer files)"
@@ -70,5 +72,34 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> None:
         except Exception as err:  # safetensors raises its own SafetensorError (and OSError) for bad files
             raise ModelDirError(f"{shard}: not a readable safetensors file ({str(err).splitlines()[0]}); "
                                 "re-download or re-export the model") from err
+    if not shards:  # transformers loads these only where no safetensors weights are
+        for file in sorted(root.glob("pytorch_model*.bin")):
+            _check_bin(file)
     if not any((root / name).is_file() for name in TOKENIZER_FILES):
         raise ModelDirError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); expected {EXPECTED}")
+
+
+def _check_bin(file: Path) -> None:
+    """A PyTorch weights file (pytorch_model*.bin) holds only tensors: read as transformers reads it,
+    torch.load(weights_only=True), memory-mapped (the pickle is read, the tensors' bytes are not). A pickled
+    object is refused in one line naming the file; torch's hint to pass weights_only=False (which would run
+    it) is not passed on."""
+    import torch
+
+    try:
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):  # a file of torch's legacy (pre-zip) format cannot be mapped: read it
+                raise
+            torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        name = refused_pickle(err)
+        if name is not None:
+            named = f", {name}," if name else ""
+            raise ModelDirError(f"{file}: not model weights: it holds a pickled Python object{named} where a weights "
+                                "file holds only tensors, and was not loaded (unpickling it could run code); use the "
+                                "model's safetensors weights, or weights from a source you trust") from err
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ModelDirError(f"{file}: not a readable PyTorch weights file ({first}); re-download or re-export the "
+                            "model") from err

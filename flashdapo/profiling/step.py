@@ -19,6 +19,7 @@ profiling is off or this rank does not profile: no profiler object exists then.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..config import ProfileConfig
+from ..errors import FlashdapoError, file_in_the_way
 from . import ranges
 from .memory import CudaMemoryHistory
 from .ranges import Recorder
@@ -33,6 +35,44 @@ from .table import format_table, top_ops
 
 STEP_RANGE = "step"
 """The range that holds a whole training step (the StageTimer's outermost stage)."""
+
+
+class ProfileDirError(FlashdapoError, RuntimeError):
+    """profile.dir cannot hold the profiles (a file, not writable); the message names it."""
+
+    every_rank = False  # only the ranks that profile check it
+
+
+def profiles(cfg: ProfileConfig, rank: int) -> bool:
+    """Whether `rank` profiles any step."""
+    return bool(cfg.steps) and (not cfg.ranks or rank in cfg.ranks)
+
+
+def profile_dir(cfg: ProfileConfig, run_dir: Path) -> Path:
+    """Where the profiles go: profile.dir, else RUN_DIR/profile."""
+    return Path(cfg.dir) if cfg.dir else Path(run_dir) / "profile"
+
+
+def check_profile_dir(cfg: ProfileConfig, run_dir: Path, rank: int) -> None:
+    """On a rank that profiles, at the start of the run: create the profile directory and check it writable (a
+    file is created and removed), so a wrong profile.dir is one line before any step, not a traceback at the
+    profiled one. ProfileDirError naming it."""
+    if not profiles(cfg, rank):
+        return
+    out_dir = profile_dir(cfg, run_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ProfileDirError(f"profile.dir={out_dir} is a file, not a directory; give a directory for the profiles "
+                              "of profile.steps (or leave profile.dir empty: RUN_DIR/profile)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir, prefix=".flashdapo-write-check-"):
+            pass
+    except (FileExistsError, NotADirectoryError) as err:
+        raise ProfileDirError(f"profile.dir={out_dir}: cannot create it, {file_in_the_way(out_dir)} is a file, not a "
+                              "directory; choose another path") from err
+    except OSError as err:
+        raise ProfileDirError(f"profile.dir={out_dir}: cannot create or write it ({err.strerror or err}); fix its "
+                              "permissions or choose another path") from err
 
 
 class StepProfiler:
@@ -44,10 +84,9 @@ class StepProfiler:
     @classmethod
     def configured(cls, cfg: ProfileConfig, run_dir: Path, rank: int, device: torch.device) -> StepProfiler | None:
         """The profiler of this rank, or None when profiling is off or this rank is not among profile.ranks."""
-        if not cfg.steps or (cfg.ranks and rank not in cfg.ranks):
+        if not profiles(cfg, rank):
             return None
-        out_dir = Path(cfg.dir) if cfg.dir else run_dir / "profile"
-        return cls(cfg, out_dir, rank, device, prints=rank == (min(cfg.ranks) if cfg.ranks else 0))
+        return cls(cfg, profile_dir(cfg, run_dir), rank, device, prints=rank == (min(cfg.ranks) if cfg.ranks else 0))
 
     def path(self, step: int, suffix: str) -> Path:
         return self.out_dir / f"rank{self.rank}.{step}{suffix}"

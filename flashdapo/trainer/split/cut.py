@@ -25,13 +25,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...distributed.collectives import barrier
-from ..state.checkpoint import CheckpointError
+from ..state.checkpoint import CheckpointError, load_failure, write_failure
+from .wire import unpack
 
 PARTS = "split_rollout"
 KEEP_PARTS = 4
@@ -60,20 +63,39 @@ def write_part(run_dir: Path, step: int, boundary: int, rank: int, state: dict[s
     batches step+1 .. boundary, then publishes."""
     final = part_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    with _writing(final, tmp):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
     barrier()
-    torch.save(state, tmp / f"rank{rank}.pt")
-    if queue is not None:
-        torch.save([torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in queue], tmp / "queue.pt")
+    with _writing(final, tmp):
+        torch.save(state, tmp / f"rank{rank}.pt")
+        if queue is not None:
+            torch.save([torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in queue], tmp / "queue.pt")
     barrier()
     if rank == 0:
-        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "boundary": boundary}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with _writing(final, tmp):
+            (tmp / "COMPLETE").write_text(json.dumps({"step": step, "boundary": boundary}))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         _prune(run_dir)
+
+
+@contextmanager
+def _writing(final: Path, tmp: Path) -> Iterator[None]:
+    """A failed write of the part (a full disk: torch's writer says only "unexpected pos") is one line naming
+    the part and the reason; its temporary directory is removed (never published: the job stops, and no rank
+    passes the next barrier)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        reason = write_failure(err, tmp.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write {final} (the rollout side's part of the cut of step "
+                              f"{int(final.name.rsplit('_', 1)[1])}): {reason}. The trainer's checkpoints are intact; "
+                              "free disk space (or fix the error), then continue with --checkpoint.resume auto (it "
+                              "resumes from the newest checkpoint whose part is complete)") from err
 
 
 def _prune(run_dir: Path) -> None:
@@ -83,10 +105,16 @@ def _prune(run_dir: Path) -> None:
 
 
 def require_part(run_dir: Path, step: int, checkpoint: Path) -> None:
-    """Refuse (skip) a checkpoint whose rollout part is not complete."""
-    if not (part_dir(run_dir, step) / "COMPLETE").is_file():
+    """Refuse (skip) a checkpoint whose rollout part is not complete, or does not load: its marker, each queued
+    batch, each rollout rank's state (read as the resume reads them; a file flashdapo did not write is named)."""
+    part = part_dir(run_dir, step)
+    if not (part / "COMPLETE").is_file():
         raise CheckpointError(f"{checkpoint.name}: the rollout side's part of this cut ({PARTS}/part_{step:08d}) is "
                               "missing: the rollout side had not reached its boundary when the run stopped")
+    read_boundary(run_dir, step)
+    read_queue(run_dir, step)
+    for file in sorted(part.glob("rank*.pt")):
+        _load(file, "the rollout side's state")
 
 
 def read_boundary(run_dir: Path, step: int) -> int:
@@ -97,22 +125,43 @@ def read_boundary(run_dir: Path, step: int) -> int:
         raise CheckpointError(f"{part_dir(run_dir, step)}: unreadable COMPLETE marker ({err})") from err
 
 
-def read_queue(run_dir: Path, step: int) -> list[bytes]:
-    """The packed batches queued at the cut of `step`, in order."""
+def _load(path: Path, what: str) -> Any:
+    """torch.load(weights_only=True) of a part's file; CheckpointError naming it and why it does not load."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing ({what}); remove {path.parent} (the resume then takes an older "
+                              "checkpoint)")
     try:
-        tensors = torch.load(part_dir(run_dir, step) / "queue.pt", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"{part_dir(run_dir, step)}: cannot load queue.pt ({err})") from err
-    return [t.numpy().tobytes() for t in tensors]
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a pickled object, a truncated zip, an I/O error
+        raise CheckpointError(f"{path} ({what}): {load_failure(err)}; remove {path.parent} (the resume then takes "
+                              "an older checkpoint)") from err
+
+
+def read_queue(run_dir: Path, step: int) -> list[bytes]:
+    """The packed batches queued at the cut of `step`, in order; each is unpacked once here, so a batch that does
+    not read back (a file flashdapo did not write) is refused at the resume, not when its step comes."""
+    path = part_dir(run_dir, step) / "queue.pt"
+    tensors = _load(path, "the queued batches")
+    if not isinstance(tensors, list) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise CheckpointError(f"{path}: not a file flashdapo wrote, or a corrupted one (expected a list of byte "
+                              f"tensors, got {type(tensors).__name__}); remove {path.parent} (the resume then takes "
+                              "an older checkpoint)")
+    payloads = [t.numpy().tobytes() for t in tensors]
+    for i, payload in enumerate(payloads):
+        try:
+            unpack(payload)
+        except Exception as err:
+            raise CheckpointError(f"{path}: queued batch {step + 1 + i}: {load_failure(err)}; remove {path.parent} "
+                                  "(the resume then takes an older checkpoint)") from err
+    return payloads
 
 
 def read_rank_state(run_dir: Path, step: int, rank: int) -> dict[str, Any]:
     path = part_dir(run_dir, step) / f"rank{rank}.pt"
-    try:
-        return torch.load(path, weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"{path}: cannot load the rollout side's state ({err}); was the run split over "
-                              "another number of rollout ranks?") from err
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the state of rollout rank {rank}); was the run split over another "
+                              "number of rollout ranks?")
+    return _load(path, "the rollout side's state")
 
 
 __all__ = ["part_dir", "parts_due", "read_boundary", "read_queue", "read_rank_state",

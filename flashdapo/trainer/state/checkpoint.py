@@ -9,13 +9,14 @@ rank's files (where nodes do not share the run directory, a rank's shards land o
 so a crash mid-save never leaves a directory that `--resume auto` would pick; a failed save (a full disk)
 removes its temporary directory and leaves every older checkpoint as it was.
 
-`trainer_state.pt` and the RNG files hold only tensors, numbers, strings, lists and dicts, and are read
-with `torch.load(weights_only=True)`: loading a checkpoint never unpickles arbitrary objects (a crafted
-file cannot run code). `--resume auto` tries the complete checkpoints newest first and resumes from the
-first that loads, warning about each one it skips (resume.py decides which run's checkpoints qualify and
+`trainer_state.pt`, the RNG files and the per-rank states (`stream_rank<r>.pt`) hold only tensors, numbers,
+strings, lists and dicts, and are read with `torch.load(weights_only=True)`: loading a checkpoint never
+unpickles arbitrary objects (a crafted file cannot run code; it is named as not a file flashdapo wrote).
+`--resume auto` tries the complete checkpoints newest first and resumes from the first that loads, warning about each one it skips (resume.py decides which run's checkpoints qualify and
 checks the settings). A damaged checkpoint (a file missing or truncated, a marker that does not parse, as a
-failing disk or a half-finished copy leaves them) is one that does not load: it is skipped with a line
-naming it and what is wrong. Weights holding NaN or inf are never saved.
+failing disk or a half-finished copy leaves them; any of its files, this rank's state included) is one that
+does not load: it is skipped with a line naming it and what is wrong. A write that fails for a full disk
+says so (torch's own writer reports only "unexpected pos"). Weights holding NaN or inf are never saved.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ...distributed.collectives import all_gather_objects, all_reduce, barrier
 from ...distributed.mesh import DistEnv
-from ...errors import FlashdapoError
+from ...errors import FlashdapoError, refused_pickle
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -98,16 +99,69 @@ def one_line(err: BaseException) -> str:
     return text[-1] if text else type(err).__name__
 
 
-def write_failure(err: BaseException) -> str:
-    """Why a write failed, on one line. Under a file size limit (`ulimit -f`; Python ignores SIGXFSZ, so the
-    write fails with EFBIG) torch.save reports only "enforce fail at inline_container.cc": say so instead."""
+FULL_BELOW = 64 << 20
+"""A filesystem with less free space than this, right after a write failed there, is the reason it failed."""
+
+
+def _size(n: int) -> str:
+    """Bytes for a person: '0 B', '4.0 KiB', '1.5 GiB'."""
+    if n < 1024:
+        return f"{n} B"
+    exponent = min(4, (n.bit_length() - 1) // 10)
+    return f"{n / (1 << (10 * exponent)):.1f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
+
+
+def disk_space(where: Path) -> tuple[int, int] | None:
+    """(free, total) bytes of the filesystem holding `where` (its nearest existing parent), None if unknown."""
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return None
+    return usage.free, usage.total
+
+
+def no_space_line(where: Path | None) -> str:
+    """The system's 'No space left on device', with the free space of the filesystem holding `where`."""
+    space = disk_space(where) if where is not None else None
+    told = f" ({_size(space[0])} free of {_size(space[1])} on the disk holding {where})" if space else ""
+    return f"{os.strerror(errno.ENOSPC)}{told}"
+
+
+def write_failure(err: BaseException, where: Path | None = None) -> str:
+    """Why a write into `where` failed, on one line. torch's zip writer (torch.save, and DCP's shards) loses
+    the system's reason: a full disk or a file size limit (`ulimit -f`; Python ignores SIGXFSZ, so the
+    write fails with EFBIG) both read "enforce fail at inline_container.cc ... unexpected pos". Say which:
+    the limit when one is set, no space when the filesystem holding `where` is (nearly) full."""
     root = _root(err)
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    too_large = getattr(root, "errno", None) == errno.EFBIG or "inline_container.cc" in str(root)
+    cut_short = "inline_container.cc" in str(root)  # torch's writer: the OS's errno is gone
+    too_large = getattr(root, "errno", None) == errno.EFBIG or cut_short
     if too_large and soft != resource.RLIM_INFINITY:
         return (f"a file reached the file size limit ({soft} bytes: ulimit -f {soft // 1024}; raise it, e.g. "
                 "ulimit -f unlimited)")
+    if getattr(root, "errno", None) == errno.ENOSPC:
+        return no_space_line(where or getattr(root, "filename", None))
+    if cut_short:
+        space = disk_space(where) if where is not None else None
+        if space is not None and space[0] < FULL_BELOW:
+            return no_space_line(where)
+        return "a write was cut short (torch's file writer stopped: a full disk or quota, or an I/O error)"
     return one_line(err)
+
+
+def load_failure(err: BaseException) -> str:
+    """Why a file read with torch.load(weights_only=True) does not load, on one line: 'cannot load it, <the
+    error>', or for a pickled object what that means. torch refuses one (good) but suggests weights_only=False,
+    which would run it: say instead that flashdapo never writes such a file."""
+    name = refused_pickle(err)
+    if name is not None:
+        named = f", {name}," if name else ""
+        return (f"not a file flashdapo wrote, or a corrupted one: it holds a pickled Python object{named} where "
+                "flashdapo writes only tensors and plain data; not loaded, since unpickling it could run code")
+    return f"cannot load it, {one_line(err)}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -201,7 +255,7 @@ def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path,
     except (OSError, RuntimeError, ValueError, CheckpointException) as err:
         error = err
     reasons = all_gather_objects("" if error is None else
-                                 str(error) if isinstance(error, CheckpointError) else write_failure(error))
+                                 str(error) if isinstance(error, CheckpointError) else write_failure(error, tmp.parent))
     failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason]
     if not failed:
         return
@@ -348,7 +402,7 @@ def _safe_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling refusals, truncated zips and I/O errors all mean "cannot load"
-        raise CheckpointError(f"{path}: cannot load ({one_line(err)})") from err
+        raise CheckpointError(f"{path}: {load_failure(err)}") from err
 
 
 RANK_STATE = "stream_rank"
@@ -379,6 +433,7 @@ def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch
         read_marker(path)  # a damaged marker records no run: resume.py could not tell whose checkpoint it is
         state = TrainerState.from_plain(_safe_load(path / "trainer_state.pt"), path / "trainer_state.pt")
         rng = _safe_load(rng_file)
+        load_rank_state(path, env)  # read again once resumed; a bad one skips this checkpoint, as above
     except CheckpointError as err:
         error = err
     if all_reduce(torch.tensor([float(error is not None)]), "max").item() > 0:
