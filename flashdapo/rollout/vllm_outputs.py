@@ -16,7 +16,18 @@ def vllm_sampling_params(vllm: Any, sampling: SamplingParams, *, n: int, seed: i
                          **extra: Any) -> Any:
     """vLLM's SamplingParams for `sampling` (the one mapping of every generate call and stream request): the
     sampled token's log-prob only (`logprobs=0`, flat), no detokenizing, top_k off as 0; `extra` (e.g. the
-    stream's output_kind) passed through."""
+    stream's output_kind) passed through.
+
+    Token ids the tokenizer does not have (`vllm.banned_token_ids`, set by the engine: the padded rows of the
+    model's vocabulary, ids >= len(tokenizer)) get a logit bias of -inf: they are never sampled, and the
+    log-probs vLLM reports (processed_logprobs, computed after the bias) are those of the distribution it
+    sampled from, the policy's renormalized over the tokenizer's ids. `logit_bias` is what vLLM 0.32-0.34
+    all apply on every path (0.32/0.33 `v1/sample/logits_processor/builtin.py` LogitBiasLogitsProcessor, 0.34
+    `v1/worker/gpu/sample/logit_bias.py`, at most 1024 ids a request); `allowed_token_ids` would list the
+    whole tokenizer, beyond 0.34's 1024."""
+    banned = getattr(vllm, "banned_token_ids", ())
+    if banned:
+        extra.setdefault("logit_bias", dict.fromkeys(banned, float("-inf")))
     return vllm.SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                                top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=max_tokens, logprobs=0,
                                seed=seed, detokenize=False, flat_logprobs=True, **extra)

@@ -1,5 +1,5 @@
-"""Pushing the trainer's weights into a running vLLM engine, in place (vLLM 0.32 CPU build and 0.33; paths
-inside the wheel).
+"""Pushing the trainer's weights into a running vLLM engine, in place (vLLM 0.32 CPU build, 0.33 and 0.34, whose
+reload API is the same; paths inside the wheel).
 
 The choices, before the code:
 

@@ -68,7 +68,7 @@ def training_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer, e
                     log) -> RolloutEngine:
     """The engine that samples the policy during training (co-located, or split placement's rollout side):
     the torch engine over the policy itself, or an engine with its own weights whose every push is checked."""
-    push_check = PushCheck(policy, env.device, policy.config.vocab_size, log) if engine_spec(
+    push_check = PushCheck(policy, env.device, policy.config.vocab_size, log, tokenizer_size=len(tokenizer)) if engine_spec(
         cfg.rollout.engine).own_weights else None
     return build_engine(cfg.rollout, env, tokenizer, model=policy, model_path=cfg.model.path, dtype=cfg.model.dtype,
                         seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,

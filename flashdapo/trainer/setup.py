@@ -25,6 +25,7 @@ from ..models.weights import iter_full_state_dict
 from ..plan.launch import check_launch_memory
 from ..preflight import check_launch, resolve_auto
 from ..profiling import StepProfiler
+from ..profiling.step import check_profile_dir
 from ..reward import RANDOM_VERIFIER, RandomReward, Verifier, get_verifier, judging_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
@@ -179,6 +180,7 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
         check_launch_memory(cfg, env.world_size, torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
                             else None, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
         plan = agree_on_start(cfg, env, run_dir, log)
+        check_profile_dir(cfg.profile, run_dir, env.rank)  # before the model loads, not at the profiled step
         attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         run = _build_run(cfg, env, failfast, run_dir, log, plan, checkpoint)
@@ -263,7 +265,8 @@ def build_collector(run: Run, log) -> Collector:
     checkpoint's cut queued), or a co-located one sampling the policy's current weights."""
     cfg, env = run.cfg, run.env
     if cfg.rollout.placement == "split":
-        split = SplitTrainer(env, cfg, run.policy, PushCheck(run.policy, env.device, run.policy.config.vocab_size, log))
+        split = SplitTrainer(env, cfg, run.policy, PushCheck(run.policy, env.device, run.policy.config.vocab_size, log,
+                                                             tokenizer_size=len(run.tokenizer)))
         if run.resumed is not None and run.start_step < cfg.trainer.total_steps:
             split.resume(run.run_dir, run.start_step)
         return split

@@ -105,7 +105,7 @@ class RolloutSide:
     def __post_init__(self) -> None:
         algo = self.cfg.algorithm
         self.verifier = training_reward(algo.verifier, algo.random_reward_p, self.cfg.trainer.seed)
-        self.check = PushCheck(self.policy, self.env.device, self.policy.config.vocab_size)
+        self.check = PushCheck(self.policy, self.env.device, self.policy.config.vocab_size, tokenizer_size=len(self.tokenizer))
         self.cut = TrainerCut(self.env.bridges.layout.trainers // self.cfg.trainer.sequence_parallel)
 
     def load(self, w: int) -> dict[str, float]:
@@ -130,7 +130,10 @@ class RolloutSide:
             collected, stats = stream_groups(b, self.stream, *args, version=version, deal=self.cut)
         else:
             collected, stats = collect_groups(b, *args, carried=self.carried, deal=self.cut), None
-            surplus = _tagged(self.cut.leftover, version) if cfg.algorithm.dynamic_sampling else []
+            # Dynamic sampling's surplus opens the next batch at k >= 1; at k = 0 it is dropped, as co-located
+            # rounds drop it: k = 0 trains exactly the co-located run's groups, every token on-policy.
+            rolls_over = cfg.algorithm.dynamic_sampling and cfg.rollout.max_lag > 0
+            surplus = _tagged(self.cut.leftover, version) if rolls_over else []
             self.carried = _carried(surplus, env.rank)
         self.engine.sleep()
         return collected, stats, _tagged(collected.mini_batches[0], version)
