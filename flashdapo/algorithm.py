@@ -365,12 +365,13 @@ def _loss_stats(new, old, adv, valid, ratio, clips, entropy, correct) -> LossSta
 
 def stale_tokens(cfg) -> bool:
     """Whether trained tokens may come from older weights than those the step starts from: streaming's carried
-    responses, and in split placement any lag k >= 1 or dynamic sampling (its groups past a batch's target
-    open the next one). `algorithm.rollout_correction=auto` then resolves to token_truncate. At k = 0 without
-    dynamic sampling every token is sampled by the weights it trains: auto stays as co-located."""
+    responses, and in split placement any lag k >= 1 (with dynamic sampling its groups past a batch's target
+    also open the next one). `algorithm.rollout_correction=auto` then resolves to token_truncate. At k = 0 split
+    placement trains what co-located training trains (rounds drop the surplus, as co-located rounds do): auto
+    resolves as co-located."""
     rc = cfg.rollout
     carried = rc.streaming and rc.partial_rollouts
-    return carried or (rc.placement == "split" and (rc.max_lag > 0 or cfg.algorithm.dynamic_sampling))
+    return carried or (rc.placement == "split" and rc.max_lag > 0)
 
 
 def rollout_correction(cfg) -> str:
