@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import RolloutConfig
 from ..distributed.mesh import DistEnv, before_destroy
-from ..tokenizer import eos_token_ids
+from ..tokenizer import describe_stop_ids, eos_token_ids
 from .base import RolloutEngine
 
 
@@ -30,19 +30,25 @@ def build_engine(rollout: RolloutConfig, env: DistEnv, tokenizer, *, model: nn.M
     gather over `shard_group`), `rollout.max_num_seqs` sequences at a time. vllm: its own copy of the model at
     `model_path` in `dtype` (dummy weights until the first push unless `dummy_weights` is False),
     `verify_push(engine)` after every push (the push check), its shutdown registered before the process group's.
+    Both stop on the same ids (tokenizer.eos_token_ids: the tokenizer's eos, `model_path`'s generation_config.json
+    eos_token_id, the chat template's end-of-turn token), named in one line at start on rank 0.
     """
+    stop_ids = eos_token_ids(tokenizer, model_path)
+    if env.rank == 0:
+        print(f"flashdapo: {rollout.engine} rollouts stop at {describe_stop_ids(tokenizer, stop_ids)}", flush=True)
     if rollout.engine == "vllm":
         from .vllm_engine import VLLMEngine
 
         engine = VLLMEngine(rollout, model_path, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                             dtype=dtype, seed=seed, max_model_len=max_model_len, dummy_weights=dummy_weights,
-                            verify_push=verify_push, vllm_module=vllm_module, error_log=error_log)
+                            verify_push=verify_push, vllm_module=vllm_module, error_log=error_log,
+                            stop_token_ids=stop_ids)
         before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
         return engine
     if rollout.engine == "torch":
         from .torch_engine import TorchEngine
 
-        return TorchEngine(model, eos_token_ids(tokenizer), tokenizer.pad_token_id, env.device,
+        return TorchEngine(model, stop_ids, tokenizer.pad_token_id, env.device,
                            process_group=shard_group, max_batch=rollout.max_num_seqs,
                            reshard_after_forward=reshard_after_forward)
     raise ValueError(f"unknown rollout engine {rollout.engine!r}")

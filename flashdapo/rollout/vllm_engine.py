@@ -31,8 +31,10 @@ The choices, before the code:
   log_softmax(logits / T) after top-k/top-p (`v1/sample/sampler.py`): the trainer's log-probs when top-k
   and top-p are off (the DAPO training setting). Ids the tokenizer does not have (the padded rows of the
   vocabulary, e.g. 151665..152063 for Qwen2.5) get a -inf logit bias (`vllm_outputs.vllm_sampling_params`,
-  `banned_token_ids`): never sampled. Finish reason "length" (max_tokens or max_model_len)
-  means truncated; "stop" (EOS, kept in token_ids) is not; anything else ("abort", "error") raises.
+  `banned_token_ids`): never sampled. Every request carries flashdapo's stop set (tokenizer.eos_token_ids: the
+  tokenizer's eos, generation_config.json's eos_token_id, the chat template's end-of-turn token) as
+  `stop_token_ids`, so vLLM stops where the torch engine does. Finish reason "length" (max_tokens or max_model_len)
+  means truncated; "stop" (EOS or a stop id, kept in token_ids) is not; anything else ("abort", "error") raises.
 - **TP groups.** Each rank holds its own prompts. Inside a TP group the prompt lists are all-gathered
   (gloo subgroup, rank order), every rank submits the identical concatenation with identical seeds, and
   keeps the slice that answers its own prompts.
@@ -155,10 +157,12 @@ def banned_token_ids(vocab_size: int | None, tokenizer_size: int | None) -> tupl
 
 class SamplingVLLM:
     """The `vllm` package as sampling sees it (`vllm_outputs.vllm_sampling_params`, the stream's requests): its
-    attributes, plus `banned_token_ids`, the ids no request may sample."""
+    attributes, plus `banned_token_ids`, the ids no request may sample, and `stop_token_ids`, the ids that end
+    a response (flashdapo's stop set, the torch engine's too)."""
 
-    def __init__(self, vllm: Any, banned: list[int]) -> None:
+    def __init__(self, vllm: Any, banned: list[int], stop: list[int] | None = None) -> None:
         self._vllm, self.banned_token_ids = vllm, tuple(banned)
+        self.stop_token_ids = tuple(stop or ())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._vllm, name)
@@ -210,14 +214,16 @@ class VLLMEngine:
                  local_rank: int | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  seed: int = 0, dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
                  vllm_module: Any = None, verify_push: Callable[[VLLMEngine], None] | None = None,
-                 error_log: Path | None = None, tokenizer_size: int | None = None, **llm_kwargs: Any) -> None:
+                 error_log: Path | None = None, tokenizer_size: int | None = None,
+                 stop_token_ids: list[int] | None = None, **llm_kwargs: Any) -> None:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
         the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
         (trainer/logprob_check.py `PushCheck`); `error_log` receives the traceback of an engine failure (which
         ends in one line, vllm_bounds.py); `tokenizer_size` (default: the length of vLLM's tokenizer of the
-        checkpoint) bounds the ids sampled; `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged
-        into the fp32 head override)."""
+        checkpoint) bounds the ids sampled; `stop_token_ids` (tokenizer.eos_token_ids; build_engine passes them)
+        end a response besides vLLM's own eos, as `SamplingParams.stop_token_ids` of every request; `llm_kwargs`
+        go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32 head override)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
@@ -255,7 +261,8 @@ class VLLMEngine:
         self.start_s = time.perf_counter() - start
         banned, banned_note = banned_token_ids(*_sizes(self.llm, tokenizer_size))
         self.banned_token_ids = tuple(banned)
-        self._sampling_vllm = SamplingVLLM(self._vllm, banned)
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids or ())
+        self._sampling_vllm = SamplingVLLM(self._vllm, banned, list(self.stop_token_ids))
         self._vllm_threads = kept.vllm_threads
         self._weights_asleep = self._kv_asleep = False
         self._weights_valid = not dummy_weights

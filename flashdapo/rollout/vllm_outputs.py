@@ -24,10 +24,17 @@ def vllm_sampling_params(vllm: Any, sampling: SamplingParams, *, n: int, seed: i
     sampled from, the policy's renormalized over the tokenizer's ids. `logit_bias` is what vLLM 0.32-0.34
     all apply on every path (0.32/0.33 `v1/sample/logits_processor/builtin.py` LogitBiasLogitsProcessor, 0.34
     `v1/worker/gpu/sample/logit_bias.py`, at most 1024 ids a request); `allowed_token_ids` would list the
-    whole tokenizer, beyond 0.34's 1024."""
+    whole tokenizer, beyond 0.34's 1024.
+
+    `vllm.stop_token_ids` (set by the engine: flashdapo's stop set, tokenizer.eos_token_ids) go in as
+    `stop_token_ids`: vLLM ends the request there with finish reason "stop", the token kept in token_ids (as
+    its own eos), so both engines stop on the same ids whatever vLLM reads from generation_config.json."""
     banned = getattr(vllm, "banned_token_ids", ())
     if banned:
         extra.setdefault("logit_bias", dict.fromkeys(banned, float("-inf")))
+    stop = getattr(vllm, "stop_token_ids", ())
+    if stop:
+        extra.setdefault("stop_token_ids", [int(i) for i in stop])
     return vllm.SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                                top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=max_tokens, logprobs=0,
                                seed=seed, detokenize=False, flat_logprobs=True, **extra)

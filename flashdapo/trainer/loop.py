@@ -37,6 +37,7 @@ from .observe.dumps import dump_train_rollouts, dump_validation, dumping
 from .observe.logprob_check import logprob_agreement
 from .observe.probe import probe_due, probe_metrics
 from .observe.step_metrics import split_metrics, step_metrics  # noqa: F401  (split_metrics: read by tests)
+from .observe.truncation import TruncationWatch
 from .setup import Run, setup_run
 from .split.rollout_side import run_rollout_side
 from .state.checkpoint import latest_checkpoint, save_checkpoint
@@ -76,6 +77,7 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
     """The steps from the start (or the resumed step) to trainer.total_steps, with validation, metrics, plot and
     checkpoints on their intervals; returns the step it stopped after on Ctrl-C (checkpoint saved), else None."""
     cfg = run.cfg
+    truncation = TruncationWatch(run.tokenizer, cfg.model.path, cfg.rollout.max_response_length)
     run.collector.begin(run.start_step)  # split placement: the rollout side starts generating batch start+1 now
     if run.start_step == 0 and cfg.trainer.val_before_train:
         stop.phase = "the validation before step 1"
@@ -84,6 +86,9 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
     for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
         stop.phase = f"step {step}"
         metrics = train_step(run, step)
+        warning = truncation.check(step, metrics)  # once: every response truncated, none reached a stop token
+        if warning:
+            run.log(warning)
         last = step == cfg.trainer.total_steps
         validating = last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0)
         if validating:

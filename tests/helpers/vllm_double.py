@@ -97,6 +97,7 @@ class FakeSamplingParams:
     seed: int | None = None
     detokenize: bool = True
     flat_logprobs: bool = False
+    stop_token_ids: list | None = None  # recorded only: the scripted samples do not stop at them
 
 
 @dataclasses.dataclass
