@@ -12,7 +12,9 @@ their names, read by flashdapo.config, the tests and the benchmarks) share one c
 - `triton`: the same driver with its elementwise passes as Triton kernels (the CUDA default; runs
             under TRITON_INTERPRET=1 on CPU).
 
-`impl="auto"` picks triton on CUDA and torch elsewhere. Math and design: docs/kernels.md.
+`impl="auto"` picks triton on CUDA and torch elsewhere. Every entry point takes `softcap` (a model's
+final-logit softcapping, Gemma's `final_logit_softcapping`; None or 0: off, the default): the logits are
+then c tanh(h W^T / c) / temperature, in every impl and pass. Math and design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Literal, get_args
 import torch
 
 from .naive import naive_token_logprobs
+from .softcap import normalize_softcap
 
 KernelImpl = Literal["auto", "naive", "torch", "triton"]
 IMPLS: tuple[str, ...] = get_args(KernelImpl)
@@ -50,16 +53,17 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         raise ValueError(f"expected targets [N={hidden.shape[0]}], got {tuple(targets.shape)}")
 
 
-def _logprobs(hidden, weight, targets, temperature, with_entropy, impl):
+def _logprobs(hidden, weight, targets, temperature, with_entropy, impl, softcap):
     _check_inputs(hidden, weight, targets)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    softcap = normalize_softcap(softcap)
     impl = resolve_impl(impl, hidden.device)
     if impl == "naive":
-        return naive_token_logprobs(hidden, weight, targets, temperature, with_entropy)
+        return naive_token_logprobs(hidden, weight, targets, temperature, with_entropy, softcap)
     from .chunked import chunked_token_logprobs
 
-    return chunked_token_logprobs(hidden, weight, targets, temperature, with_entropy, impl=impl)
+    return chunked_token_logprobs(hidden, weight, targets, temperature, with_entropy, impl=impl, softcap=softcap)
 
 
 def token_logprobs(
@@ -70,13 +74,16 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     impl: str = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weight.T / temperature)[target] per token, fp32, never materializing logits.
 
     hidden [N, H] (packed tokens), weight [V, H] (the LM head), targets [N] -> logp [N] fp32, and
-    entropy [N] fp32 when `with_entropy`. Differentiable w.r.t. `hidden` and `weight`.
+    entropy [N] fp32 when `with_entropy`. Differentiable w.r.t. `hidden` and `weight`. `softcap` c: the
+    model's final-logit softcapping (HF `final_logit_softcapping`; None or 0: off), logits
+    c tanh(hidden @ weight.T / c) / temperature: the cap first, then the sampler's temperature.
     """
-    logp, entropy = _logprobs(hidden, weight, targets, temperature, with_entropy, impl)
+    logp, entropy = _logprobs(hidden, weight, targets, temperature, with_entropy, impl, softcap)
     return (logp, entropy) if with_entropy else logp
 
 
@@ -87,22 +94,25 @@ def token_probe_stats(
     *,
     temperature: float = 1.0,
     impl: str = "auto",
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy, top-1 probability) per token [N] fp32, no gradient: what a probe of the policy reads.
 
     The chunked impls take the top-1 probability from the forward's running statistics (1 / s, with s the
-    sum of exp(z/T - max)), never materializing logits; naive from its materialized softmax."""
+    sum of exp(z/T - max)), never materializing logits; naive from its materialized softmax. `softcap`: as
+    in `token_logprobs`."""
     _check_inputs(hidden, weight, targets)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    softcap = normalize_softcap(softcap)
     impl = resolve_impl(impl, hidden.device)
     if impl == "naive":
         from .naive import naive_token_probe_stats
 
-        return naive_token_probe_stats(hidden, weight, targets, temperature)
+        return naive_token_probe_stats(hidden, weight, targets, temperature, softcap)
     from .chunked import chunked_token_probe_stats
 
-    return chunked_token_probe_stats(hidden, weight, targets, temperature, impl=impl)
+    return chunked_token_probe_stats(hidden, weight, targets, temperature, impl=impl, softcap=softcap)
 
 
 def fused_loss_default(impl: str, device: torch.device) -> bool:
@@ -114,15 +124,17 @@ def fused_loss_default(impl: str, device: torch.device) -> bool:
     return device.type != "cuda" and resolve_impl(impl, device) in CHUNKED_IMPLS
 
 
-def fused_token_loss(hidden, weight, targets, loss_fn, *, keep=None, temperature: float = 1.0, impl: str = "auto"):
+def fused_token_loss(hidden, weight, targets, loss_fn, *, keep=None, temperature: float = 1.0, impl: str = "auto",
+                     softcap: float | None = None):
     """`flashdapo.kernels.fused.fused_token_loss` with `impl` resolved ("auto": triton on CUDA, torch
-    elsewhere; naive is refused) and the inputs checked as token_logprobs checks them."""
+    elsewhere; naive is refused) and the inputs checked as token_logprobs checks them (`softcap` too)."""
     from .fused import fused_token_loss as fused
 
     _check_inputs(hidden, weight, targets)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    softcap = normalize_softcap(softcap)
     impl = resolve_impl(impl, hidden.device)
     if impl not in CHUNKED_IMPLS:
         raise ValueError(f"fused_token_loss runs the chunked impls {CHUNKED_IMPLS}, got {impl!r}")
-    return fused(hidden, weight, targets, loss_fn, keep=keep, temperature=temperature, impl=impl)
+    return fused(hidden, weight, targets, loss_fn, keep=keep, temperature=temperature, impl=impl, softcap=softcap)

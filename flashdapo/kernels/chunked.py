@@ -18,6 +18,9 @@ Operands: impl="torch" computes in fp32 (fp64 when both inputs are fp64, for gra
 in the inputs' dtype as autocast would pick it (bf16/fp16 tensor cores, fp32 results). fp16 dz is scaled
 by a power of two before the cast so that realistic gradients (|g| ~ 1e-6) do not underflow; the scale
 is divided out exactly, as the GEMMs' alpha on their fp32 accumulators.
+
+Final-logit softcap c (Gemma): both passes see c tanh(z / c) / T, and the grad pass multiplies dz by
+sech^2(z / c) per logit, inside the same pass (softcap.py; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from . import tile_ops
 from .gemm import HALF, mm_acc_, mm_f32, mm_into_
+from .softcap import normalize_softcap
 
 # Logit tile elements (token rows x vocabulary columns). CPU: 1 Mi fp32 elements (4 MiB) keep the
 # elementwise passes in L2/L3 (measured: 0.5-1 Mi 2.85 s, 4 Mi 3.1 s, 16 Mi 3.7 s at N=8192, H=256,
@@ -91,8 +95,9 @@ def tile_ops_for(impl: str):
     return tile_ops
 
 
-def _forward(h, w, y, temperature, with_entropy, plan, impl):
-    """logp, entropy (or None), m, log s: [N] each, fp32 (fp64 for the fp64 torch path)."""
+def _forward(h, w, y, temperature, with_entropy, plan, impl, softcap=None):
+    """logp, entropy (or None), m, log s: [N] each, fp32 (fp64 for the fp64 torch path); of the logits
+    softcap tanh(h W^T / softcap) / T with a cap."""
     ops, n, vocab = tile_ops_for(impl), h.shape[0], w.shape[0]
     sdtype = torch.float64 if h.dtype == torch.float64 else torch.float32
     m, s, u, z_y = (torch.empty(n, dtype=sdtype, device=h.device) for _ in range(4))
@@ -102,7 +107,7 @@ def _forward(h, w, y, temperature, with_entropy, plan, impl):
             rows = slice(r0, r0 + plan.chunk_tokens)
             z = mm_f32(h[rows], w_c.T)
             ops.tile_stats(z, y_local[rows], (m[rows], s[rows], u[rows], z_y[rows]), v0 == 0, temperature,
-                           with_entropy)
+                           with_entropy, softcap=softcap)
     log_s = torch.log(s)
     logp = (z_y - m) - log_s  # <= 0: z_y is one of the values that made m, and s >= 1
     entropy = log_s - u / s if with_entropy else None
@@ -143,7 +148,7 @@ def _grad_scale(g, ge, temperature, fp16: bool, vocab: int):
     return g, (ge * (scale / temperature) if ge is not None else None), 1.0 / scale
 
 
-def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl):
+def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl, softcap=None):
     """dh [n_act, H] (fp32/fp64) or None, dW [V, H] in w's dtype (each chunk written once) or None, and
     the active rows. Vocabulary outer: per chunk, dz of all live rows goes into one buffer, then
     dW[chunk] = dz^T h (one GEMM, K = live rows) and dh += dz W[chunk] (accumulated in the GEMM)."""
@@ -173,7 +178,7 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl
             r = slice(r0, r0 + bn)
             z = torch.mm(h_a[r], w_c.T, out=dz[r]) if in_place else mm_f32(h_a[r], w_c.T)
             ops.tile_grad(z, y_local[r], (m[r], log_s[r], None if ge is None else ent[r]), g[r],
-                          None if ge is None else ge[r], temperature, dz[r])
+                          None if ge is None else ge[r], temperature, dz[r], softcap=softcap)
             del z
         if need[1]:
             mm_into_(dw[v0 : v0 + bv], dz.T, h_a, alpha)
@@ -186,15 +191,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """(logp, entropy) with per-token statistics saved; logits recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, with_entropy, plan, impl):
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, plan, impl, softcap=None):
         # An output whose gradient is not needed (the entropy, in the DAPO loss) reaches backward as None,
         # not as zeros: its term is then skipped instead of computed on zeros.
         ctx.set_materialize_grads(False)
         dtype = operand_dtype(impl, hidden.dtype, weight.dtype)
         h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
-        logp, entropy, m, log_s = _forward(h, w, targets, temperature, with_entropy, plan, impl)
+        logp, entropy, m, log_s = _forward(h, w, targets, temperature, with_entropy, plan, impl, softcap)
         ctx.save_for_backward(hidden, weight, targets, m, log_s, entropy)
-        ctx.temperature, ctx.plan, ctx.impl = temperature, plan, impl
+        ctx.temperature, ctx.plan, ctx.impl, ctx.softcap = temperature, plan, impl, softcap
         return logp, entropy
 
     @staticmethod
@@ -204,16 +209,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         dh_out = None
         if not any(need) or (grad_logp is None and grad_ent is None):
             zeros = torch.zeros_like(hidden) if need[0] else None
-            return zeros, (torch.zeros_like(weight) if need[1] else None), None, None, None, None, None
+            return zeros, (torch.zeros_like(weight) if need[1] else None), None, None, None, None, None, None
         dtype = operand_dtype(ctx.impl, hidden.dtype, weight.dtype)
         h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
         dh, dw, rows = _backward(h, w, targets, (m, log_s, entropy), grad_logp, grad_ent, ctx.temperature,
-                                 need, ctx.plan, ctx.impl)
+                                 need, ctx.plan, ctx.impl, ctx.softcap)
         if need[0] and rows.numel() == hidden.shape[0]:
             dh_out = dh.to(hidden.dtype)  # every row live: no scatter (no copy at all for fp32)
         elif need[0]:
             dh_out = torch.zeros_like(hidden).index_copy_(0, rows, dh.to(hidden.dtype))
-        return dh_out, (dw.to(weight.dtype) if need[1] else None), None, None, None, None, None
+        return dh_out, (dw.to(weight.dtype) if need[1] else None), None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -227,6 +232,7 @@ def chunked_token_logprobs(
     tile_elems: int | None = None,
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(target) [N] and optionally entropy [N], fp32 (fp64 for fp64 inputs and impl="torch").
 
@@ -236,6 +242,7 @@ def chunked_token_logprobs(
     either is fine); gradients come back in each input's dtype. `impl` picks the elementwise passes
     ("torch" or "triton": CUDA, or CPU under TRITON_INTERPRET=1); `tile_elems`, `chunk_tokens`,
     `chunk_vocab` override the chunk plan (tests use them to cover multi-chunk paths on tiny shapes).
+    `softcap` c (None or 0: off): the logits are c tanh(h W^T / c) / T, the cap before the temperature.
     """
     device_type = hidden.device.type
     if impl == "triton" and device_type != "cuda":
@@ -249,13 +256,14 @@ def chunked_token_logprobs(
     plan = plan_chunks(hidden.shape[0], weight.shape[0], device_type, tile_elems, dz_bytes)
     plan = Plan(max(1, chunk_tokens or plan.chunk_tokens),
                 max(1, min(weight.shape[0], chunk_vocab or plan.chunk_vocab)))
-    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), bool(with_entropy), plan, impl)
+    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), bool(with_entropy), plan, impl,
+                                  normalize_softcap(softcap))
 
 
 @torch.no_grad()
 def chunked_token_probe_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                              temperature: float = 1.0, *, impl: str = "torch",
-                              tile_elems: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              temperature: float = 1.0, *, impl: str = "torch", tile_elems: int | None = None,
+                              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """No-grad (logp, entropy, top-1 probability) per token [N] from the forward's online statistics.
 
     The top-1 probability is exp(max z/T - lse) = exp(m - m - log s) = 1 / s: the forward's own running
@@ -270,5 +278,6 @@ def chunked_token_probe_stats(hidden: torch.Tensor, weight: torch.Tensor, target
     dtype = operand_dtype(impl, hidden.dtype, weight.dtype)
     plan = plan_chunks(hidden.shape[0], weight.shape[0], device_type, tile_elems, dtype.itemsize)
     h, w = hidden.to(dtype).contiguous(), weight.to(dtype).contiguous()
-    logp, entropy, _, log_s = _forward(h, w, targets, float(temperature), True, plan, impl)
+    logp, entropy, _, log_s = _forward(h, w, targets, float(temperature), True, plan, impl,
+                                       normalize_softcap(softcap))
     return logp, entropy, torch.exp(-log_s)

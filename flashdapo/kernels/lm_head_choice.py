@@ -22,22 +22,25 @@ MIN_SAVING = 0.10
 MAX_EXTRA_FRACTION = 0.05
 
 
-def lm_head_design(gpu: GPU | None, tokens: int, hidden: int, vocab: int) -> str:
-    """'fused' or 'generic' for `tokens` rows of an LM head [vocab, hidden] in bf16 on `gpu` (None: unknown)."""
+def lm_head_design(gpu: GPU | None, tokens: int, hidden: int, vocab: int, softcap: bool = False) -> str:
+    """'fused' or 'generic' for `tokens` rows of an LM head [vocab, hidden] in bf16 on `gpu` (None: unknown);
+    `softcap`: the model caps its logits (Gemma), which the model counts as SFU work in both designs."""
     if gpu is None:
         return "generic"
     rates = gpu.kernel_rates()
-    g, f = generic(tokens, hidden, vocab, rates=rates), fused(tokens, hidden, vocab, rates=rates)
+    g = generic(tokens, hidden, vocab, rates=rates, softcap=softcap)
+    f = fused(tokens, hidden, vocab, rates=rates, softcap=softcap)
     extra = (f.peak_extra_gb - g.peak_extra_gb) * 1e9
     return "fused" if f.ms <= (1 - MIN_SAVING) * g.ms and extra <= MAX_EXTRA_FRACTION * gpu.memory_bytes else "generic"
 
 
-def use_fused_loss(impl: str, device: torch.device, tokens: int, hidden: int, vocab: int) -> bool:
+def use_fused_loss(impl: str, device: torch.device, tokens: int, hidden: int, vocab: int,
+                   softcap: bool = False) -> bool:
     """Whether the update passes its loss to the policy's forward (the fused sweep) on `device`."""
     if device.type != "cuda" or resolve_impl(impl, device) not in ("triton", "torch"):
         return fused_loss_default(impl, device)
     gpu = gpu_of_device(torch.cuda.get_device_name(device))
-    return lm_head_design(gpu, tokens, hidden, vocab) == "fused"
+    return lm_head_design(gpu, tokens, hidden, vocab, softcap) == "fused"
 
 
 __all__ = ["MAX_EXTRA_FRACTION", "MIN_SAVING", "lm_head_design", "use_fused_loss"]
