@@ -83,6 +83,14 @@ def config_keys(config) -> tuple[str, ...]:
     return COMMON_CONFIG_KEYS + (family.config_keys if family is not None else ())
 
 
+def final_logit_softcap(config) -> float | None:
+    """The config's final-logit softcapping (`cap * tanh(z / cap)` on the logits: Gemma 2, 3 and 4; the text
+    config of a multimodal one), None when it has none: the LM-head kernels apply it (flashdapo.kernels)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(text, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 def cache_argument(model: nn.Module) -> str:
     """The KV-cache keyword of `model`'s forward: `cache` in transformers 5.x (`past_key_values` is
     deprecated there), `past_key_values` in 4.x. inspect.signature follows decorators' __wrapped__."""
@@ -90,4 +98,4 @@ def cache_argument(model: nn.Module) -> str:
 
 
 __all__ = ["COMMON_CONFIG_KEYS", "FAMILIES", "Family", "SUPPORTED_MODEL_TYPES", "cache_argument", "config_keys",
-           "decoder_layers", "family_of", "group_modules"]
+           "decoder_layers", "family_of", "final_logit_softcap", "group_modules"]

@@ -20,7 +20,7 @@ from ..distributed.mesh import DistEnv
 from ..kernels import fused_token_loss, token_logprobs, token_probe_stats
 from ..kernels.lm_head_choice import use_fused_loss
 from ..profiling.ranges import traced
-from .hf import cache_argument, decoder_layers
+from .hf import cache_argument, decoder_layers, final_logit_softcap
 from .packing import DocumentBounds, packed_attention_kwargs, use_packed_attention
 from .ulysses import check_heads, gather_token_values, local_predictions, shard_bounds
 
@@ -121,6 +121,8 @@ class PolicyModel(nn.Module):
         self.kernel_impl = kernel_impl
         self.temperature = temperature
         self._cache_arg = cache_argument(hf_model)
+        self.softcap = final_logit_softcap(hf_model.config)
+        """The model's final-logit softcap (Gemma 2/3/4), applied inside the LM-head kernels; None: none."""
         self.pack = attn_implementation == "flash_attention_2"
         """Packed micro-batches (`set_layout`); until then only flash-attn packs (the toy warm-up pads)."""
         self.sp_group = None
@@ -158,7 +160,7 @@ class PolicyModel(nn.Module):
             return empty, empty, empty
         if probe:
             return token_probe_stats(hidden, self.lm_head_weight(), batch.targets, temperature=self.temperature,
-                                     impl=self.kernel_impl)
+                                     impl=self.kernel_impl, softcap=self.softcap)
         if batch.held is not None and not len(batch.targets):
             return self._nothing_held(hidden, with_entropy or keep is not None, loss_fn is not None)
         # One named range per LM-head call, forward and backward, in profiled steps (flashdapo/profiling).
@@ -169,15 +171,15 @@ class PolicyModel(nn.Module):
         """The LM-head kernels on the predicting hidden states: see `forward`."""
         if loss_fn is not None:
             return fused_token_loss(hidden, weight, batch.targets, loss_fn, keep=keep, temperature=self.temperature,
-                                    impl=self.kernel_impl)
+                                    impl=self.kernel_impl, softcap=self.softcap)
         if keep is not None:  # rows outside the loss mask cost no LM-head work; their outputs are 0
             rows = torch.nonzero(keep).squeeze(1)
             logp, entropy = token_logprobs(hidden[rows], weight, batch.targets[rows], temperature=self.temperature,
-                                           with_entropy=True, impl=self.kernel_impl)
+                                           with_entropy=True, impl=self.kernel_impl, softcap=self.softcap)
             zeros = logp.new_zeros(keep.shape)
             return zeros.index_put((rows,), logp), zeros.index_put((rows,), entropy)
         out = token_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
-                             with_entropy=with_entropy, impl=self.kernel_impl)
+                             with_entropy=with_entropy, impl=self.kernel_impl, softcap=self.softcap)
         return out if with_entropy else (out, None)
 
     def fused_loss(self, device: torch.device) -> bool:
@@ -185,7 +187,8 @@ class PolicyModel(nn.Module):
         model's choice for this GPU (kernels/lm_head_choice.py), the fused sweep on a CPU."""
         if str(device) not in self._fused:
             vocab, hidden = self.lm_head_weight().shape
-            self._fused[str(device)] = use_fused_loss(self.kernel_impl, device, self.micro_batch_tokens, hidden, vocab)
+            self._fused[str(device)] = use_fused_loss(self.kernel_impl, device, self.micro_batch_tokens, hidden, vocab,
+                                                      softcap=self.softcap is not None)
         return self._fused[str(device)]
 
     @property
