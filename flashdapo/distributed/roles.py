@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -93,12 +94,20 @@ def init_partition(layout: Layout, global_rank: int, store: dist.Store, backend:
     return role, rank, size
 
 
+STOP_KEY = "stop"
+"""Set by trainer rank 0 when the trainer side stops on a signal (Ctrl-C, SIGTERM), its checkpoint saved: the
+signal's number. The rollout ranks' Liveness threads read it and end their process quietly."""
+
+
 class Liveness:
     """A daemon thread bumping this rank's counter in the store every `every_s`: what `wait_key` reads to
-    tell a slow peer (counting) from a stopped one (not)."""
+    tell a slow peer (counting) from a stopped one (not). With `stop_line` (rollout ranks) it also ends this
+    process, printing that line, once the trainer side has stopped on a signal (STOP_KEY): the rollout side has
+    nothing to save, and neither a launcher's SIGKILL nor a lost peer is then the job's last word."""
 
-    def __init__(self, store: dist.Store, global_rank: int, every_s: float = 1.0):
+    def __init__(self, store: dist.Store, global_rank: int, every_s: float = 1.0, stop_line: str | None = None):
         self.store, self.key, self.every_s = store, _key(f"alive/{global_rank}"), every_s
+        self.stop_line = stop_line
         self._stop = threading.Event()
         self.store.add(self.key, 1)
         self._thread = threading.Thread(target=self._beat, name="flashdapo-liveness", daemon=True)
@@ -108,6 +117,11 @@ class Liveness:
         while not self._stop.wait(self.every_s):
             try:
                 self.store.add(self.key, 1)
+                if self.stop_line is not None and self.store.check([_key(STOP_KEY)]):
+                    signum = int(self.store.get(_key(STOP_KEY)))
+                    print(self.stop_line, file=sys.stderr, flush=True)
+                    sys.stdout.flush()
+                    os._exit(128 + signum)
             except Exception:  # the store went with the job: fail-fast reports it
                 return
 
@@ -146,12 +160,28 @@ class Bridges:
     def delete(self, name: str) -> None:
         self.store.delete_key(_key(name))
 
+    def announce_stop(self, signum: int) -> None:
+        """Trainer rank 0, its stop's checkpoint saved: the rollout ranks end now (Liveness, STOP_KEY)."""
+        self.set(STOP_KEY, str(int(signum)))
+
     def wait_key(self, name: str, peers: list[int], what: str) -> float:
         """Poll until key `name` exists; seconds waited. `peers` (global ranks) must keep their liveness
         counters moving meanwhile: one that stops for stale_s raises PeerHungError naming it and `what`."""
+        return self._poll(lambda: self.store.check([_key(name)]), peers, what)
+
+    def arrive(self, name: str) -> None:
+        """Count this rank in at counter `name` (what a peer's `wait_count` waits for)."""
+        self.store.add(_key(name), 1)
+
+    def wait_count(self, name: str, count: int, peers: list[int], what: str) -> float:
+        """Poll until `count` ranks have `arrive`d at `name`, reading `peers`' liveness as `wait_key` does. Before
+        a bridge collective: a peer stopped outside it is named in one line, not found by the collective's timeout."""
+        return self._poll(lambda: self.store.add(_key(name), 0) >= count, peers, what)
+
+    def _poll(self, done, peers: list[int], what: str) -> float:
         start = time.perf_counter()
         seen = {p: (-1, start) for p in peers}
-        while not self.store.check([_key(name)]):
+        while not done():
             now = time.perf_counter()
             for p in peers:
                 count = self.store.add(_key(f"alive/{p}"), 0)
@@ -199,6 +229,11 @@ def _bridge_group(store: dist.Store, name: str, rank: int, size: int, device: to
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
 
+STALE_ENV = "FLASHDAPO_SPLIT_STALE_S"
+"""Test hook: the seconds without a liveness beat after which a waiting rank names its peer (default 60; read
+within [2, 3600])."""
+
+
 def connect_bridges(layout: Layout, global_rank: int, store: dist.Store, device: torch.device,
                     timeout_s: float = 1800.0, stale_s: float = 60.0) -> Bridges:
     """Build the control bridge (every rank) and the weights bridge (its members); every rank calls this once,
@@ -209,6 +244,8 @@ def connect_bridges(layout: Layout, global_rank: int, store: dist.Store, device:
     weights = (_bridge_group(store, "bridge/weights", members.index(global_rank), len(members), device, timeout_s)
                if global_rank in members else None)
     weights_device = device if device.type == "cuda" else torch.device("cpu")  # NCCL: this rank's GPU
+    if os.environ.get(STALE_ENV):
+        stale_s = min(max(float(os.environ[STALE_ENV]), 2.0), 3600.0)
     return Bridges(layout=layout, global_rank=global_rank, store=store, ctl=ctl, weights=weights,
                    weights_device=weights_device, stale_s=stale_s)
 

@@ -103,6 +103,8 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
             save_checkpoint(run.run_dir, run.env, run.policy, run.optimizer, run.trainer_state(step),
                             cfg.checkpoint.keep_last, run.rank_state())
         if stopping:
+            if run.env.bridges is not None and run.env.is_main:  # split placement: the rollout side ends with it
+                run.env.bridges.announce_stop(stop.signum)
             return step
     return None
 

@@ -37,7 +37,7 @@ from .collect.streaming import StreamState
 from .observe.logprob_check import PushCheck
 from .observe.probe import ProbeSet, build_probe_set
 from .observe.sinks import MetricsLogger, WandbRun
-from .split.cut import require_part
+from .split.cut import cut_dir, require_part
 from .split.trainer_side import SplitTrainer
 from .state.checkpoint import TrainerState, load_rank_state
 from .state.export import exported_step
@@ -225,8 +225,9 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     start_step, run_id = 0, plan.dir_run_id or all_gather_objects(new_run_id())[0]
     settings = run_settings(cfg, policy.hf, tokenizer)
     checkpoint()
-    split_part = ((lambda state, path: require_part(run_dir, state.step, path)) if cfg.rollout.placement == "split"
-                  else None)  # a split checkpoint resumes only with the rollout side's part of its cut
+    # a split checkpoint resumes only with the rollout side's part of its cut (in the checkpoint's run dir)
+    split_part = ((lambda state, path: require_part(cut_dir(path), state.step, path, state.run_id))
+                  if cfg.rollout.placement == "split" else None)
     resumed = load_resume(plan.candidates, cfg, settings, env, policy, optimizer, log, also=split_part)
     if resumed is not None:
         scheduler.load_state_dict(resumed.state.scheduler)
@@ -267,8 +268,9 @@ def build_collector(run: Run, log) -> Collector:
     if cfg.rollout.placement == "split":
         split = SplitTrainer(env, cfg, run.policy, PushCheck(run.policy, env.device, run.policy.config.vocab_size, log,
                                                              tokenizer_size=len(run.tokenizer)))
+        split.run_id = run.run_id
         if run.resumed is not None and run.start_step < cfg.trainer.total_steps:
-            split.resume(run.run_dir, run.start_step)
+            split.resume(cut_dir(run.resumed.path), run.start_step)  # its parts: the checkpoint's run dir's
         return split
     algo = cfg.algorithm
     random = RandomReward(algo.random_reward_p, cfg.trainer.seed) if algo.verifier == RANDOM_VERIFIER else None

@@ -57,10 +57,14 @@ def parts_due(batch: int, cfg, start: int) -> list[int]:
     return [c for c in save_steps(cfg, start) if min(c + k, total) == batch]
 
 
+RUN_ID = "RUN_ID"
+"""A part's file naming the run that wrote it (the trainer's run id): a resume takes only its own run's parts."""
+
+
 def write_part(run_dir: Path, step: int, boundary: int, rank: int, state: dict[str, Any],
-               queue: list[bytes] | None) -> None:
+               queue: list[bytes] | None, run_id: str | None = None) -> None:
     """Every rollout rank: its state after batch `boundary` for the cut of `step`; rank 0 also the queued
-    batches step+1 .. boundary, then publishes."""
+    batches step+1 .. boundary and the run's id, then publishes."""
     final = part_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     with _writing(final, tmp):
@@ -75,6 +79,8 @@ def write_part(run_dir: Path, step: int, boundary: int, rank: int, state: dict[s
     barrier()
     if rank == 0:
         with _writing(final, tmp):
+            if run_id:
+                (tmp / RUN_ID).write_text(run_id)
             (tmp / "COMPLETE").write_text(json.dumps({"step": step, "boundary": boundary}))
             if final.exists():
                 shutil.rmtree(final)
@@ -104,13 +110,25 @@ def _prune(run_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def require_part(run_dir: Path, step: int, checkpoint: Path) -> None:
-    """Refuse (skip) a checkpoint whose rollout part is not complete, or does not load: its marker, each queued
-    batch, each rollout rank's state (read as the resume reads them; a file flashdapo did not write is named)."""
+def cut_dir(checkpoint: Path) -> Path:
+    """The run dir whose parts complete `checkpoint` (RUN_DIR/checkpoints/step_XXXXXXXX): the checkpoint's own,
+    also when it is resumed into another run dir (--checkpoint.resume PATH)."""
+    return Path(checkpoint).parent.parent
+
+
+def require_part(run_dir: Path, step: int, checkpoint: Path, run_id: str | None = None) -> None:
+    """Refuse (skip) a checkpoint whose rollout part is not complete, is another run's, or does not load: its
+    marker, its run id, each queued batch, each rollout rank's state (read as the resume reads them; a file
+    flashdapo did not write is named)."""
     part = part_dir(run_dir, step)
     if not (part / "COMPLETE").is_file():
-        raise CheckpointError(f"{checkpoint.name}: the rollout side's part of this cut ({PARTS}/part_{step:08d}) is "
+        raise CheckpointError(f"{checkpoint.name}: the rollout side's part of this cut ({part}) is "
                               "missing: the rollout side had not reached its boundary when the run stopped")
+    owner = (part / RUN_ID).read_text().strip() if (part / RUN_ID).is_file() else None
+    if run_id and owner and owner != run_id:
+        raise CheckpointError(f"{checkpoint.name}: the rollout side's part of this cut ({part}) was written by run "
+                              f"{owner}, not by this checkpoint's run {run_id}: another run's files are in "
+                              f"{run_dir}; move {part.parent} aside (the resume then takes an older checkpoint)")
     read_boundary(run_dir, step)
     read_queue(run_dir, step)
     for file in sorted(part.glob("rank*.pt")):
@@ -164,5 +182,5 @@ def read_rank_state(run_dir: Path, step: int, rank: int) -> dict[str, Any]:
     return _load(path, "the rollout side's state")
 
 
-__all__ = ["part_dir", "parts_due", "read_boundary", "read_queue", "read_rank_state",
+__all__ = ["cut_dir", "part_dir", "parts_due", "read_boundary", "read_queue", "read_rank_state",
            "require_part", "save_steps", "write_part"]

@@ -72,11 +72,13 @@ def run_rollout_side(cfg: Config) -> None:
     """A rollout rank's whole life: set up, generate every batch of the schedule, send it, end."""
     check_launch(cfg)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer side's: it stops, then the job ends
+    signal.signal(signal.SIGTERM, _sigterm_notice)  # so is SIGTERM: this rank has no checkpoint of its own
     env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, 1, cfg.rollout.rollout_ranks)
     cfg = resolve_auto(cfg, env.device.type == "cuda")
     failfast = FailFast.connect(env.global_rank, env.global_world_size, role=f"rollout rank {env.rank}")
     failfast.watch()
-    live = Liveness(env.bridges.store, env.global_rank)
+    me = env.bridges.layout.describe(env.global_rank)
+    live = Liveness(env.bridges.store, env.global_rank, stop_line=f"flashdapo: {me} stops with the trainer side")
     try:
         _generate_all(cfg, env)
     except BaseException as err:
@@ -84,6 +86,19 @@ def run_rollout_side(cfg: Config) -> None:
         raise
     live.close()
     failfast.end(None)
+
+
+def _sigterm_notice(signum, frame) -> None:
+    """SIGTERM on a rollout rank: one notice, and generation goes on. The rollout side writes no checkpoint of its
+    own (its parts are written at fixed boundaries): the run stops, with its checkpoint, when the trainer side is
+    signalled (a scheduler signals every rank), and this rank then ends with it."""
+    line = (f"flashdapo: rank {os.environ.get('RANK', '?')} (a rollout rank) got {signal.Signals(signum).name}: "
+            "the rollout side saves nothing and stops when the trainer side does; signal the trainer ranks (or "
+            "Ctrl-C) to stop the run after its step, with a checkpoint\n")
+    try:
+        os.write(2, line.encode())
+    except OSError:
+        pass
 
 
 @dataclass
@@ -158,7 +173,8 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
     stage.start()
     side = RolloutSide(cfg, env, tokenizer, sampler, policy, engine, stage)
     if plan["resume"]:
-        side.stream, side.carried = _restore(read_rank_state(run_dir, start, env.rank), sampler, cfg)
+        cut_from = Path(plan.get("cut_dir") or run_dir)  # the checkpoint's run dir (resume PATH into a new one)
+        side.stream, side.carried = _restore(read_rank_state(cut_from, start, env.rank), sampler, cfg)
     sender = Sender(bridges) if env.rank == 0 else None
     recent: dict[int, bytes] = {}
     for b in range(first, total + 1):
@@ -178,7 +194,8 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
             recent.pop(b - k, None)  # only the last k can be queued at a cut
         for c in parts_due(b, cfg, start):  # the boundary of a checkpoint's cut: this side's part of it
             queue = [recent[j] for j in range(c + 1, b + 1)] if env.rank == 0 else None
-            write_part(run_dir, c, b, env.rank, _state(sampler, side.carried, side.stream, cfg), queue)
+            write_part(run_dir, c, b, env.rank, _state(sampler, side.carried, side.stream, cfg), queue,
+                       plan.get("run_id"))
     if sender is not None:
         sender.close()
     stage.join()

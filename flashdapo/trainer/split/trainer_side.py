@@ -59,6 +59,10 @@ class SplitTrainer:
     stream: StreamStats | None = None
     """The last batch's stream figures (rollout.streaming), else None."""
     past_target: str = "unused"
+    run_id: str = ""
+    """The run's id, written into each rollout part of its cuts (cut.py)."""
+    cut_from: str = ""
+    """Resumed: the run dir holding the cut's parts (the checkpoint's, also when resumed into another dir)."""
 
     @property
     def total_steps(self) -> int:
@@ -83,18 +87,21 @@ class SplitTrainer:
 
     def resume(self, run_dir, start: int) -> None:
         """Take the queued batches of the cut of `start` (resumed runs, before `begin`)."""
-        self.queue_end = min(read_boundary(run_dir, start), self.total_steps)
+        self.queue_end, self.cut_from = min(read_boundary(run_dir, start), self.total_steps), str(run_dir)
         if self.env.rank == 0:
             self.queued = dict(zip(range(start + 1, self.queue_end + 1), read_queue(run_dir, start)))
 
     def begin(self, start: int) -> None:
         """Tell the rollout side where the run starts, and push the starting weights (every trainer rank)."""
         self.start = start
+        boundary = max(self.queue_end, start)
         if self.env.rank == 0:
             self.env.bridges.set(START_KEY, json.dumps({"start": start, "total": self.total_steps,
-                                                        "resume": self.queue_end > 0,
-                                                        "boundary": max(self.queue_end, start)}))
-        if start < self.total_steps:
+                                                        "resume": self.queue_end > 0, "boundary": boundary,
+                                                        "run_id": self.run_id, "cut_dir": self.cut_from}))
+        # θ(start) only when the rollout side generates a batch: a cut within max_lag of the end queued every
+        # batch left, and the rollout side then ends at once, its weights receiver never started.
+        if boundary < self.total_steps:
             self.last_push = push_weights(self.policy, self.env, start, self.check)
 
     def after_step(self, step: int) -> None:

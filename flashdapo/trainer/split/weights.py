@@ -130,17 +130,18 @@ def push_weights(policy, env: DistEnv, version: int, check: PushCheck, bucket_by
     manifest = _manifest(policy.hf, dtype)
     bridges.set(f"weights/{version}/header", json.dumps({"manifest": manifest, "probe": probe.tolist(),
                                                          "dtype": str(dtype), "bucket_bytes": bucket_bytes}))
-    sent, sums = _send(bridges, tensors, manifest, bucket_bytes)
+    sent, sums = _send(bridges, tensors, manifest, bucket_bytes, version)
     bridges.set(f"weights/{version}/sums", json.dumps(sums))
     return PushStats(time.perf_counter() - start, sent)
 
 
 def _send(bridges: Bridges, tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manifest,
-          bucket_bytes: int) -> tuple[int, list[float]]:
+          bucket_bytes: int, version: int = 0) -> tuple[int, list[float]]:
     """Trainer rank 0: fill each bucket from the gathered tensors as they come and broadcast it; (bytes sent,
     every tensor's checksum). Holds one bucket and one gathered tensor at a time."""
     device, sums, sent = bridges.weights_device, [], 0
-    for bucket in _buckets(manifest, bucket_bytes):
+    rollout_ranks = list(range(bridges.layout.trainers, bridges.layout.world_size))
+    for j, bucket in enumerate(_buckets(manifest, bucket_bytes)):
         numels = [_numel(manifest[i]) for i in bucket]
         flat, offset = None, 0
         for n in numels:
@@ -155,12 +156,21 @@ def _send(bridges: Bridges, tensors: Iterator[tuple[str, torch.Tensor]], manifes
                 flat[offset:offset + n].copy_(part)
             offset += n
             del full, part  # before the next gather
+        # Every receiver is at this bucket before the broadcast: a stopped rollout rank is named after stale_s
+        # (roles.wait_count), not found by the bridge's timeout.
+        bridges.wait_count(_arrived(version, j), len(rollout_ranks), rollout_ranks,
+                           f"the rollout side to receive the weights of step {version}")
         bridges.broadcast_weights(flat)
         sent += flat.numel() * flat.element_size()
         del flat
     if next(tensors, None) is not None:
         raise RuntimeError("the pushed tensors outnumber the manifest")
     return sent, torch.stack(sums).tolist() if sums else []
+
+
+def _arrived(version: int, bucket: int) -> str:
+    """The counter of the rollout ranks ready to receive bucket `bucket` of version `version`."""
+    return f"weights/{version}/bucket/{bucket}/arrived"
 
 
 @dataclass
@@ -228,8 +238,9 @@ class Stage:
         header = json.loads(b.get(f"weights/{version}/header"))
         manifest = header["manifest"]
         out: dict[str, torch.Tensor] = {}
-        for bucket in _buckets(manifest, header["bucket_bytes"]):
+        for j, bucket in enumerate(_buckets(manifest, header["bucket_bytes"])):
             numels = [_numel(manifest[i]) for i in bucket]
+            b.arrive(_arrived(version, j))
             host = self._receive_bucket(_DTYPES[manifest[bucket[0]][2]], sum(numels))
             for i, part in zip(bucket, host.split(numels)):
                 out[manifest[i][0]] = part.view(manifest[i][1])

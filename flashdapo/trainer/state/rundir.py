@@ -74,7 +74,7 @@ def previous_run(path: Path) -> str:
     metrics = path / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")
-    found += [f"{name}/" for name in ("export", "rollouts") if (path / name).exists()]
+    found += [f"{name}/" for name in ("export", "rollouts", "split_rollout") if (path / name).exists()]
     return ", ".join(found)
 
 
