@@ -192,8 +192,8 @@ def test_vllm_engine_through_the_recording_double(export, two_sources, tmp_path)
                            max_new_tokens=6, seed=3)
     env = init_distributed("cpu")
     try:
-        engine = eval_engine(args, env, None, vllm_module=FAKE_VLLM)
         tokenizer = load_tokenizer(str(export))
+        engine = eval_engine(args, env, tokenizer, vllm_module=FAKE_VLLM)  # the stop ids come from the tokenizer
         prompts = load_prompts([str(two_sources)], tokenizer, DataConfig(dedup=True)).prompts
         results = sample_prompts(engine, prompts, tokenizer, dapo_verify, EvalSampling(k=3, max_new_tokens=6,
                                                                                         prompts_per_call=4))
