@@ -134,12 +134,9 @@ def naive_envelope(h, w, y, temperature, g, ge, on_cpu=True, blocked=True, order
     return runs
 
 
-def gradient_term_scales(h, w, y, temperature, g, ge, softcap=None) -> tuple[float, float]:
-    """max_j sum_v |dz_iv W_vj| and max sum_i |dz_iv h_ij|, in float64: the sizes of the summed terms,
-    which bound the rounding of dh = dz W and dW = dz^T h in any summation order (cancellation included).
-    With a softcap, dz is w.r.t. the raw logits (times sech^2(h W^T / c))."""
-    h, w = h.double(), w.double()
-    z = capped_logits(h, w, temperature, softcap)
+def logit_gradient(z, y, g, ge) -> torch.Tensor:
+    """d(sum_i g_i logp_i(y_i) + ge_i H_i)/dz of logits z [N, V] (float64): the upstream gradient of the
+    log-prob g and of the entropy ge (either None)."""
     logp = torch.log_softmax(z, dim=1)
     p = logp.exp()
     dz = torch.zeros_like(z)
@@ -149,7 +146,15 @@ def gradient_term_scales(h, w, y, temperature, g, ge, softcap=None) -> tuple[flo
     if ge is not None:
         ent = -(p * logp).sum(1, keepdim=True)
         dz += ge.to(z).unsqueeze(1) * p * (-ent - logp)
-    dz = dz.abs() / temperature
+    return dz
+
+
+def gradient_term_scales(h, w, y, temperature, g, ge, softcap=None) -> tuple[float, float]:
+    """max_j sum_v |dz_iv W_vj| and max sum_i |dz_iv h_ij|, in float64: the sizes of the summed terms,
+    which bound the rounding of dh = dz W and dW = dz^T h in any summation order (cancellation included).
+    With a softcap, dz is w.r.t. the raw logits (times sech^2(h W^T / c))."""
+    h, w = h.double(), w.double()
+    dz = logit_gradient(capped_logits(h, w, temperature, softcap), y, g, ge).abs() / temperature
     if softcap is not None:
         dz = dz / torch.cosh((h @ w.T) / softcap) ** 2
     return (dz @ w.abs()).max().item(), (dz.T @ h.abs()).max().item()
@@ -171,16 +176,7 @@ def cap_rounding_terms(h, w, y, temperature, g, ge, softcap=None) -> tuple[float
     x = h @ w.T
     t, d = torch.tanh(x / softcap), torch.cosh(x / softcap) ** -2
     r = h.abs() @ w.abs().T
-    z = softcap * t / temperature
-    logp = torch.log_softmax(z, dim=1)
-    p = logp.exp()
-    dz = torch.zeros_like(z)
-    if g is not None:
-        dz -= g.to(z).unsqueeze(1) * p
-        dz[torch.arange(len(y)), y.long()] += g.to(z)
-    if ge is not None:
-        ent = -(p * logp).sum(1, keepdim=True)
-        dz += ge.to(z).unsqueeze(1) * p * (-ent - logp)
+    dz = logit_gradient(softcap * t / temperature, y, g, ge)
     sens = dz.abs() / temperature * d * (2 * t.abs() / softcap) * r
     return (r * d).max().item() / temperature, (sens @ w.abs()).max().item(), (sens.T @ h.abs()).max().item()
 

@@ -163,13 +163,18 @@ def _model_dir(path, cls, config_cls, tokenizer, **extra):
     return path
 
 
-def test_a_resume_with_another_architecture_is_refused(tmp_path):
+def _qwen_and_llama_dirs(tmp_path):
+    """A tiny Qwen2 and a tiny Llama model dir with the toy tokenizer, and a toy train file's data fields."""
     tokenizer = build_toy_tokenizer(ToyTaskConfig())
     qwen = _model_dir(tmp_path / "qwen", Qwen2ForCausalLM, Qwen2Config, tokenizer)
     llama = _model_dir(tmp_path / "llama", LlamaForCausalLM, LlamaConfig, tokenizer)
     data = tmp_path / "train.parquet"
     write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
-    files = {"train_files": [str(data)]}
+    return qwen, llama, {"train_files": [str(data)]}
+
+
+def test_a_resume_with_another_architecture_is_refused(tmp_path):
+    qwen, llama, files = _qwen_and_llama_dirs(tmp_path)
     run_dir = tmp_path / "run"
     train(quick_config(run_dir, model={"path": str(qwen)}, data=files, trainer={"total_steps": 1}))
     with pytest.raises(ResumeRefused, match=r"model.architecture Qwen2ForCausalLM -> LlamaForCausalLM; "
@@ -276,12 +281,7 @@ def test_an_accepted_train_file_change_restarts_the_prompt_order_over_the_new_da
 def test_a_refusal_never_suggests_an_allowance_that_is_refused(tmp_path):
     """A changed architecture: the refusal names it as impossible and suggests no --checkpoint.allow-changes
     (which would be refused too)."""
-    tokenizer = build_toy_tokenizer(ToyTaskConfig())
-    qwen = _model_dir(tmp_path / "qwen", Qwen2ForCausalLM, Qwen2Config, tokenizer)
-    llama = _model_dir(tmp_path / "llama", LlamaForCausalLM, LlamaConfig, tokenizer)
-    data = tmp_path / "train.parquet"
-    write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
-    files = {"train_files": [str(data)]}
+    qwen, llama, files = _qwen_and_llama_dirs(tmp_path)
     train(quick_config(tmp_path / "run", model={"path": str(qwen)}, data=files, trainer={"total_steps": 1}))
     with pytest.raises(ResumeRefused) as info:
         train(resume_config(tmp_path / "run", model={"path": str(llama)}, data=files, optim={"lr": 1e-3}))
