@@ -17,11 +17,22 @@ window_size=(W - 1, 0) (its query i sees keys [i - left, i + right]; HF's own fl
 (W - 1, W - 1), the same under causal=True); SDPA runs a document longer than W in query blocks of W,
 each against the keys it can see, with a banded mask of at most [W, 2W - 1].
 
+Attention-logit softcapping (Gemma 2/3: HF passes `softcap` = c) and attention sinks (GPT-OSS: HF passes
+`s_aux`, one learned logit per head that joins each row's softmax denominator and contributes no value) are
+honoured: SDPA can take neither, so a document is then attended with explicit scores, c * tanh(s / c) before
+the mask and softmax, the sink appended as one more column and dropped after the softmax (as transformers'
+eager functions of those models compute), in query blocks of at most `QUERY_BLOCK` rows against the keys the
+block can see (never [T, T] over the packed row, never [L, L] for a long document). flash-attn's varlen kernel
+takes `softcap`; it takes no sinks, so `use_packed_attention` refuses flash-attn for a model with sinks at
+start-up, in one line.
+
 The policy's HF model is switched to an attention implementation of its own, `flashdapo_packed_<inner>`:
 called with the packed keyword arguments (from `packed_attention_kwargs`) it attends per document,
 optionally inside the Ulysses all-to-alls (`ulysses.py`); called without them (the rollout engine
 sampling with a KV cache, a padded micro-batch) it is exactly the inner implementation, whose mask builder
-it shares. Packed rows get a prepared mask (empty) so that the model builds none. The layer looks the
+it shares; for eager attention, which transformers does not register (each modeling file has its own
+`eager_attention_forward`, Gemma 2's with the softcap, GPT-OSS's with the sinks), that of the module's own
+modeling file. Packed rows get a prepared mask (empty) so that the model builds none. The layer looks the
 function up on every call, so the activation-checkpoint recompute in backward takes the same path as the
 forward.
 """
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,13 +49,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .ulysses import expand_kv_heads, heads_to_sequence, sequence_to_heads
+from ..errors import ConfigError
+from .ulysses import expand_kv_heads, heads_to_sequence, local_heads, sequence_to_heads
 
 PREFIX = "flashdapo_packed_"
+QUERY_BLOCK = 256
+"""Query rows of one block of explicit scores (softcap, sinks): a block's scores are [H, 256, keys it sees]."""
 
 
 @dataclass(frozen=True)
@@ -65,18 +81,25 @@ class DocumentBounds:
 
 
 def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: Sequence[int],
-                       scaling: float | None, window: int | None = None) -> torch.Tensor:
-    """Causal attention within each document of a packed row, by SDPA per document.
+                       scaling: float | None, window: int | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention within each document of a packed row, by SDPA per document (by explicit scores per
+    document when there is a softcap or sinks, which SDPA cannot take).
 
     query [1, H, T, D], key/value [1, Hkv, T, D] (H a multiple of Hkv: grouped-query attention), offsets
-    [D + 1] host ints, window: HF's sliding window (None: full causal). Returns [1, T, H, D], the layout HF
-    attention functions return.
+    [D + 1] host ints, window: HF's sliding window (None: full causal), softcap: c in c * tanh(scores / c)
+    (None: none), sinks: [H] one logit per query head joining each softmax's denominator (None: none).
+    Returns [1, T, H, D], the layout HF attention functions return.
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # SDPA's enable_gqa is not taken by every backend: repeat the KV heads once
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-    parts = [_causal(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling, window)
-             for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+    if softcap is None and sinks is None:
+        parts = [_causal(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling, window)
+                 for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+    else:
+        parts = [_explicit(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling, window, softcap, sinks)
+                 for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
@@ -91,27 +114,73 @@ def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
     blocks = []
     for start in range(0, length, window):
         end, first = min(start + window, length), max(0, start - window + 1)
-        i = torch.arange(start, end, device=query.device)[:, None]
-        j = torch.arange(first, end, device=query.device)[None, :]
         blocks.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, first:end],
-                                                     value[:, :, first:end], attn_mask=(j <= i) & (j > i - window),
-                                                     scale=scaling))
+                                                     value[:, :, first:end], scale=scaling,
+                                                     attn_mask=_visible(start, end, first, window, query.device)))
     return torch.cat(blocks, dim=2)
 
 
+def _explicit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+              window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One document's causal attention with explicit scores, [1, H, L, D], as transformers' eager functions
+    compute it: scores * scaling, capped to c * tanh(scores / c) (Gemma 2/3), masked (causal, HF's window),
+    the sink logit appended as a column and dropped after the softmax (GPT-OSS). The softmax runs in at least
+    fp32. Query blocks of `QUERY_BLOCK` rows, each against the keys it can see ([first, end)), so a block's
+    scores are [H, QUERY_BLOCK, end - first], never [L, L]. With gradients each block is checkpointed: backward
+    recomputes its scores instead of keeping every block's (H x L^2 / 2 floats per document, as eager would)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+    blocks = []
+    for start in range(0, query.shape[2], QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, query.shape[2])
+        first = 0 if window is None else max(0, start - window + 1)
+        args = (query[:, :, start:end], key[:, :, first:end], value[:, :, first:end], sinks,
+                _visible(start, end, first, window, query.device), scale, softcap)
+        blocks.append(checkpoint(_scored_block, *args, use_reentrant=False) if grad else _scored_block(*args))
+    return torch.cat(blocks, dim=2)
+
+
+def _scored_block(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
+                  visible: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """softmax(cap(query key^T * scale) masked to `visible` [, sinks]) value for one block of queries."""
+    compute = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.matmul(query, key.transpose(2, 3)).to(compute) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink joins the denominator and carries no value: its column is dropped
+        batch, heads, rows, _ = scores.shape
+        sink = sinks.to(compute).reshape(1, heads, 1, 1).expand(batch, heads, rows, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(value.dtype), value)
+
+
+def _visible(start: int, end: int, first: int, window: int | None, device) -> torch.Tensor:
+    """[end - start, end - first] bool: key j visible to query i (document positions), j <= i, and
+    i - W < j under HF's sliding window W."""
+    i = torch.arange(start, end, device=device)[:, None]
+    j = torch.arange(first, end, device=device)[None, :]
+    return (j <= i) if window is None else (j <= i) & (j > i - window)
+
+
 def flash_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             bounds: DocumentBounds, scaling: float | None, window: int | None = None) -> torch.Tensor:
+                             bounds: DocumentBounds, scaling: float | None, window: int | None = None,
+                             softcap: float | None = None) -> torch.Tensor:
     """`document_attention` by flash-attn's varlen kernel (GPU; grouped-query heads natively). [1, T, H, D].
 
     The boundaries are already int32 on the device and the longest length a host int (`DocumentBounds`):
-    nothing here copies to the GPU or waits for it."""
+    nothing here copies to the GPU or waits for it. A softcap goes to the kernel's own `softcap`."""
     from flash_attn import flash_attn_varlen_func
 
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D], last dim contiguous
     # window_size=(left, right): query i sees keys [i - left, i + right]; causal caps right at 0.
-    windowed = {} if window is None else {"window_size": (window - 1, 0)}
+    extra = {} if window is None else {"window_size": (window - 1, 0)}
+    if softcap is not None:
+        extra["softcap"] = softcap
     out = flash_attn_varlen_func(q, k, v, bounds.cu_seqlens, bounds.cu_seqlens, bounds.longest, bounds.longest,
-                                 causal=True, softmax_scale=scaling, **windowed)
+                                 causal=True, softmax_scale=scaling, **extra)
     return out.unsqueeze(0)
 
 
@@ -126,17 +195,23 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inner: str, bounds: DocumentBounds,
                    sp_group, *, scaling: float | None = None, sliding_window: int | None = None,
-                   **_) -> torch.Tensor:
+                   softcap: float | None = None, s_aux: torch.Tensor | None = None, **_) -> torch.Tensor:
     """Per-document attention of a packed row (this rank's sequence shard of it under sequence parallelism,
-    which the all-to-alls turn into a head shard of the whole row and back). [1, T, H, D]."""
+    which the all-to-alls turn into a head shard of the whole row and back). [1, T, H, D]. `softcap` and
+    `s_aux` (the sinks, one per query head) are HF's keyword arguments of Gemma 2/3 and GPT-OSS."""
+    sinks = s_aux
     if sp_group is not None:  # sequence shards -> head shards of the whole row
         sp = dist.get_world_size(sp_group)
         key, value = (expand_kv_heads(t, sp) for t in (key, value))
         query, key, value = (sequence_to_heads(t, sp_group) for t in (query, key, value))
+        if sinks is not None:  # this rank's heads' sinks only
+            sinks = local_heads(sinks, sp_group)
     if inner == "flash_attention_2":
-        out = flash_document_attention(query, key, value, bounds, scaling, sliding_window)
+        if sinks is not None:  # use_packed_attention refuses this at start-up
+            raise ConfigError(_FLASH_SINKS.format(model="this model"))
+        out = flash_document_attention(query, key, value, bounds, scaling, sliding_window, softcap)
     else:
-        out = document_attention(query, key, value, bounds.offsets, scaling, sliding_window)
+        out = document_attention(query, key, value, bounds.offsets, scaling, sliding_window, softcap, sinks)
     if sp_group is not None:  # head shards -> this rank's sequence shard, all heads
         out = heads_to_sequence(out, sp_group)
     return out
@@ -144,13 +219,38 @@ def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def _as_inner(module: nn.Module, inner: str, *args, **kwargs):
     """Call the inner implementation with the config naming it for the call (HF's flash-attn path reads the
-    name from there to pick its kernels)."""
+    name from there to pick its kernels); eager is the module's own modeling file's function."""
+    function = _eager_attention(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
     config = module.config
     name, config._attn_implementation = config._attn_implementation, inner
     try:
-        return ALL_ATTENTION_FUNCTIONS[inner](module, *args, **kwargs)
+        return function(module, *args, **kwargs)
     finally:
         config._attn_implementation = name
+
+
+def _eager_attention(module: nn.Module):
+    """The `eager_attention_forward` of the modeling file defining `module`'s class: what HF's layer calls for
+    eager attention (transformers registers none; Gemma 2's caps the scores, GPT-OSS's adds the sinks)."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ConfigError(f"model.attn_implementation eager: {type(module).__module__} defines no "
+                          f"eager_attention_forward for {type(module).__name__}; use sdpa")
+    return eager
+
+
+_FLASH_SINKS = ("model.attn_implementation flash_attention_2: {model}'s attention sinks are not supported by "
+                "flash-attn's varlen kernel; use eager")
+
+
+def has_attention_sinks(hf_model: nn.Module) -> bool:
+    """Whether a layer of `hf_model` has attention sinks (GPT-OSS: a `sinks` logit per head)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in hf_model.modules())
+
+
+def attention_logit_softcap(config) -> float | None:
+    """The attention-logit softcap of a model's config (Gemma 2/3: attn_logit_softcapping), None: none."""
+    return getattr(config.get_text_config(), "attn_logit_softcapping", None)
 
 
 @functools.cache
@@ -164,11 +264,20 @@ def packed_implementation(inner: str) -> str:
 
 
 def use_packed_attention(hf_model: nn.Module) -> None:
-    """Switch `hf_model` to the packed stand-in of its attention implementation (idempotent)."""
+    """Switch `hf_model` to the packed stand-in of its attention implementation (idempotent). One line
+    (ConfigError) for flash-attn with attention sinks, which its varlen kernel cannot take. With SDPA and a
+    softcap or sinks, which SDPA cannot take, the unpacked calls (sampling, padded rows) run the model's eager
+    attention, so that they compute the model the packed path does."""
     config = hf_model.config
     inner = config._attn_implementation
-    if not inner.startswith(PREFIX):
-        config._attn_implementation = packed_implementation(inner)
+    if inner.startswith(PREFIX):
+        return
+    sinks = has_attention_sinks(hf_model)
+    if inner == "flash_attention_2" and sinks:
+        raise ConfigError(_FLASH_SINKS.format(model=config.model_type))
+    if inner == "sdpa" and (sinks or attention_logit_softcap(config) is not None):
+        inner = "eager"
+    config._attn_implementation = packed_implementation(inner)
 
 
 def packed_attention_kwargs(hf_model: nn.Module, bounds: DocumentBounds, sp_group=None) -> dict:
@@ -186,5 +295,5 @@ def packed_attention_kwargs(hf_model: nn.Module, bounds: DocumentBounds, sp_grou
             "max_length_q": bounds.longest, "max_length_k": bounds.longest}
 
 
-__all__ = ["DocumentBounds", "document_attention", "flash_document_attention", "packed_attention_kwargs",
-           "packed_implementation", "use_packed_attention"]
+__all__ = ["DocumentBounds", "attention_logit_softcap", "document_attention", "flash_document_attention",
+           "has_attention_sinks", "packed_attention_kwargs", "packed_implementation", "use_packed_attention"]

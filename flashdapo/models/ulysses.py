@@ -9,7 +9,8 @@ runs per document on them (`packing.py`), and a second all-to-all turns the outp
 divide by sp; key/value heads must divide by sp (head chunk i of the queries then uses KV chunk i) or
 divide sp: with fewer KV heads than ranks each is repeated sp / Hkv times before the all-to-all, as verl
 and DeepSpeed do, so that the rank holding a chunk of query heads receives the one KV head their
-grouped-query group reads (the repeat's backward sums the copies' gradients: exact). Rotary
+grouped-query group reads (the repeat's backward sums the copies' gradients: exact). Per-head parameters
+read inside attention (GPT-OSS's sinks) are sliced to the rank's head chunk (`local_heads`). Rotary
 position ids are sliced with the tokens, so each token keeps the position it has in its own response;
 the packing boundaries (`DocumentBounds`) describe the whole row and are the same on every rank of a group.
 
@@ -51,6 +52,14 @@ def expand_kv_heads(x: torch.Tensor, sp: int) -> torch.Tensor:
     attention: query head h reads KV head h // (H / Hkv)); `x` itself when Hkv >= sp."""
     heads = x.shape[1]
     return x if heads >= sp else x.repeat_interleave(sp // heads, dim=1)
+
+
+def local_heads(per_head: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's entries of a per-query-head tensor [H, ...] (GPT-OSS's attention sinks): chunk `rank` of sp,
+    the heads `sequence_to_heads` gives this rank. Its gradient reaches only those heads; the other ranks'
+    cover the rest, and the gradient reduction over ranks sums them."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    return per_head.reshape(sp, per_head.shape[0] // sp, *per_head.shape[1:])[rank]
 
 
 def _all_to_all(chunks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -96,4 +105,4 @@ def gather_token_values(values: torch.Tensor, held: torch.Tensor, total: int, gr
 
 
 __all__ = ["check_heads", "expand_kv_heads", "gather_token_values", "heads_fit", "heads_to_sequence",
-           "local_predictions", "sequence_to_heads", "shard_bounds"]
+           "local_heads", "local_predictions", "sequence_to_heads", "shard_bounds"]
