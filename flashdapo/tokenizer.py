@@ -67,7 +67,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path | No
         if token in vocab:
             add(vocab[token])
     specials = _special_ids(tokenizer)
-    for token_id in generation_config_eos_ids(model_dir if model_dir is not None else _loaded_from(tokenizer)):
+    for token_id in generation_config_eos_ids(model_dir if model_dir is not None else loaded_from(tokenizer)):
         if token_id in specials:  # a model config's default eos (e.g. LlamaConfig's 2) may be an ordinary token
             add(token_id)
     for token_id in chat_end_of_turn_ids(tokenizer):
@@ -130,7 +130,7 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     return found
 
 
-def _loaded_from(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """The local directory the tokenizer was loaded from, if any."""
+def loaded_from(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The local directory the tokenizer was loaded from, if any (None for one built in memory, the toy task's)."""
     name = getattr(tokenizer, "name_or_path", None)
     return name if name and Path(name).is_dir() else None

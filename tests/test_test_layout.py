@@ -19,6 +19,7 @@ ROOT = TESTS.parent
 TOP_LEVEL = {
     "test_layers.py": "the layering of every flashdapo package (docs/architecture.md)",
     "test_loss_agg.py": "algorithm.py's loss aggregation modes",
+    "test_preflight_engine_model.py": "preflight.py's checks of the model against the rollout engine (vLLM's limits)",
     "test_rollout_correction.py": "algorithm.py's rollout correction",
     "test_test_layout.py": "this file: the tests' own layout",
 }

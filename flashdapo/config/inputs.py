@@ -84,6 +84,10 @@ class ModelConfig(Section):
     """transformers attention backend of the policy."""
     gradient_checkpointing: bool = False
     """Recompute decoder-block activations in backward (activation checkpointing)."""
+    router_aux_loss_coef: Annotated[float | None, ge(0)] = None
+    """Mixture-of-experts models: the weight of the routers' load-balancing loss in the update's loss (per
+    sequence, averaged over the mini-batch's sequences: docs/config.md). None: the model config's
+    `router_aux_loss_coef` where its `output_router_logits` is true, else off; 0: off."""
     toy: ToyModelConfig = field(default_factory=ToyModelConfig)
     """The built-in toy model (used when `path` is empty)."""
 

@@ -80,6 +80,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "trainer": {"total_steps": 400, "fsdp_cpu_offload": True, "sequence_parallel": 8},
         "logging": {"run_dir": "runs/qwen2.5-32b-dapo"},
     },
+    # The DAPO recipe (the defaults) on Qwen3-30B-A3B, the mixture-of-experts model (30.5B parameters, 3.3B
+    # active per token), on 4 nodes x 8 GPUs (H100 80 GB or H20 96 GB). expert_parallel 8: a node's 8 GPUs
+    # split each layer's 128 experts 16 apiece, so the token all-to-all stays on NVLink. The fp32 state
+    # (30.5B x 16 bytes) is 14 GiB a rank over 32 ranks: no CPU offload, no sequence parallelism needed;
+    # vLLM at tensor_parallel_size 4 holds 14 GiB of bf16 weights a rank, one of the 4 KV heads each
+    # (`flashdapo plan --preset qwen3-30b-a3b-dapo`, docs/plan.md). 2 nodes fit too, with less headroom.
+    "qwen3-30b-a3b-dapo": {
+        "model": {"path": "checkpoints/Qwen3-30B-A3B", "gradient_checkpointing": True},
+        "data": {"train_files": ["data/dapo-math-17k.parquet"], "val_files": ["data/aime-2024.parquet"]},
+        "rollout": {"engine": "vllm", "tensor_parallel_size": 4, "gpu_memory_utilization": 0.7,
+                    "max_num_batched_tokens": 22528},
+        "trainer": {"total_steps": 400, "expert_parallel": 8},
+        "logging": {"run_dir": "runs/qwen3-30b-a3b-dapo"},
+    },
 }
 """Each preset's fields that differ from the defaults."""
 DEFAULT_PRESET = "toy"
@@ -103,6 +117,7 @@ PRESET_CLUSTERS: dict[str, tuple[Cluster, ...]] = {
     "longtail": (Cluster(1, 1), Cluster(1, 2)),
     "qwen2.5-7b-math": (Cluster(1, 8), Cluster(16, 8)),  # 16 x 8: 128 slots, 2 responses each per mini-batch
     "qwen2.5-32b-dapo": (Cluster(16, 8), Cluster(8, 8)),  # the released recipe: 16 nodes x 8 GPUs
+    "qwen3-30b-a3b-dapo": (Cluster(4, 8), Cluster(2, 8)),  # 4 x 8: 32 ranks, 4 expert-parallel groups
 }
 """The launches each preset is documented for (docs/usage.md, docs/plan.md); the first is `flashdapo plan`'s default.
 tests/test_preflight.py checks every preset's launch at each of them."""

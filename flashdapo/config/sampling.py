@@ -194,4 +194,10 @@ class AlgorithmConfig(Section):
     engine/trainer mismatch (~1e-6 for the torch engine in fp32, ~1e-2 for vLLM in bf16), which then
     enters every ratio, and the rollout log-prob check cannot run. With one mini-batch and one epoch
     neither is used: pi_old is the current policy itself, detached (exact, no pass)."""
+    routing_replay: Literal["off", "r3"] = "off"
+    """Mixture-of-experts policies: r3 (rollout routing replay) records the experts the rollout engine routed
+    every token to, and the trainer's forwards (old log-probs and the update) route to those experts, with gate
+    weights recomputed from the trainer's own router logits, so the router still learns (docs/algorithm.md,
+    "Routing replay"). off: the trainer routes for itself. r3 is refused for a dense model and for an engine
+    that cannot record."""
 

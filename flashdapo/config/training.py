@@ -99,6 +99,10 @@ class TrainerConfig(Section):
     around attention). Must divide the world size; the model's query heads must divide by it, and its
     key/value heads must divide by it or divide it (then each is repeated sp / kv_heads times). The rollout
     engines do not use it."""
+    expert_parallel: Positive = 1
+    """Expert parallelism for mixture-of-experts models: ranks per group that split each MoE layer's experts
+    (num_experts / E each; tokens travel to their experts' rank and back by all-to-all). Must divide the
+    data-parallel world size (all trainer ranks) and the model's num_experts; 1 for a dense model."""
     collective_timeout_s: Annotated[Positive, at_most(TIMEOUT_MAX_S, TIMEOUT_WHY)] = 1800
     """Seconds a collective may wait for the other ranks before it fails: a backstop for a rank that
     hangs without raising (a rank that raises ends the job at once)."""

@@ -46,6 +46,12 @@ class Config(Section):
              lambda c: c.algorithm.rollout_correction in ("auto", "none") or c.algorithm.old_logprobs == "recompute",
              lambda c: "'auto' or 'none' with algorithm.old_logprobs=rollout (pi_old is then the engine's own "
                        "log-probs: every ratio of the correction is 1)"),
+        Rule("algorithm.routing_replay", lambda c: c.algorithm.routing_replay == "off" or (
+            engine_spec(c.rollout.engine).records_routes and (
+                not c.rollout.streaming or engine_spec(c.rollout.engine).streams_routes)),
+             lambda c: f"off with rollout.engine={c.rollout.engine}"
+                       f"{' and rollout.streaming' if c.rollout.streaming else ''} (that engine does not record the "
+                       f"experts it routes to{' in a stream' if c.rollout.streaming else ''})"),
         # Without dynamic sampling every generated group trains: generating more would be thrown away.
         Rule("trainer.gen_batch", lambda c: c.algorithm.dynamic_sampling or c.trainer.gen_batch == c.trainer.train_batch,
              lambda c: f"trainer.train_batch ({c.trainer.train_batch}) when algorithm.dynamic_sampling is false"),

@@ -14,6 +14,12 @@ peer (a rank killed without a word: SIGKILL, the OOM killer) prints one line say
 traceback). Exits use `os._exit`: interpreter
 teardown can hang on a communicator or a thread that still waits on the dead peer. A single-rank run
 has no peers: its errors propagate unchanged.
+
+A stop that is no failure (a second Ctrl-C or SIGTERM, `interrupt.Interrupted`) is recorded as one: the other
+ranks end with a line saying whose stop they follow (`rank 1 (rollout rank 0) stops with rank 0 (trainer rank
+0), stopped by Ctrl-C`) and the signal's exit status, not a "failed". When the store itself stops answering,
+no rank can say which failed: if this process's parent changed meanwhile, the launcher (torchrun, whose agent
+hosts the store and started this rank) was killed, and the line says so; else it names the store's address.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from ..errors import FlashdapoError, debug_requested, user_error_line
+from .interrupt import Interrupted, signal_name
 
 _EXIT_STATUS = 1
 
@@ -46,6 +53,8 @@ class FailFast:
     poll_s: float = 0.5
     role: str = ""
     """In split placement, how messages name this rank's side ('rollout rank 0'); empty when co-located."""
+    parent_pid: int = field(default_factory=os.getppid)
+    """The process that started this rank (torchrun's agent): another one later means the launcher is gone."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _exiting: threading.Lock = field(default_factory=threading.Lock)
     _thread: threading.Thread | None = None
@@ -101,52 +110,85 @@ class FailFast:
         its traceback; a later one prints a line naming the first. Returns only without peers."""
         if self.store is None:
             return
-        first = self._count_in()
+        first = self._count_in(err)
         with self._exiting:  # the watcher thread may be exiting already: one message per process
             self._stop.set()
             line = None if debug_requested() else user_error_line(err) or lost_peer_line(err)
+            if first is None and self.launcher_gone() and not debug_requested():  # this error is the store's loss
+                print(self.store_gone_line(), file=sys.stderr, flush=True)
+                _exit()
+            first = True if first is None else first  # no store, no peers to defer to: this error in full
             if first and line is not None:  # an error the user can fix: its one line (flashdapo/errors.py)
                 print(f"{line} ({self._me}; stopping every rank)", file=sys.stderr, flush=True)
             elif first:
                 print(f"flashdapo: {self._me} failed; stopping every rank", file=sys.stderr, flush=True)
                 traceback.print_exception(err, file=sys.stderr)
             elif not (isinstance(err, FlashdapoError) and err.every_rank):  # raised together: said once above
-                print(f"flashdapo: {self._me} stops ({type(err).__name__}) after rank "
-                      f"{self._first_rank()} failed (its error is above)", file=sys.stderr, flush=True)
+                print(f"flashdapo: {self._me} stops ({type(err).__name__}) after {self._first_words()}",
+                      file=sys.stderr, flush=True)
             _exit(getattr(err, "exit_status", _EXIT_STATUS) if isinstance(err, FlashdapoError) else _EXIT_STATUS)
 
-    def _count_in(self) -> bool:
+    def _count_in(self, err: BaseException) -> bool | None:
+        """Whether this rank failed first (None: the store no longer answers). A stop on a signal is marked as
+        one (`stop`: its number) before `rank`, which the other ranks poll, is written."""
         try:
             first = self.store.add(_key("count"), 1) == 1
             if first:
                 self.store.set(_key("who"), self._me.removeprefix("rank "))
+                if isinstance(err, Interrupted):
+                    self.store.set(_key("stop"), str(err.exit_status - 128))
                 self.store.set(_key("rank"), str(self.rank))
             return first
-        except Exception:  # the store is gone with its host: report this error in full
-            return True
+        except Exception:  # the store is gone with its host: report this error in full (or the launcher's loss)
+            return None
 
-    def _first_rank(self) -> str:
+    def _first(self) -> tuple[str, int | None]:
+        """Who failed (or stopped) first, as 'rank 0 (trainer rank 0)', and the signal of a stop (else None)."""
+        who = self.store.get(_key("who" if self.store.check([_key("who")]) else "rank")).decode()
+        stop = int(self.store.get(_key("stop"))) if self.store.check([_key("stop")]) else None
+        return f"rank {who}", stop
+
+    def _first_words(self) -> str:
         try:
-            if self.store.check([_key("who")]):
-                return self.store.get(_key("who")).decode()
-            return self.store.get(_key("rank")).decode()
+            who, stop = self._first()
         except Exception:
-            return "?"
+            return "the job's store stopped answering"
+        return f"{who} failed (its error is above)" if stop is None else f"{who} was stopped by {signal_name(stop)}"
+
+    def launcher_gone(self) -> bool:
+        """Whether the process that started this rank has gone (this rank was handed to another parent): under
+        torchrun, the agent, which hosts the rendezvous store, was killed (SIGKILL, the OOM killer)."""
+        return os.getppid() != self.parent_pid
+
+    def store_gone_line(self) -> str:
+        """The one line when the store no longer answers: what is known of why."""
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        if self.launcher_gone():
+            why = (f"the launcher (pid {self.parent_pid}, torchrun's agent, which started this rank) was killed, and "
+                   f"the job's store ({where}) with it; no rank reported an error")
+        else:
+            why = (f"the job's store ({where}) stopped answering: its host (torchrun's agent on the first node) is "
+                   "gone; no rank reported an error before")
+        return f"flashdapo: {self._me} stops: {why}; resume with --checkpoint.resume auto"
 
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
                 failed = self.failed_rank()
-            except Exception:  # the store's host (the launcher or rank 0) is gone: so is the job
-                failed = "?"
-            if failed is not None and self._exiting.acquire(blocking=False):
+                line, status = None, _EXIT_STATUS
+                if failed is not None:
+                    who, stop = self._first()
+                    line = f"flashdapo: {self._me} stops: {who} failed (its error is above)" if stop is None else \
+                        f"flashdapo: {self._me} stops with {who}, stopped by {signal_name(stop)}"
+                    status = _EXIT_STATUS if stop is None else 128 + stop
+            except Exception:  # the store's host (the launcher) is gone: so is the job
+                line, status = self.store_gone_line(), _EXIT_STATUS
+            if line is not None and self._exiting.acquire(blocking=False):
                 if self._stop.is_set():  # a clean close raced the poll
                     self._exiting.release()
                     return
-                print(f"flashdapo: {self._me} stops: rank {self._first_rank() if failed != '?' else '?'} failed "
-                      "(its error is above)",
-                      file=sys.stderr, flush=True)
-                _exit()
+                print(line, file=sys.stderr, flush=True)
+                _exit(status)
 
 
 _LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",

@@ -49,7 +49,8 @@ class Interrupted(FlashdapoError, RuntimeError):
         self.exit_status = 128 + int(signum)
 
 
-def _signal_name(signum: int) -> str:
+def signal_name(signum: int) -> str:
+    """How a stop line names a signal: 'Ctrl-C' for SIGINT, else its name ('SIGTERM')."""
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
@@ -94,7 +95,7 @@ class StopOnInterrupt:
                 step = self.phase.startswith("step")
                 then = f"after {self.phase} (its checkpoint is saved then)" if step else \
                     f"at the next safe point of {self.phase}"
-                _notice(f"flashdapo: {_signal_name(signum)}: stopping {then}; Ctrl-C again stops at once"
+                _notice(f"flashdapo: {signal_name(signum)}: stopping {then}; Ctrl-C again stops at once"
                         f"{', without it' if step else ''}\n")
             return
         raise self.interrupted(finished=False)
@@ -102,7 +103,7 @@ class StopOnInterrupt:
     def interrupted(self, finished: bool) -> Interrupted:
         """The error of a stop outside a step's end, where no checkpoint is taken. `finished`: the phase
         completed (a safe point after it), else it was cut short (a second signal)."""
-        name, newest = _signal_name(self.signum), self.newest_checkpoint()
+        name, newest = signal_name(self.signum), self.newest_checkpoint()
         if finished and self.phase == "the export":
             return Interrupted(f"stopped by {name} during the export, once it was written: the run is complete "
                                f"(its newest checkpoint is {newest or 'none'})", self.signum)
@@ -124,7 +125,7 @@ class StopOnInterrupt:
 
     def stopped(self, step: int) -> Interrupted:
         """The error that ends a run stopped after `step`, whose checkpoint is saved."""
-        return Interrupted(f"stopped at step {step} by {_signal_name(self.signum)}, after saving its checkpoint "
+        return Interrupted(f"stopped at step {step} by {signal_name(self.signum)}, after saving its checkpoint "
                            f"{self.newest_checkpoint()}; resume with --checkpoint.resume auto", self.signum)
 
 

@@ -167,6 +167,26 @@ class SequenceParallelError(FlashdapoError, ValueError):
     """trainer.sequence_parallel does not fit the world size or the model's attention heads."""
 
 
+class ExpertParallelError(FlashdapoError, ValueError):
+    """trainer.expert_parallel does not fit the world size or the model's experts."""
+
+
+def expert_parallel_mesh(env: DistEnv, expert_parallel: int) -> DeviceMesh:
+    """The 2-D mesh ("efsdp", "ep") of expert parallelism over env's ranks (models/moe/expert_parallel.py).
+
+    An expert-parallel group is `expert_parallel` = E consecutive ranks (the same rank // E; on GPUs one node's,
+    so the token all-to-all stays on its fast links): each holds 1/E of every MoE layer's experts. "efsdp" joins
+    the ranks that hold the same experts (the same rank % E): FSDP2 shards those experts over it and sums their
+    gradients over it. E divides the world size (all dp x sp ranks: the token exchange is per token, so the
+    ranks of a sequence-parallel group may share experts too); ExpertParallelError otherwise."""
+    if expert_parallel < 1 or env.world_size % expert_parallel:
+        raise ExpertParallelError(f"trainer.expert_parallel={expert_parallel} must divide the data-parallel world "
+                                  f"size {env.world_size} (trainer ranks): launch a multiple of {expert_parallel} "
+                                  "ranks or change it")
+    return init_device_mesh(env.device.type, (env.world_size // expert_parallel, expert_parallel),
+                            mesh_dim_names=("efsdp", "ep"))
+
+
 _BEFORE_DESTROY: list[Callable[[], None]] = []
 
 

@@ -18,17 +18,20 @@ The choices, before the code:
   length trips nothing; the data moves only once the key says the sender is there. While it polls it reads
   the peers' liveness counters (each rank's `Liveness` thread bumps its own every second): a peer whose
   counter stops for `stale_s` (a stopped or wedged process) ends the job in one line naming its rank and
-  role. A peer that dies outright is caught sooner by fail-fast (`failfast.py`), which watches the same
-  store unprefixed.
+  role. The weights bridge's broadcasts run asynchronously under the same poll, so a member that stops inside
+  one is named too. A peer that dies outright is caught sooner by fail-fast (`failfast.py`), which watches
+  the same store unprefixed.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -178,6 +181,11 @@ class Bridges:
         a bridge collective: a peer stopped outside it is named in one line, not found by the collective's timeout."""
         return self._poll(lambda: self.store.add(_key(name), 0) >= count, peers, what)
 
+    def wait_until(self, done: Callable[[], bool], peers: list[int], what: str) -> float:
+        """Poll `done` until it holds, reading `peers`' liveness as `wait_key` does; seconds waited. For a wait on
+        something of this process (a receiver thread's progress) that a stopped peer would hold up."""
+        return self._poll(done, peers, what)
+
     def _poll(self, done, peers: list[int], what: str) -> float:
         start = time.perf_counter()
         seen = {p: (-1, start) for p in peers}
@@ -210,12 +218,19 @@ class Bridges:
             self.ctl.recv([data], src, tag).wait()
         return data.numpy().tobytes()
 
-    def broadcast_weights(self, tensor: torch.Tensor) -> None:
+    def broadcast_weights(self, tensor: torch.Tensor, what: str = "a bucket of the weights") -> None:
         """Trainer rank 0's `tensor` into every rollout rank's (same shape and dtype, on `weights_device`), over
-        the weights bridge."""
+        the weights bridge. The broadcast runs asynchronously while this rank polls the other members' liveness:
+        a member that stops inside it (SIGSTOP, a wedged process) is named after stale_s in one line
+        (PeerHungError), not found by the bridge's collective timeout."""
+        _stop_here_for_test("push")
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.weights.broadcast([tensor], options).wait()
+        work = self.weights.broadcast([tensor], options)
+        members = self.layout.weights_members
+        peers = members[1:] if self.global_rank == members[0] else members[:1]
+        self._poll(work.is_completed, peers, what)
+        work.wait()  # raises the collective's own error (a peer that died: its closed socket)
 
 
 def _bridge_group(store: dist.Store, name: str, rank: int, size: int, device: torch.device,
@@ -228,6 +243,27 @@ def _bridge_group(store: dist.Store, name: str, rank: int, size: int, device: to
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
+
+STOP_ENV = "FLASHDAPO_SPLIT_STOP_IN"
+"""Test hook (fault injection): `<global rank>:<where>:<n>` makes that rank SIGSTOP itself (every thread, its
+liveness beat included: a hung process) at its n-th pass through `where` (1-based); `push`: about to join a
+bucket broadcast of the weights push."""
+
+
+def _stop_here_for_test(where: str) -> None:
+    spec = os.environ.get(STOP_ENV, "")
+    if not spec:
+        return
+    rank, place, nth = spec.split(":")
+    if place != where or int(rank) != int(os.environ.get("RANK", "-1")):
+        return
+    _PASSES[where] = _PASSES.get(where, 0) + 1
+    if _PASSES[where] == int(nth):
+        print(f"flashdapo: test hook {STOP_ENV}: rank {rank} stops itself in {where}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+_PASSES: dict[str, int] = {}
 
 STALE_ENV = "FLASHDAPO_SPLIT_STALE_S"
 """Test hook: the seconds without a liveness beat after which a waiting rank names its peer (default 60; read

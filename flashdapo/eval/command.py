@@ -15,6 +15,7 @@ is the same with one rank.
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
 from pathlib import Path
 from typing import Any, Literal
@@ -48,8 +49,9 @@ from ..config.checks import (
 from ..data import load_eval_prompts
 from ..distributed.failfast import FailFast
 from ..distributed.mesh import DistEnv, init_distributed
+from ..models.hf import attention_refusal
 from ..models.model_dir import check_model_dir
-from ..preflight import check_engine, check_model
+from ..preflight import check_engine, check_engine_model, check_model
 from ..rollout.factory import build_engine, world_group
 from .results import EvalReport, format_report
 from .sampling import EvalSampling, Shard, evaluate_to_dir
@@ -177,6 +179,7 @@ def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
     (rollout.build_engine): a full replica per rank, FSDP2 shards with --fsdp, or an engine of its own."""
     on_gpu = env.device.type == "cuda"
     dtype = "bfloat16" if on_gpu else "float32"
+    attention = eval_attention(args.model)
     rollout = RolloutConfig(engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
                             kv_cache_gib=getattr(args, "kv_cache_gib", 0.0), max_num_seqs=getattr(args, "batch_size", RolloutConfig.max_num_seqs))
     out = getattr(args, "out", None)
@@ -188,15 +191,25 @@ def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
     if getattr(args, "fsdp", False):  # `flashdapo generate` has no --fsdp
         from ..models.loading import load_sharded_policy
 
-        cfg = Config(model=ModelConfig(path=args.model, dtype=dtype), trainer=TrainerConfig(device=args.device))
+        cfg = Config(model=ModelConfig(path=args.model, dtype=dtype, attn_implementation=attention),
+                     trainer=TrainerConfig(device=args.device))
         # Never woken: the shards stay sharded and each forward gathers one block at a time.
         return build_engine(rollout, env, tokenizer, model=load_sharded_policy(cfg, env),
                             shard_group=world_group(env), **common)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32,
+                                                 attn_implementation=attention)
     # No process group: each rank holds a full replica and generates on its own, seeded per prompt only.
     return build_engine(rollout, env, tokenizer, model=model.to(env.device), **common)
+
+
+def eval_attention(model_dir: str) -> str:
+    """The attention implementation a torch engine samples the model at `model_dir` with: SDPA, or eager for a
+    family whose attention transformers' SDPA path cannot honour (models/hf.py ATTENTION_REFUSED: Gemma 2's
+    attention-logit cap, GPT-OSS's sinks), where training would refuse SDPA."""
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return "eager" if attention_refusal(config, "sdpa") is not None else "sdpa"
 
 
 def prompts_per_call(args: Any) -> int:
@@ -222,6 +235,8 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     # engine would sample on, silently).
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
                           "--max-prompt-length + --max-new-tokens")
+    # What the engine builds of this model (vLLM: its architectures, per-layer windows), before it starts.
+    check_engine_model(args.engine, checked.config, f"--model={args.model}")
     env = init_distributed(args.device)
     failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
     failfast.watch()

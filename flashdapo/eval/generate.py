@@ -28,7 +28,7 @@ from ..data import DAPO_TEMPLATE, Record, chat_ids, prompts_from_records, read_r
 from ..distributed.mesh import init_distributed, shutdown
 from ..errors import file_in_the_way
 from ..models.model_dir import check_model_dir
-from ..preflight import check_engine, check_model
+from ..preflight import check_engine, check_engine_model, check_model
 from .command import OPTIONS, eval_engine, tree_options
 from .examples import example_records
 from .results import PromptResult
@@ -124,6 +124,8 @@ def run_generate(args: Any) -> list[PromptResult]:
     check_model_dir(args.model, "--model")
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
                           "--max-prompt-length + --max-new-tokens", "error" if engine_spec(args.engine).refuses_long_context else "note")
+    # What the engine builds of this model (vLLM: its architectures, per-layer windows), before it starts.
+    check_engine_model(args.engine, checked.config, f"--model={args.model}")
     env = init_distributed(args.device)
     try:
         tokenizer = checked.tokenizer

@@ -4,9 +4,12 @@ One `Family` entry per config.json `model_type`. Every place that depends on a m
 the start-up check (which types are accepted), the policy wrapper (decoder blocks, LM head), FSDP2 and
 activation checkpointing (the blocks to wrap), the packed attention (whether the model takes per-layer-type
 masks), the vLLM push check (the parameter groups it hooks on both sides), resume (the config keys whose
-change makes a checkpoint's weights not fit) and the KV-cache keyword of sampling.
+change makes a checkpoint's weights not fit) and the KV-cache keyword of sampling. What a path cannot honour
+of a family is said here too, for the start-up checks to refuse in one line: multimodal checkpoints
+(`multimodal_refusal`), the installed vLLM (`vllm_refusal`), an attention implementation (`attention_refusal`).
 
-Adding a family is one entry in FAMILIES plus a row in the family test matrix (tests/models/).
+Adding a family is one entry in FAMILIES plus a row in the family test matrix (tests/models/test_families.py;
+docs/models.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,20 @@ def _qwen2_style_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return groups + [("norm", inner.norm)]
 
 
+def _sparse_block_routers(model: nn.Module) -> list[nn.Module]:
+    """The `mlp.gate` of every decoder block whose MLP is a sparse MoE block (dense blocks have no `gate`
+    module: their `gate_proj` is a Linear)."""
+    return [layer.mlp.gate for layer in model.model.layers if isinstance(getattr(layer.mlp, "gate", None), nn.Module)]
+
+
+def _scaled_embedding_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Gemma's groups: transformers scales the embedding by sqrt(hidden) inside embed_tokens, vLLM after it,
+    so the two embed_tokens outputs differ by that factor; on vLLM's model the group is left out (the push
+    check compares the groups both sides recorded, from the first decoder block on)."""
+    groups = _qwen2_style_groups(model)
+    return groups[1:] if type(model).__module__.startswith("vllm.") else groups
+
+
 @dataclass(frozen=True)
 class Family:
     """What flashdapo needs of one HF model family (config.json `model_type`)."""
@@ -41,6 +58,12 @@ class Family:
     vLLM's: the push check hooks them to name where the two forwards part."""
     config_keys: tuple[str, ...] = ()
     """Config fields beyond COMMON_CONFIG_KEYS that decide the parameters' shapes (resume compares them)."""
+    routers: Callable[[nn.Module], list[nn.Module]] | None = None
+    """Mixture-of-experts families: the HF model's top-k routers, one per sparse block in layer order (each with
+    `num_experts` and `top_k`, its forward returning the router logits first; flashdapo/models/moe/); None: dense."""
+    router_loss: bool = True
+    """MoE: softmax top-k routers balanced by transformers' load_balancing_loss_func (the router loss and expert
+    load of models/moe/); False: routers balanced otherwise (no router loss, no expert-load metrics)."""
 
 
 COMMON_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -48,15 +71,101 @@ COMMON_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_s
                       "attention_bias", "mlp_bias")
 """HF config fields that decide the parameters' shapes in every family (those a config has are recorded)."""
 
+GEMMA4_CONFIG_KEYS = ("layer_types", "hidden_size_per_layer_input", "vocab_size_per_layer_input", "attention_k_eq_v",
+                      "num_kv_shared_layers", "use_double_wide_mlp", "enable_moe_block", "num_experts",
+                      "moe_intermediate_size")
+"""Gemma 4 (text): the layer types decide which layers get the wider global heads (head_dim 512 in the real
+models: the config's per_layer_config), and the per-layer inputs, K = V sharing, KV-shared layers, the
+double-wide MLP and the MoE block change the parameters too."""
+
+LINEAR_ATTENTION_CONFIG_KEYS = ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                "linear_value_head_dim", "linear_conv_kernel_dim")
+"""Gated DeltaNet families (Qwen3.5, Qwen3-Next): which layers are linear attention, and those layers' shapes."""
+
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("qwen2"),
     Family("qwen3"),
     Family("llama"),
     Family("mistral"),
+    # Gemma 2/3/4 (text): HF scales the embedding by sqrt(hidden) in the model's forward (Gemma 2) or inside
+    # embed_tokens (3, 4), ties the head by default and caps the final logits (the LM-head kernels apply the
+    # cap: final_logit_softcap); Gemma 2 caps attention scores too (the packed attention applies it).
+    Family("gemma2", groups=_scaled_embedding_groups),
+    Family("gemma3_text", groups=_scaled_embedding_groups),
+    Family("gemma4_text", groups=_scaled_embedding_groups, config_keys=GEMMA4_CONFIG_KEYS),
+    Family("phi3"),  # fused qkv_proj / gate_up_proj: their shapes follow from the common keys
+    Family("olmo2"),  # norms after attention and MLP only, q/k norms over all heads
+    Family("olmo3"),  # OLMo 2's layout with sliding-window layers
+    # GPT-OSS: attention sinks and sliding-window layers (the packed attention honours both); its experts are
+    # transformers' fused ones (gate_up_proj / down_proj tensors per layer), trained in the HF forward.
+    Family("gpt_oss", config_keys=("num_local_experts",)),
+    Family("qwen3_moe", routers=_sparse_block_routers,
+           config_keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                        "mlp_only_layers")),
+    # DeepSeek-V3: multi-head latent attention, a shared expert, routers picking by sigmoid score plus a
+    # correction bias within groups. That bias is balanced without a loss (updated outside the gradient in
+    # pre-training; transformers keeps it a fixed buffer, and so does training here); no router loss.
+    Family("deepseek_v3", routers=_sparse_block_routers, router_loss=False,
+           config_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                        "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+                        "first_k_dense_replace")),
+    # Qwen3.5: Gated DeltaNet (linear attention) layers between full-attention ones (models/linear_attention.py);
+    # Qwen3-Next: the same layers, sparse MoE blocks with a shared expert.
+    Family("qwen3_5_text", config_keys=LINEAR_ATTENTION_CONFIG_KEYS),
+    Family("qwen3_next", routers=_sparse_block_routers,
+           config_keys=LINEAR_ATTENTION_CONFIG_KEYS + ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                       "shared_expert_intermediate_size", "decoder_sparse_step",
+                                                       "mlp_only_layers")),
 )}
 """The accepted families, by config.json `model_type` (tests/models/ runs each)."""
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+MULTIMODAL_MODEL_TYPES = {
+    "gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text", "Gemma3ForCausalLM"),
+    "gemma4": ("Gemma4ForConditionalGeneration", "gemma4_text", "Gemma4ForCausalLM"),
+}
+"""Multimodal checkpoints whose text model is a registered family: (their class, the text model's model_type
+and class). transformers 5.19's AutoModelForCausalLM builds the whole multimodal model for them (vision tower,
+model.language_model) and Gemma3ForCausalLM.from_pretrained does not map their weights, so they are refused,
+naming the text checkpoint to train instead (docs/models.md converts one)."""
+
+
+def multimodal_refusal(model_type: str | None) -> str | None:
+    """What to do with a multimodal checkpoint whose text model flashdapo trains (MULTIMODAL_MODEL_TYPES), as
+    one sentence; None for any other model_type."""
+    if model_type not in MULTIMODAL_MODEL_TYPES:
+        return None
+    whole, text_type, text_class = MULTIMODAL_MODEL_TYPES[model_type]
+    return (f"model_type {model_type!r} is the multimodal {whole}, which flashdapo does not train: train its text "
+            f"model as a {text_type} checkpoint ({text_class} of its text_config holding model.language_model's "
+            "weights; docs/models.md shows the conversion)")
+
+
+VLLM_UNSUPPORTED = {
+    "olmo2": "vLLM runs OLMo 2 only through its Transformers backend, which rewrites transformers' Olmo2Model "
+             "class in the process the trainer shares (the policy's own forward then fails)",
+    "olmo3": "vLLM runs OLMo 3 only through its Transformers backend, which rewrites transformers' Olmo3Model "
+             "class in the process the trainer shares (the policy's own forward then fails)",
+    "gpt_oss": "its GptOssForCausalLM does not load the policy's transformers-named tensors (the embedding, "
+               "fused qkv, sinks and expert biases are left unloaded by the weight push)",
+}
+"""Families whose weight push the installed vLLM (0.32) cannot take, and why (tests/models/test_families.py
+runs each family's push on vLLM's CPU build)."""
+
+
+def vllm_refusal(config, on_gpu: bool) -> str | None:
+    """Why rollout.engine vllm cannot serve this config's model (a config object or config.json dict), as one
+    clause; None when it can. Gemma 2's attention-logit softcap: vLLM's CPU attention leaves it out (the push
+    check measured it), its CUDA backends apply it."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    model_type = get("model_type")
+    if model_type in VLLM_UNSUPPORTED:
+        return VLLM_UNSUPPORTED[model_type]
+    if model_type == "gemma2" and get("attn_logit_softcapping") and not on_gpu:
+        return (f"its attention-logit softcapping (attn_logit_softcapping={get('attn_logit_softcapping')}) is left "
+                "out by vLLM's CPU attention")
+    return None
 
 
 def family_of(config) -> Family:
@@ -78,9 +187,40 @@ def group_modules(model: nn.Module, model_type: str) -> list[tuple[str, nn.Modul
 
 
 def config_keys(config) -> tuple[str, ...]:
-    """The HF config fields that decide the parameters' shapes for this config's family."""
+    """The HF config fields that decide the parameters' shapes for this config's family, less those the config
+    holds per layer (Gemma 4's head_dim: transformers refuses to read one value for every layer; the
+    parameters' shapes, recorded too, cover them)."""
     family = FAMILIES.get(getattr(config, "model_type", None))
-    return COMMON_CONFIG_KEYS + (family.config_keys if family is not None else ())
+    keys = COMMON_CONFIG_KEYS + (family.config_keys if family is not None else ())
+    return tuple(key for key in keys if _global_value(config, key))
+
+
+def _global_value(config, key: str) -> bool:
+    """Whether reading `key` of `config` is not refused (a missing key is: the caller skips those)."""
+    try:
+        getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError, whatever its base
+        return False
+    return True
+
+
+ATTENTION_REFUSED = {
+    ("gpt_oss", "sdpa"): "transformers has no SDPA path for GPT-OSS (its attention sinks)",
+    ("gemma2", "sdpa"): "transformers' SDPA path leaves Gemma 2's attention-logit softcapping out (sampling and "
+                        "padded micro-batches would attend with uncapped scores)",
+}
+"""(model_type, model.attn_implementation) pairs whose transformers modeling cannot honour the family's
+attention, and why (the packed attention honours caps and sinks itself; HF's own calls do not)."""
+
+
+def attention_refusal(config: dict, attn_implementation: str) -> str | None:
+    """Why model.attn_implementation cannot run this config.json's family right (one clause), None when it
+    can. Gemma 2 only with an attention-logit cap set (every released Gemma 2 has 50.0)."""
+    model_type = config.get("model_type")
+    reason = ATTENTION_REFUSED.get((model_type, attn_implementation))
+    if reason is None or (model_type == "gemma2" and not config.get("attn_logit_softcapping")):
+        return None
+    return f"{reason}; use --model.attn-implementation eager"
 
 
 def final_logit_softcap(config) -> float | None:
@@ -97,5 +237,7 @@ def cache_argument(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
-__all__ = ["COMMON_CONFIG_KEYS", "FAMILIES", "Family", "SUPPORTED_MODEL_TYPES", "cache_argument", "config_keys",
-           "decoder_layers", "family_of", "final_logit_softcap", "group_modules"]
+__all__ = ["ATTENTION_REFUSED", "COMMON_CONFIG_KEYS", "FAMILIES", "Family", "MULTIMODAL_MODEL_TYPES",
+           "SUPPORTED_MODEL_TYPES", "VLLM_UNSUPPORTED", "attention_refusal", "cache_argument",
+           "config_keys", "decoder_layers", "family_of", "final_logit_softcap", "group_modules",
+           "multimodal_refusal", "vllm_refusal"]

@@ -55,6 +55,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import ConfigError
+from .linear_attention import use_document_linear_attention
 from .ulysses import expand_kv_heads, heads_to_sequence, local_heads, sequence_to_heads
 
 PREFIX = "flashdapo_packed_"
@@ -268,6 +269,7 @@ def use_packed_attention(hf_model: nn.Module) -> None:
     (ConfigError) for flash-attn with attention sinks, which its varlen kernel cannot take. With SDPA and a
     softcap or sinks, which SDPA cannot take, the unpacked calls (sampling, padded rows) run the model's eager
     attention, so that they compute the model the packed path does."""
+    use_document_linear_attention(hf_model)  # Gated DeltaNet layers (Qwen3.5) per document too: linear_attention.py
     config = hf_model.config
     inner = config._attn_implementation
     if inner.startswith(PREFIX):

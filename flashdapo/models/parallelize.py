@@ -15,6 +15,8 @@ from torch.distributed.fsdp import (
 
 from ..config import ModelConfig, TrainerConfig
 from ..distributed.mesh import DistEnv
+from .moe.expert_parallel import parallelize_experts
+from .moe.router import check_router_aux_coef
 from .policy import PolicyModel
 
 
@@ -26,6 +28,7 @@ def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, train
     plain fp32 otherwise (CPU). Gradients are SUMMED over ranks, not averaged: the loss is already
     divided by the global token count of the mini-batch.
     """
+    check_router_aux_coef(model_cfg.router_aux_loss_coef, policy.config)
     policy.set_layout(trainer_cfg.pack_sequences or model_cfg.attn_implementation == "flash_attention_2", env)
     policy.micro_batch_tokens = trainer_cfg.micro_batch_tokens
     layers = policy.decoder_layers()
@@ -35,6 +38,9 @@ def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, train
     param_dtype = torch.bfloat16 if model_cfg.dtype == "bfloat16" else None
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     offload = CPUOffloadPolicy() if trainer_cfg.fsdp_cpu_offload else OffloadPolicy()
+    # MoE experts first, over the ranks holding the same experts (moe/expert_parallel.py); the blocks skip them.
+    parallelize_experts(policy.hf, env, trainer_cfg.expert_parallel, mp_policy=mp, offload_policy=offload,
+                        reshard_after_forward=trainer_cfg.reshard_after_forward)
     for layer in layers:
         fully_shard(layer, mesh=env.mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=trainer_cfg.reshard_after_forward)

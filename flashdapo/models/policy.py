@@ -21,6 +21,9 @@ from ..kernels import fused_token_loss, token_logprobs, token_probe_stats
 from ..kernels.lm_head_choice import use_fused_loss
 from ..profiling.ranges import traced
 from .hf import cache_argument, decoder_layers, final_logit_softcap
+from .linear_attention import check_sequence_parallel
+from .moe.replay import RouteReplay, install_route_replay, lay_out_routes
+from .moe.router import RouterLogits, router_logits_kwargs
 from .packing import DocumentBounds, packed_attention_kwargs, use_packed_attention
 from .ulysses import check_heads, gather_token_values, local_predictions, shard_bounds
 
@@ -54,6 +57,9 @@ class TokenBatch:
     held: torch.Tensor | None = None
     """Sequence parallelism: indices, into the micro-batch's response tokens, of the N this rank predicts
     (None: all of them)."""
+    routes: torch.Tensor | None = None
+    """Routing replay: the engine's experts of every position of `input_ids` (flattened; this rank's shard),
+    [positions, sparse layers, top_k], -1 where none (models/moe/replay.py); None: the routers choose."""
 
     @property
     def total_tokens(self) -> int:
@@ -66,12 +72,14 @@ class TokenBatch:
 
 
 def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor], device: torch.device,
-                     packed: bool, sp: int = 1, sp_rank: int = 0) -> TokenBatch:
+                     packed: bool, sp: int = 1, sp_rank: int = 0,
+                     routes: list[torch.Tensor | None] | None = None) -> TokenBatch:
     """Lay out (prompt, response) pairs for one forward; the last response token is never an input.
 
     The hidden state at position p predicts token p + 1, so response token j of a sequence is predicted at
     position len(prompt) - 1 + j of that sequence. With sp > 1 (packed only) the row gets a filler
-    sequence up to a multiple of sp, and this is rank `sp_rank`'s shard of it.
+    sequence up to a multiple of sp, and this is rank `sp_rank`'s shard of it. `routes`: each sequence's
+    recorded experts (routing replay), laid out the same way.
     """
     rows = [torch.cat([p, r[:-1]]) if len(r) else p for p, r in zip(prompts, responses)]
     if packed and sum(len(t) for t in rows) % sp:  # the filler's outputs predict nothing
@@ -83,6 +91,8 @@ def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor],
                          for start, p, r in zip(starts, prompts, responses)]).long()
     targets = torch.cat(list(responses)).long()
     bounds = held = None
+    shard = shard_bounds(width, sp, sp_rank) if packed and sp > 1 else None
+    laid_out = None if routes is None else lay_out_routes(routes, [len(t) for t in rows], packed, width, shard)
     if packed:
         input_ids = torch.cat(rows).unsqueeze(0)
         positions = torch.cat([torch.arange(len(t)) for t in rows]).unsqueeze(0)
@@ -108,6 +118,7 @@ def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor],
         token_counts=[len(r) for r in responses],
         bounds=bounds,
         held=held,
+        routes=None if laid_out is None else laid_out.to(device),
     )
 
 
@@ -130,6 +141,14 @@ class PolicyModel(nn.Module):
         self.micro_batch_tokens = 16384
         """Tokens of a micro-batch on this rank (set by `parallelize`): the LM-head design is chosen for it."""
         self._fused: dict[str, bool] = {}
+        self.route_replay: RouteReplay | None = None
+        """Routing replay (algorithm.routing_replay=r3): replays a TokenBatch's routes in its forward."""
+
+    def with_route_replay(self, mode: str) -> PolicyModel:
+        """This policy, replaying recorded routes in its training forwards when `mode` (algorithm.routing_replay)
+        is r3; ConfigError for r3 on a dense model."""
+        self.route_replay = install_route_replay(self.hf, mode)
+        return self
 
     @property
     def config(self):
@@ -142,19 +161,23 @@ class PolicyModel(nn.Module):
         return self.hf.get_output_embeddings().weight
 
     def forward(self, batch: TokenBatch | None = None, with_entropy: bool = False, cache=None, loss_fn=None,
-                keep: torch.Tensor | None = None, probe: bool = False, **hf_kwargs):
+                keep: torch.Tensor | None = None, probe: bool = False, routing: RouterLogits | None = None,
+                **hf_kwargs):
         """Training: per-token (logp, entropy or None) of `batch`, fp32, differentiable in the weights. With
         `keep` (the loss mask), rows outside it get no LM-head work and 0 for logp and entropy; with
         `loss_fn` too (a per-token loss, see kernels.fused_token_loss), (loss, logp, entropy) from the
         fused sweep, logp and entropy detached. With `probe`: no-grad (logp, entropy, top-1 probability)
-        (kernels.token_probe_stats), for the probe (probe.py).
+        (kernels.token_probe_stats), for the probe (probe.py). With `routing` (MoE families), the router logits
+        of the forward are put in it, one [tokens, E] tensor per sparse layer (models/moe/).
         Sampling: with HF keyword arguments and no batch, the HF model's own forward (`cache` is the KV
         cache, passed under the name this transformers version uses)."""
         if batch is None:
+            if self.route_replay is not None:  # sampling routes for itself
+                self.route_replay.load(None)
             if cache is not None:
                 hf_kwargs[self._cache_arg] = cache
             return self.hf(**hf_kwargs)
-        hidden = self._hidden_states(batch)
+        hidden = self._hidden_states(batch, routing)
         if probe and batch.held is not None and not len(batch.targets):  # no backward: nothing to tie
             empty = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             return empty, empty, empty
@@ -199,15 +222,19 @@ class PolicyModel(nn.Module):
     def set_layout(self, pack: bool, env: DistEnv) -> None:
         """Pack micro-batches (or pad them), split over env's sequence-parallel group when it has one."""
         if env.sequence_parallel > 1:
+            check_sequence_parallel(self.config, env.sequence_parallel)
             check_heads(self.config.num_attention_heads, self.config.num_key_value_heads, env.sequence_parallel)
         self.pack = pack or env.sequence_parallel > 1
         self.sp_group, self.sp, self.sp_rank = env.sp_group, env.sequence_parallel, env.sp_rank
         if self.pack:
             use_packed_attention(self.hf)
 
-    def token_batch(self, prompts: list[torch.Tensor], responses: list[torch.Tensor], device) -> TokenBatch:
-        """A micro-batch laid out for this policy's attention backend (this rank's shard of it under SP)."""
-        return make_token_batch(prompts, responses, device, self.packed_layout, self.sp, self.sp_rank)
+    def token_batch(self, prompts: list[torch.Tensor], responses: list[torch.Tensor], device,
+                    routes: list[torch.Tensor | None] | None = None) -> TokenBatch:
+        """A micro-batch laid out for this policy's attention backend (this rank's shard of it under SP), with
+        the responses' recorded `routes` when this policy replays them."""
+        return make_token_batch(prompts, responses, device, self.packed_layout, self.sp, self.sp_rank,
+                                routes if self.route_replay is not None else None)
 
     def whole_micro_batch(self, values: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
         """A per-token output of `batch` for all its response tokens: under sequence parallelism the group's
@@ -216,13 +243,20 @@ class PolicyModel(nn.Module):
             return values
         return gather_token_values(values, batch.held.to(values.device), batch.total_tokens, self.sp_group)
 
-    def _hidden_states(self, batch: TokenBatch) -> torch.Tensor:
+    def _hidden_states(self, batch: TokenBatch, routing: RouterLogits | None = None) -> torch.Tensor:
+        # MoE: record the router logits only when asked, whatever config.json's output_router_logits says.
+        moe = router_logits_kwargs(self.config, record=routing is not None)
+        if self.route_replay is not None:  # kept loaded until the next forward: a checkpointed block's recompute
+            self.route_replay.load(batch.routes)
         if batch.bounds is not None:
             packed = packed_attention_kwargs(self.hf, batch.bounds, self.sp_group)
-            out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **packed)
+            out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **packed,
+                                **moe)
         else:
             out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                attention_mask=batch.attention_mask, use_cache=False)
+                                attention_mask=batch.attention_mask, use_cache=False, **moe)
+        if routing is not None:
+            routing.layers = tuple(getattr(out, "router_logits", None) or ())
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         if batch.held is not None and not len(batch.predict_index):
             return hidden  # the whole shard: see _nothing_held

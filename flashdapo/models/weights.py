@@ -23,6 +23,9 @@ The choices, before the code:
   FSDP2 CPU offload the local shard lives on the CPU while the mesh is CUDA; it is moved to the mesh's
   device before gathering. Plain tensors pass through (cast when asked). Peak extra memory: one full
   parameter, plus whatever the consumer still holds of the previous one.
+- **Expert parallelism** (models/moe/expert_parallel.py): a MoE layer's fused expert weights are DTensors of
+  the whole [num_experts, ...] tensor on the 2-D ("efsdp", "ep") mesh, gathered over both dimensions, one
+  after the other (`full_tensor_by_dim`): every rank receives all experts, the same names and shapes as at E = 1.
 - Runs under `torch.no_grad`; yielded tensors are detached and must not be mutated by the consumer
   (a plain tensor may be the model's own storage).
 """
@@ -34,6 +37,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from .moe.expert_parallel import full_tensor_by_dim
 
 __all__ = ["WRAPPER_PREFIXES", "hf_name", "iter_full_state_dict"]
 
@@ -72,7 +77,7 @@ def _full(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         local = local.to(mesh.device_type)
         value = DTensor.from_local(local, mesh, value.placements, run_check=False,
                                    shape=value.shape, stride=value.stride())
-    return value.full_tensor()
+    return full_tensor_by_dim(value)
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ from ..config.checks import (
 from ..config.presets import Cluster
 from ..errors import FlashdapoError
 from ..kernels.gpus import GPUS, gpu_named
+from ..models.moe.expert_parallel import expert_modules
 from .checks import launch_checks
 from .fit import memory_plan
 from .model import build_meta_model, model_shape
@@ -104,9 +105,10 @@ def plan_main(argv: list[str]) -> int:
     try:
         gpu = gpu_named(args.gpu)
         source = model_source(cfg, args.model_config or None, args.model_shape or None)
-        shape = model_shape(_meta_model(source, cfg), _name(cfg, source))
+        model = _meta_model(source, cfg)
+        shape = model_shape(model, _name(cfg, source))
         world = nodes * per_node
-        checks = launch_checks(cfg, world, source, shape)
+        checks = launch_checks(cfg, world, source, shape, expert_modules(model))
         checks.notes += _default_cluster_note(args, name, nodes, per_node)
         plan = memory_plan(cfg, world, shape, gpu)
         flipped = dataclasses.replace(cfg, trainer=dataclasses.replace(
@@ -117,7 +119,7 @@ def plan_main(argv: list[str]) -> int:
         return 1
     work = Workload(mean_response=args.mean_response_tokens or max(1, cfg.rollout.max_response_length // 5),
                     mean_prompt=args.mean_prompt_tokens or max(1, cfg.data.max_prompt_length // 8), mfu=args.mfu)
-    time = step_time(shape, cfg, world, gpu, plan.engine, plan.setup.lm_head, work)
+    time = step_time(shape, cfg, world, gpu, plan.engine, plan.setup.lm_head, work, per_node)
     start = f"preset '{name}'" + (f" + {_config_file(argv)}" if _config_file(argv) else "")
     inputs = PlanInputs(cfg=cfg, start=start, nodes=nodes, gpus_per_node=per_node, origin=source.origin,
                         alternative=alternative)

@@ -59,8 +59,9 @@ def engine_memory(shape: ModelShape, cfg: Config, gpu_bytes: int) -> EngineMemor
     weights = BF16 * shape.parameters // tp
     tokens = rc.max_num_batched_tokens
     # vLLM's profiling forward at max_num_batched_tokens: the widest per-token tensors of a block (the
-    # MLP's gate and up, the residual stream and qkv) plus the sampler's fp32 logits of 256 rows.
-    activations = tokens * BF16 * (2 * shape.intermediate // tp + 4 * shape.hidden) + 256 * shape.vocab * 4 * 2
+    # MLP's gate and up, an MoE layer's over its top-k experts, the residual stream and qkv) plus the
+    # sampler's fp32 logits of 256 rows.
+    activations = tokens * BF16 * (2 * shape.mlp_width // tp + 4 * shape.hidden) + 256 * shape.vocab * 4 * 2
     runtime = int(RUNTIME_GIB * 2**30)
     if rc.kv_cache_gib > 0:
         kv = int(rc.kv_cache_gib * 2**30)

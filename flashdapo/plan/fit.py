@@ -73,7 +73,8 @@ def train_setup(cfg: Config, world: int, shape: ModelShape, gpu: GPU, tokens: in
                       reshard_after_forward=cfg.trainer.reshard_after_forward,
                       sequence_parallel=cfg.trainer.sequence_parallel,
                       flash_attention=cfg.model.attn_implementation == "flash_attention_2",
-                      lm_head=lm_head_design(gpu, tokens, shape.hidden, shape.vocab), device="cuda")
+                      lm_head=lm_head_design(gpu, tokens, shape.hidden, shape.vocab), device="cuda",
+                      expert_parallel=cfg.trainer.expert_parallel)
 
 
 def largest_micro_batch(cfg: Config) -> int:
@@ -96,7 +97,7 @@ def memory_plan(cfg: Config, world: int, shape: ModelShape, gpu: GPU, check: boo
     split placement's rollout ranks on nodes (0: all `world` ranks on one node, the most it can hold)."""
     tokens = largest_micro_batch(cfg)
     setup = train_setup(cfg, world, shape, gpu, tokens)
-    state = state_bytes(shape, world)
+    state = state_bytes(shape, world, expert_parallel=setup.expert_parallel)
     context = int(CONTEXT_GIB * GIB)
     peak = peak_training_bytes(shape, setup, tokens) + context
     engine = engine_memory(shape, cfg, gpu.memory_bytes) if engine_spec(cfg.rollout.engine).own_weights else None

@@ -4,15 +4,20 @@ one micro-batch (modelled), the way flashdapo/trainer/policy.py `parallelize` an
 State (exact). FSDP2 shards every parameter on dim 0 over all ranks (torch.chunk: ceil(d0 / world) rows per
 rank). Master weights are fp32 (MixedPrecisionPolicy computes in model.dtype and reduces gradients in fp32),
 so per local element: 4 bytes of parameter, 4 of gradient, 8 of AdamW moments (exp_avg, exp_avg_sq), plus a
-4-byte `step` scalar per tensor. With trainer.fsdp_cpu_offload all of it lives in host memory.
+4-byte `step` scalar per tensor. With trainer.fsdp_cpu_offload all of it lives in host memory. Under expert
+parallelism (trainer.expert_parallel = E) a routed expert's tensor is split over E ranks by experts, then by
+FSDP2 over the world / E ranks holding the same experts (plan/moe.py): still ~1/world of it per rank.
 
 Transients (modelled), b = bytes of the compute dtype, T = tokens of this rank's largest micro-batch:
 - gathered parameters: the root unit (embeddings, final norm, LM head: never resharded between forward and
   backward) plus two decoder blocks (the one running and the one prefetched; every block with
-  trainer.reshard_after_forward=false);
+  trainer.reshard_after_forward=false), the largest block; under expert parallelism a block's experts unit
+  gathers only its ranks' 1/E of the layer's experts;
 - activations: with checkpointing each block keeps its input [T, H] and one block is recomputed in backward
   (`block_saved`: ~(8 H + 3 K + 4 I) T b, K = key/value width, plus its backward's working gradients
-  (2 H + 2 I) T b); without it every block keeps its saved tensors;
+  (2 H + 2 I) T b; in an MoE layer I is top_k x the expert width plus the shared experts', and the top_k
+  copies of each token sent to its experts and their outputs add 2 top_k H T b); without it every block keeps
+  its saved tensors;
 - LM-head kernel: the design's peak extra memory (flashdapo/kernels/cost.py) at T rows, gradients included;
 - gradient reduction: a block's unsharded gradients and the fp32 reduce-scatter input; at the end of
   backward the root's (embedding gradient included);
@@ -54,9 +59,10 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes(shape: ModelShape, world: int, rank: int = 0) -> StateBytes:
-    """Rank `rank`'s parameter, gradient and AdamW bytes: its shards' local elements (rank 0 holds the most)."""
-    local = sum(t.local_numel(world, rank) for t in shape.tensors)
+def state_bytes(shape: ModelShape, world: int, rank: int = 0, expert_parallel: int = 1) -> StateBytes:
+    """Rank `rank`'s parameter, gradient and AdamW bytes: its shards' local elements (rank 0 holds the most),
+    routed experts split by `expert_parallel` ranks first."""
+    local = sum(t.shard_numel(world, rank, expert_parallel) for t in shape.tensors)
     return StateBytes(params=FP32 * local, grads=FP32 * local, moments=2 * FP32 * local,
                       steps=FP32 * len(shape.tensors))
 
@@ -77,6 +83,8 @@ class TrainSetup:
     """'generic' or 'fused' (the LM-head design the update uses)."""
     device: str
     """'cuda' or 'cpu': the kernels' chunk plans and whether AdamW runs foreach."""
+    expert_parallel: int = 1
+    """trainer.expert_parallel: ranks that split each MoE layer's routed experts."""
 
 
 @dataclass(frozen=True)
@@ -102,32 +110,41 @@ class Transients:
         return max(self.backward, self.end_of_backward, self.optimizer_step)
 
 
-def _full(shape: ModelShape, unit: str, world: int) -> int:
-    """Elements of `unit` gathered on every rank (padded shards x world)."""
-    return sum(t.padded_numel(world) * world for t in shape.unit_tensors(unit))
+def _full(shape: ModelShape, unit: str, world: int, expert_parallel: int = 1) -> int:
+    """Elements of `unit` gathered on every rank (padded shards x the ranks gathering them)."""
+    return sum(t.gathered_numel(world, expert_parallel) for t in shape.unit_tensors(unit))
+
+
+def _largest_block(shape: ModelShape, world: int, expert_parallel: int) -> int:
+    """Elements of the largest decoder block gathered (MoE and dense blocks may differ)."""
+    return max((_full(shape, unit, world, expert_parallel) for unit in shape.layer_units()), default=0)
 
 
 def block_saved(shape: ModelShape, tokens: int, b: int, flash_attention: bool) -> int:
     """Bytes one decoder block saves for its backward at `tokens` tokens: per token, b x (8 H + 3 K + 4 I)
     (the norms' inputs, rotary q/k and their rotations, v, the attention output and o_proj's input, the
-    MLP's gate, up, activation and product), the key/value heads repeated to the query heads where SDPA
-    runs (2 (H - K) more), and each RMSNorm's fp32 normalized copy (2 x 4 H)."""
-    h, k, i = shape.hidden, shape.kv_dim, shape.intermediate
+    MLP's gate, up, activation and product; I = `shape.mlp_width`), the key/value heads repeated to the query
+    heads where SDPA runs (2 (H - K) more), and each RMSNorm's fp32 normalized copy (2 x 4 H). An MoE layer
+    adds each token's top_k copies sent to its experts and their outputs (2 top_k H) and the router's fp32
+    logits and probabilities."""
+    h, k, i = shape.hidden, shape.kv_dim, shape.mlp_width
     repeated = 0 if flash_attention else 2 * (h - k)
     stats = FP32 * (2 * h + shape.heads + 2)  # the norms' fp32 copies, their rstd, the attention's log-sum-exp
-    return tokens * (b * (8 * h + 3 * k + 4 * i + repeated) + stats)
+    moe = shape.moe
+    routed = b * 2 * moe.top_k * h + FP32 * 2 * moe.num_experts if moe else 0
+    return tokens * (b * (8 * h + 3 * k + 4 * i + repeated) + stats + routed)
 
 
 def transients(shape: ModelShape, setup: TrainSetup, tokens: int) -> Transients:
     """The modelled transients of a micro-batch of `tokens` tokens on one rank."""
     b, w, h = setup.compute_bytes, setup.world, shape.hidden
-    root, block = _full(shape, "root", w), _full(shape, "layers.0", w)
+    root, block = _full(shape, "root", w), _largest_block(shape, w, setup.expert_parallel)
     blocks_gathered = shape.layers if not setup.reshard_after_forward else min(2, shape.layers)
     staged = (FP32 + b) * (root + blocks_gathered * block) // w if setup.offload else 0  # H2D copies of shards
     gathered = b * (root + blocks_gathered * block) + staged
     saved = block_saved(shape, tokens, b, setup.flash_attention)
     ulysses = tokens * b * (2 * h + 4 * shape.kv_dim) if setup.sequence_parallel > 1 else 0
-    working = tokens * b * (2 * h + 2 * shape.intermediate)
+    working = tokens * b * (2 * h + 2 * shape.mlp_width)
     if setup.checkpointing:
         kept = tokens * h * b * (shape.layers + 2)  # every block's input, the final norm's input and output
         recompute = saved + ulysses + working
@@ -138,13 +155,13 @@ def transients(shape: ModelShape, setup: TrainSetup, tokens: int) -> Transients:
     lm_weight_grad = b * shape.vocab * h  # held from the LM head's backward to the root's reduction
     layer_reduce = (b + FP32) * block + lm_weight_grad
     end = b * root + b * root + b * shape.vocab * h + FP32 * root  # params, grads, embedding grad, fp32 RS input
-    local = sum(t.local_numel(w, 0) for t in shape.tensors)
+    shards = [t.shard_numel(w, 0, setup.expert_parallel) for t in shape.tensors]
     if setup.offload:
         step = 0  # AdamW runs on the host
     elif setup.device == "cuda":
-        step = FP32 * local
+        step = FP32 * sum(shards)
     else:
-        step = 4 * FP32 * max(t.local_numel(w, 0) for t in shape.tensors)
+        step = 4 * FP32 * max(shards)
     return Transients(gathered=gathered, kept_activations=kept, recompute=recompute, lm_head=lm_head,
                       layer_reduce=layer_reduce, end_of_backward=end, optimizer_step=step)
 
@@ -171,7 +188,7 @@ def rollout_ranks_per_node(rollout_ranks: int, gpus_per_node: int) -> int:
 
 def peak_training_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> int:
     """Modelled peak of one rank's device memory in a training step: resident state plus the largest phase."""
-    state = state_bytes(shape, setup.world)
+    state = state_bytes(shape, setup.world, expert_parallel=setup.expert_parallel)
     resident = 0 if setup.offload else state.params + state.grads + state.moments
     return resident + transients(shape, setup, tokens).peak
 
@@ -179,7 +196,7 @@ def peak_training_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> in
 def first_step_peak_bytes(shape: ModelShape, setup: TrainSetup, tokens: int, rank: int = 0) -> int:
     """Modelled peak of a fresh optimizer's first step (what the validation measures): the forward and
     backward hold no gradients or AdamW moments yet; the step holds both, then its temporaries."""
-    state = state_bytes(shape, setup.world, rank)
+    state = state_bytes(shape, setup.world, rank, setup.expert_parallel)
     t = transients(shape, setup, tokens)
     if setup.offload:
         return max(t.backward, t.end_of_backward)

@@ -1,5 +1,6 @@
-"""The model built on the meta device (no weights, no memory): every parameter tensor's exact shape and the
-FSDP2 unit it belongs to, and the dimensions the memory and time models read."""
+"""The model built on the meta device (no weights, no memory): every parameter tensor's exact shape, the
+FSDP2 unit it belongs to and whether it is a routed expert's, and the dimensions the memory and time models
+read (for a mixture-of-experts model also its experts: plan/moe.py)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from .moe import MoeShape, expert_gathered_numel, expert_shard_numel, moe_shape
 from .shapes import ModelSource
 
 
 @dataclass(frozen=True)
 class Tensor:
     """One parameter: its HF name, shape and FSDP2 unit ('layers.<i>', or 'root' for embeddings, final
-    norm and LM head)."""
+    norm and LM head); `expert`: a routed expert's [num_experts, ...] tensor (sharded by expert parallelism)."""
 
     name: str
     shape: tuple[int, ...]
     unit: str
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -41,6 +44,20 @@ class Tensor:
             return 1
         return -(-self.shape[0] // world) * math.prod(self.shape[1:])
 
+    def shard_numel(self, world: int, rank: int, expert_parallel: int = 1) -> int:
+        """Elements of rank `rank`'s shard as the trainer lays it out: an expert tensor under expert
+        parallelism E > 1 as plan/moe.py says, every other tensor (and all of them at E = 1) by FSDP2 alone."""
+        if self.expert and expert_parallel > 1:
+            return expert_shard_numel(self.shape, world, rank, expert_parallel)
+        return self.local_numel(world, rank)
+
+    def gathered_numel(self, world: int, expert_parallel: int = 1) -> int:
+        """Elements a rank holds of this tensor all-gathered (padded shards x the ranks gathering them): the
+        whole tensor, or an expert tensor's 1/E under expert parallelism E > 1."""
+        if self.expert and expert_parallel > 1:
+            return expert_gathered_numel(self.shape, world, expert_parallel)
+        return self.padded_numel(world) * world
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -58,10 +75,39 @@ class ModelShape:
     tied: bool
     max_positions: int | None
     model_type: str
+    moe: MoeShape | None = None
+    """The routed experts of a mixture-of-experts model; None: dense."""
 
     @property
     def parameters(self) -> int:
+        """Every parameter (what memory holds)."""
         return sum(t.numel for t in self.tensors)
+
+    @property
+    def expert_parameters(self) -> int:
+        """The routed experts' parameters (0 for a dense model)."""
+        return sum(t.numel for t in self.tensors if t.expert)
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token runs through: all but the routed experts, plus top_k / num_experts of those
+        (attention, router, shared experts, embeddings and LM head count whole). Equal to `parameters` for a
+        dense model."""
+        if self.moe is None:
+            return self.parameters
+        routed = self.expert_parameters * self.moe.top_k // self.moe.num_experts
+        return self.parameters - self.expert_parameters + routed
+
+    @property
+    def mlp_width(self) -> int:
+        """The widest MLP activation per token of a block: the dense intermediate, or an MoE layer's top-k
+        experts plus its shared experts."""
+        dense = self.intermediate if self.moe is None or self.moe.moe_layers < self.layers else 0
+        return max(dense, self.moe.routed_width if self.moe else 0)
+
+    def layer_units(self) -> list[str]:
+        """The decoder blocks' FSDP2 unit names."""
+        return sorted({t.unit for t in self.tensors if t.unit != "root"}, key=lambda u: int(u.split(".")[1]))
 
     def unit_tensors(self, unit: str) -> list[Tensor]:
         return [t for t in self.tensors if t.unit == unit]
@@ -97,17 +143,21 @@ def build_meta_model(source: ModelSource, cfg: Config) -> torch.nn.Module:
 
 def model_shape(model: torch.nn.Module, name: str) -> ModelShape:
     """Tensors (tied weights once, as named_parameters lists them) and dimensions of a meta-built model."""
+    moe, expert_names = moe_shape(model)
     tensors = []
     for pname, param in model.named_parameters():
         match = _LAYER.match(pname)
-        tensors.append(Tensor(pname, tuple(param.shape), f"layers.{match.group(1)}" if match else "root"))
+        tensors.append(Tensor(pname, tuple(param.shape), f"layers.{match.group(1)}" if match else "root",
+                              expert=pname in expert_names))
     c = model.config
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return ModelShape(name=name, tensors=tuple(tensors), hidden=c.hidden_size, intermediate=c.intermediate_size,
+    intermediate = getattr(c, "intermediate_size", None) or (moe.moe_intermediate if moe else 0)
+    return ModelShape(name=name, tensors=tuple(tensors), hidden=c.hidden_size, intermediate=intermediate,
                       layers=c.num_hidden_layers, heads=heads, kv_heads=getattr(c, "num_key_value_heads", heads) or heads,
                       head_dim=head_dim, vocab=c.vocab_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
-                      max_positions=getattr(c, "max_position_embeddings", None), model_type=c.model_type)
+                      max_positions=getattr(c, "max_position_embeddings", None), model_type=c.model_type,
+                      moe=moe)
 
 
-__all__ = ["ModelShape", "Tensor", "build_meta_model", "model_shape"]
+__all__ = ["ModelShape", "MoeShape", "Tensor", "build_meta_model", "model_shape"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config, engine_spec
+from .all_to_all import links_of
 from .checks import CheckReport
 from .fit import GIB, SEARCH_LIMIT, MemoryPlan
 from .memory import rollout_ranks_per_node
@@ -47,17 +48,39 @@ def render(inputs: PlanInputs, shape: ModelShape, checks: CheckReport, plan: Mem
              f"model: {shape.name} from {inputs.origin}: {shape.parameters:,} parameters in {len(shape.tensors)} "
              f"tensors (exact, built on the meta device); {shape.layers} layers, hidden {shape.hidden}, "
              f"{shape.heads} heads / {shape.kv_heads} KV heads, vocabulary {shape.vocab:,}"
-             f"{', tied head' if shape.tied else ''}",
-             f"layout: {slots} data-parallel slot(s) x sequence_parallel {sp}; FSDP2 over all {world} ranks"
-             + (f"; {world // rc.tensor_parallel_size} vLLM engine(s) of tensor_parallel_size {rc.tensor_parallel_size}"
-                if engine_spec(rc.engine).tensor_parallel else f"; {rc.engine} rollout engine"),
-             "checks passed: " + "; ".join(checks.passed)]
+             f"{', tied head' if shape.tied else ''}"]
+    if shape.moe is not None:
+        lines.append(_moe_line(shape))
+    lines += [f"layout: {slots} data-parallel slot(s) x sequence_parallel {sp}; FSDP2 over all {world} ranks"
+              + _expert_layout(shape, tc.expert_parallel, world)
+              + (f"; {world // rc.tensor_parallel_size} vLLM engine(s) of tensor_parallel_size "
+                 f"{rc.tensor_parallel_size}" if engine_spec(rc.engine).tensor_parallel else
+                 f"; {rc.engine} rollout engine"),
+              "checks passed: " + "; ".join(checks.passed)]
     if checks.not_checked:
         lines.append("not checked here: " + "; ".join(checks.not_checked))
     lines += [f"note: {n}" for n in checks.notes]
     lines += _memory(inputs, plan, cfg)
     lines += _time(plan, time, work, cfg)
     return lines
+
+
+def _moe_line(shape: ModelShape) -> str:
+    """The experts: how many, top-k, and the parameters a token runs through (exact counts)."""
+    m = shape.moe
+    shared = f", shared experts of width {m.shared_intermediate}" if m.shared_intermediate else ""
+    return (f"experts: {m.num_experts} routed experts of width {m.moe_intermediate} in {m.moe_layers} of "
+            f"{shape.layers} layers, top {m.top_k}{shared}; {shape.active_parameters:,} active parameters per "
+            f"token of {shape.parameters:,} ({shape.expert_parameters:,} in routed experts; exact: FLOPs use "
+            "the active, memory the total)")
+
+
+def _expert_layout(shape: ModelShape, expert_parallel: int, world: int) -> str:
+    """The layout line's expert-parallel part ('' for a dense model at expert_parallel 1)."""
+    if shape.moe is None or expert_parallel == 1:
+        return "" if shape.moe is None else "; trainer.expert_parallel 1: every rank gathers all of a block's experts"
+    return (f"; expert_parallel {expert_parallel}: {shape.moe.num_experts // expert_parallel} experts of each "
+            f"MoE layer per rank, sharded by FSDP2 over the {world // expert_parallel} ranks holding the same ones")
 
 
 def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
@@ -136,8 +159,16 @@ def _time(plan: MemoryPlan, time: StepTime, work: Workload, cfg: Config) -> list
             ("old log-probs", time.old_logprobs, "skipped: on-policy" if time.old_logprobs == 0 else "forward"),
             (f"update, {tc.ppo_epochs} epoch(s)", time.update,
              f"{8 if cfg.model.gradient_checkpointing else 6} FLOPs per parameter and token, attention"),
-            (f"LM-head kernel, {plan.setup.lm_head}", time.lm_head, f"kernels/cost.py at {gpu.name} rates"),
-            ("total", time.total, "without the weight push, communication and extra dynamic-sampling rounds")]
+            (f"LM-head kernel, {plan.setup.lm_head}", time.lm_head, f"kernels/cost.py at {gpu.name} rates")]
+    if tc.expert_parallel > 1:
+        links = links_of(gpu)
+        rows.append((f"expert all-to-all, expert_parallel {tc.expert_parallel}", time.all_to_all,
+                     f"{time.all_to_all_bytes / 1e9:.1f} GB leave each rank (dispatch + combine; forward, "
+                     f"backward{', recompute' if cfg.model.gradient_checkpointing else ''}"
+                     f"{', old log-probs' if time.old_logprobs else ''}) at {links.nvlink_gbps:g} GB/s NVLink, "
+                     f"{links.network_gbps:g} GB/s off-node"))
+    rows.append(("total", time.total, "without the weight push, FSDP2 and Ulysses communication and extra "
+                 "dynamic-sampling rounds"))
     return ["", f"step time, modelled (assumed: mean response {work.mean_response} tokens, uniform on [0, 2 x mean], "
                 f"longest {rc.max_response_length}; mean prompt {work.mean_prompt}; MFU {work.mfu:.0%} of "
                 f"{gpu.bf16_tflops:g} TFLOP/s)"] + \

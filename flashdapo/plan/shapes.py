@@ -2,9 +2,10 @@
 toy model's config.
 
 Built-in shapes are the Hugging Face config.json values of the Qwen2.5 base models (hub repositories
-Qwen/Qwen2.5-0.5B ... Qwen/Qwen2.5-32B, files config.json): what a preset's `model.path` names
-(checkpoints/Qwen2.5-32B) when the checkpoint is not on the planning machine. Only the fields that shape
-the parameters, the attention and the positions are kept.
+Qwen/Qwen2.5-0.5B ... Qwen/Qwen2.5-32B, files config.json) and of the mixture-of-experts Qwen3-30B-A3B
+(Qwen/Qwen3-30B-A3B): what a preset's `model.path` names (checkpoints/Qwen2.5-32B) when the checkpoint is
+not on the planning machine. Only the fields that shape the parameters, the attention, the experts and the
+positions are kept.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ def _qwen25(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: i
             "rms_norm_eps": 1e-06, "use_sliding_window": False}
 
 
+def _qwen3_moe(hidden: int, intermediate: int, moe_intermediate: int, layers: int, heads: int, kv_heads: int,
+               head_dim: int, experts: int, top_k: int, vocab: int, tied: bool, positions: int) -> dict[str, Any]:
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+            "intermediate_size": intermediate, "moe_intermediate_size": moe_intermediate,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": top_k, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "vocab_size": vocab,
+            "tie_word_embeddings": tied, "max_position_embeddings": positions, "hidden_act": "silu",
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "attention_bias": False, "use_sliding_window": False}
+
+
 BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
     "Qwen2.5-0.5B": _qwen25(896, 4864, 24, 14, 2, 151936, True, 32768),
     "Qwen2.5-1.5B": _qwen25(1536, 8960, 28, 12, 2, 151936, True, 131072),
@@ -33,6 +45,8 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
     "Qwen2.5-7B": _qwen25(3584, 18944, 28, 28, 4, 152064, False, 131072),
     "Qwen2.5-14B": _qwen25(5120, 13824, 48, 40, 8, 152064, False, 131072),
     "Qwen2.5-32B": _qwen25(5120, 27648, 64, 40, 8, 152064, False, 131072),
+    # 30.5B parameters, 3.3B active per token: 128 experts of width 768 in each of 48 layers, top 8.
+    "Qwen3-30B-A3B": _qwen3_moe(2048, 6144, 768, 48, 32, 4, 128, 128, 8, 151936, False, 40960),
 }
 """Built-in config.json values (huggingface.co/Qwen/<name>/blob/main/config.json)."""
 

@@ -8,13 +8,18 @@ Every figure here is modelled, from stated assumptions (`Workload`), never measu
   (rollout.max_response_length) is done. Lengths uniform on [0, 2 x mean] (so E[len^2] = 4/3 mean^2). Prefill
   once per prompt (prefix caching shares it over the n responses) at the stated MFU;
 - old log-probs (when the update needs them, algorithm.on_policy): a forward of every kept token, 2 FLOPs per
-  parameter outside the LM head per token plus causal attention 2 s^2 H per layer and sequence;
+  parameter outside the LM head per token plus causal attention 2 s^2 H per layer and sequence; for a
+  mixture-of-experts model the parameters a token runs through (`ModelShape.active_parameters`: top-k of the
+  routed experts, all the rest), also in prefill;
 - update: 6 FLOPs per parameter per token (8 with gradient checkpointing: the forward again), attention 3x
   its forward (4x), at the stated MFU, per PPO epoch;
 - LM head: flashdapo/kernels/cost.py's time of the design the trainer uses, at this GPU's rates, per
-  micro-batch.
+  micro-batch;
+- expert parallelism's token all-to-all in the trainer's forwards and backwards (plan/all_to_all.py), not
+  overlapped.
 Not modelled: the weight push to the engine, FSDP2 and Ulysses communication (assumed overlapped), CPU
-offload traffic, rewards, and extra generation rounds when dynamic sampling keeps too few groups.
+offload traffic, rewards, and extra generation rounds when dynamic sampling keeps too few groups. Decoding
+reads every weight of the engine's shard per step (an MoE engine's many sequences touch nearly every expert).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from ..algorithm import on_policy
 from ..config import Config
 from ..kernels.gpus import GPU
+from .all_to_all import all_to_all_bytes, all_to_all_seconds, forward_exchanges, links_of
 from .engine import EngineMemory, torch_engine_memory
 from .memory import lm_head_cost
 from .model import ModelShape
@@ -50,10 +56,14 @@ class StepTime:
     old_logprobs: float
     update: float
     lm_head: float
+    all_to_all: float = 0.0
+    """Expert parallelism's token exchange (0: dense, or trainer.expert_parallel 1)."""
+    all_to_all_bytes: float = 0.0
+    """Bytes that leave one rank in it per step."""
 
     @property
     def total(self) -> float:
-        return self.generation + self.old_logprobs + self.update + self.lm_head
+        return self.generation + self.old_logprobs + self.update + self.lm_head + self.all_to_all
 
 
 def _attention_flops(shape: ModelShape, sequences: float, mean_len_sq: float) -> float:
@@ -62,15 +72,17 @@ def _attention_flops(shape: ModelShape, sequences: float, mean_len_sq: float) ->
 
 
 def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: EngineMemory | None, lm_design: str,
-              work: Workload) -> StepTime:
-    """The modelled step time of `cfg` on `world` ranks of `gpu` (`engine` None: the torch engine)."""
+              work: Workload, gpus_per_node: int = 0) -> StepTime:
+    """The modelled step time of `cfg` on `world` ranks of `gpu` (`engine` None: the torch engine),
+    `gpus_per_node` to a node (0: one node)."""
     engine = engine or torch_engine_memory(shape, cfg)
     tc, rc = cfg.trainer, cfg.rollout
     p, mu, longest = work.mean_prompt, work.mean_response, rc.max_response_length
     len_sq = min(4 / 3 * mu**2, longest**2)
     flops = gpu.bf16_tflops * 1e12 * work.mfu
-    # The embedding is a lookup and the LM head is the kernel's: neither is a dense FLOP per parameter.
-    dense = shape.parameters - shape.lm_head_parameters * (1 if shape.tied else 2)
+    # The embedding is a lookup and the LM head is the kernel's: neither is a dense FLOP per parameter. A
+    # token runs through its top-k routed experts only (active parameters).
+    dense = shape.active_parameters - shape.lm_head_parameters * (1 if shape.tied else 2)
 
     engines = world // rc.tensor_parallel_size
     responses = tc.gen_batch * rc.n / engines
@@ -79,7 +91,7 @@ def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: Engi
     steps = max(longest, math.ceil(responses * mu / concurrent))
     kv_read = responses * (p * mu + len_sq / 2) * engine.kv_per_token
     decode = (steps * engine.weights + kv_read) / (gpu.hbm_tbps * 1e12)
-    prefill = 2 * shape.parameters / rc.tensor_parallel_size * (tc.gen_batch / engines) * p / flops
+    prefill = 2 * shape.active_parameters / rc.tensor_parallel_size * (tc.gen_batch / engines) * p / flops
     generation = decode + prefill
 
     sequences = tc.train_batch * rc.n / world  # kept responses per rank (sp shares a slot's rows 1/sp each)
@@ -99,8 +111,11 @@ def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: Engi
     lm_forward = (2 * rows * shape.hidden * shape.vocab / (rates.gemm_tflops * 1e12)
                   + 4 * rows * shape.vocab / (rates.hbm_tbps * 1e12))
     lm_head = micro * (tc.ppo_epochs * per_micro_ms / 1e3 + (lm_forward if old else 0.0))
+    forwards = forward_exchanges(ckpt, tc.ppo_epochs, old > 0)
+    sent = all_to_all_bytes(shape, tokens, tc.expert_parallel, 4 if cfg.model.dtype == "float32" else 2, forwards)
+    exchange = all_to_all_seconds(sent, tc.expert_parallel, gpus_per_node, links_of(gpu))
     return StepTime(generation=generation, decode_steps=steps, concurrent=concurrent, old_logprobs=old,
-                    update=update, lm_head=lm_head)
+                    update=update, lm_head=lm_head, all_to_all=exchange, all_to_all_bytes=sent)
 
 
 __all__ = ["StepTime", "Workload", "step_time"]

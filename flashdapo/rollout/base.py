@@ -70,6 +70,10 @@ class Rollouts:
     """[B] bool: generation hit max_new_tokens without an EOS (vLLM finish reason "length")."""
     logprobs: list[torch.Tensor] | None = None
     """Per-token log-probs of the sampled tokens under the sampler's distribution (fp32), if known."""
+    routes: list[torch.Tensor] | None = None
+    """Mixture-of-experts routing replay (algorithm.routing_replay=r3): per response, the experts the engine
+    routed each fed position to, [prompt + response - 1, sparse layers, top_k] small ints (models/moe/replay.py);
+    None when not recorded."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -112,6 +116,9 @@ class Completion:
     """Ended by EOS or by its max_new_tokens; False: aborted while in flight or waiting."""
     truncated: bool = False
     """Finished by max_new_tokens without an EOS."""
+    routes: torch.Tensor | None = None
+    """Routing replay: the experts the engine routed each position of prompt + prefix + tokens to, but the last
+    token (never fed), [positions, sparse layers, top_k]; None when not recorded."""
 
 
 class StreamingEngine(Protocol):

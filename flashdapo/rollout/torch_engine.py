@@ -34,6 +34,9 @@ The choices, before the code:
 - **Weights.** The engine samples from the module it is given: in training, the FSDP2-sharded policy
   itself, so there is nothing to copy. `wake` gathers every FSDP2 unit once for the whole generation
   (not once per decoded token) and `sleep` reshards them, restoring the training setting.
+- **Routes** (`record_routes`, algorithm.routing_replay=r3, mixture-of-experts models): a forward hook on
+  every router keeps the top-k experts of the last forward; the stream lays them out per cache slot and hands
+  each response the routes of every position it fed (models/moe/replay.py).
 - Generation runs under `torch.no_grad` (not `inference_mode`: FSDP2 may keep unsharded parameter
   buffers across calls, and inference tensors cannot be used by the autograd pass that follows), with
   the model in eval mode; its training mode is restored afterwards.
@@ -50,6 +53,8 @@ from transformers import StaticCache
 
 from ..distributed.collectives import all_reduce, world_size
 from ..models.hf import cache_argument
+from ..models.moe import router_logits_kwargs, routers
+from ..models.moe.replay import engine_routes
 from ..seeds import derive_seed
 from .base import Completion, Request, Rollouts, SamplingParams, WeightSource
 from .torch_stream import TorchStream
@@ -207,6 +212,7 @@ class TorchEngine:
         process_group: dist.ProcessGroup | None = None,
         max_batch: int | None = None,
         reshard_after_forward: bool = True,
+        record_routes: bool = False,
     ) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one token")
@@ -223,8 +229,20 @@ class TorchEngine:
         self._rank = dist.get_rank(process_group) if self._distributed else 0
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
         self._cache_arg = cache_argument(model)
+        # MoE: no router logits and no load-balancing loss in sampling, whatever config.json's
+        # output_router_logits says (over a KV cache that loss cannot even be computed: models/moe/router.py).
+        self._router_kwargs = router_logits_kwargs(getattr(model, "config", None))
         self._stream: TorchStream | None = None
         self._was_training = model.training
+        self._routers = routers(getattr(model, "hf", model)) if record_routes else []
+        if record_routes and not self._routers:
+            raise ValueError("TorchEngine(record_routes=True) needs a mixture-of-experts model (no router found)")
+        self._captured: list[torch.Tensor] | None = None
+        """The routers' top-k indices during an engine forward (None outside: the trainer's forwards run the
+        same modules)."""
+        self._last_forward: list[torch.Tensor] = []
+        for router in self._routers:  # the top-k indices are the router's third output (models/moe/replay.py)
+            router.register_forward_hook(self._capture)
 
     # ---- the RolloutEngine protocol ------------------------------------------------------------
 
@@ -251,6 +269,7 @@ class TorchEngine:
             group_ids=torch.tensor(owners, dtype=torch.long),
             truncated=torch.tensor([done[k].truncated for k in range(len(owners))], dtype=torch.bool),
             logprobs=[done[k].logprobs for k in range(len(owners))],
+            routes=[done[k].routes for k in range(len(owners))] if self._routers else None,
         )
 
     # ---- the StreamingEngine protocol ----------------------------------------------------------
@@ -262,7 +281,8 @@ class TorchEngine:
         self._was_training = self.model.training
         self.model.eval()
         self._stream = TorchStream(self._forward, self.sample, self.model.config, sampling, generator, self._eos,
-                                   self.pad_token_id, self.device, left_pad, max_batch or self.max_batch, policy)
+                                   self.pad_token_id, self.device, left_pad, max_batch or self.max_batch, policy,
+                                   routes=self._last_routes if self._routers else None)
 
     def submit(self, requests: list[Request]) -> None:
         """Queue requests on the open stream."""
@@ -321,7 +341,16 @@ class TorchEngine:
 
     # ---- internals ---------------------------------------------------------------------------------
 
+    def _last_routes(self, batch: int, width: int) -> torch.Tensor:
+        """The last forward's routes, [batch, width, sparse layers, top_k] (record_routes)."""
+        return engine_routes(self._last_forward, batch, width, int(self._routers[0].num_experts))
+
+    def _capture(self, _module, _inputs, output) -> None:
+        if self._captured is not None:
+            self._captured.append(output[2].detach())
+
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        self._captured = [] if self._routers else None
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -329,7 +358,9 @@ class TorchEngine:
             use_cache=True,
             logits_to_keep=1,  # only the last position is projected onto the vocabulary
             **{self._cache_arg: cache},
+            **self._router_kwargs,
         )
+        self._last_forward, self._captured = self._captured or [], None
         return out.logits[:, -1].float()
 
     def _agree_max(self, value: int) -> int:

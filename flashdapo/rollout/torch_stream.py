@@ -29,6 +29,9 @@ The choices, before the code:
   what a step returns is a function of the submissions, their order and the seed, never of the clock.
 - **Carried prefixes** (`Request.prefix`) are prefilled after the prompt and never re-sampled; a request's
   `max_new_tokens` counts only what it may still sample.
+- **Routes** (given `routes`, the engine's last forward's experts): kept per cache slot of the pack; a
+  completion carries those of every position its row fed (prompt, prefix and tokens but the last), the
+  rebuild's re-prefill overwriting earlier ones (models/moe/replay.py).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from .base import Completion, Request, SamplingParams
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StaticCache], torch.Tensor]
 """(input_ids, attention_mask, position_ids, cache) -> next-token logits [B, V] fp32."""
+Routes = Callable[[int, int], torch.Tensor]
+"""(batch, width) -> the last forward's routes [batch, width, sparse layers, top_k]."""
 Sampler = Callable[[torch.Tensor, float, float, int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
 REFILL_FINISHED_FRACTION = 0.5
 """Policy `fill`: queued requests join once this fraction of the pack's rows finished (module docstring)."""
@@ -90,6 +95,8 @@ class _Pack:
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         self.returned = [False] * batch
         self.t = 0
+        self.routes: torch.Tensor | None = None
+        """[batch, slots, sparse layers, top_k]: the experts each slot was routed to (routing replay)."""
 
     @property
     def live(self) -> int:
@@ -106,6 +113,22 @@ class _Pack:
         t = self.t
         return forward(self.tokens[:, t - 1][:, None], self.mask[:, :self.width + t],
                        (self.next_position + (t - 1))[:, None], self.cache)
+
+    def record(self, routes: torch.Tensor) -> None:
+        """Keep the routes of the forward just run (`forward`: the prefill's slots, or one decode slot)."""
+        if self.routes is None:
+            self.routes = routes.new_zeros((routes.shape[0], self.mask.shape[1], *routes.shape[2:]))
+        if self.t == 0:
+            self.routes[:, :self.width] = routes
+        else:
+            self.routes[:, self.width + self.t - 1] = routes[:, 0]
+
+    def fed_routes(self, row: int) -> torch.Tensor | None:
+        """Row `row`'s routes at every position it fed so far (its context and its tokens but the last)."""
+        if self.routes is None:
+            return None
+        pad = self.width - len(self.rows[row].context)
+        return self.routes[row, pad:self.width + self.t - 1].cpu()
 
     def advance(self, new: torch.Tensor, new_logp: torch.Tensor, eos: torch.Tensor, pad_id: int) -> list[int]:
         """Write the sampled tokens; the rows that finished (EOS or their budget) at this step."""
@@ -129,12 +152,13 @@ class TorchStream:
 
     def __init__(self, forward: Forward, sample: Sampler, config, sampling: SamplingParams, generator: torch.Generator,
                  eos: torch.Tensor, pad_id: int, device: torch.device, left_pad: Callable,
-                 max_batch: int | None, policy: str = "fill") -> None:
+                 max_batch: int | None, policy: str = "fill", routes: Routes | None = None) -> None:
         if policy not in ("fill", "drain"):
             raise ValueError(f"policy must be 'fill' or 'drain', got {policy!r}")
         self.forward, self.sample, self.config, self.sampling = forward, sample, config, sampling
         self.generator, self.eos, self.pad_id, self.device = generator, eos, pad_id, device
         self.left_pad, self.max_batch, self.policy = left_pad, max_batch, policy
+        self.routes = routes
         self.waiting: deque[Request] = deque()
         self.pack: _Pack | None = None
 
@@ -156,6 +180,8 @@ class TorchStream:
             self._dummy_forward()
             return []
         logits = pack.forward(self.forward)
+        if self.routes is not None:
+            pack.record(self.routes(*((len(pack.rows), pack.width) if pack.t == 0 else (len(pack.rows), 1))))
         s = self.sampling
         new, new_logp = self.sample(logits, s.temperature, s.top_p, s.top_k, self.generator)
         finished = []
@@ -164,7 +190,7 @@ class TorchStream:
             eos_end = bool(torch.isin(tokens[-1:], self.eos.cpu()).any())
             pack.returned[row] = True
             finished.append(Completion(pack.rows[row].request.key, tokens, logps, finished=True,
-                                       truncated=not eos_end))
+                                       truncated=not eos_end, routes=pack.fed_routes(row)))
         return finished
 
     def abort(self) -> list[Completion]:
@@ -174,7 +200,8 @@ class TorchStream:
             for row, running in enumerate(self.pack.rows):
                 if not self.pack.returned[row]:
                     tokens, logps = self.pack.sampled(row)
-                    out.append(Completion(running.request.key, tokens, logps, finished=False))
+                    out.append(Completion(running.request.key, tokens, logps, finished=False,
+                                          routes=self.pack.fed_routes(row)))
         empty_t, empty_lp = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float32)
         out += [Completion(r.key, empty_t, empty_lp, finished=False) for r in self.waiting]
         self.waiting.clear()

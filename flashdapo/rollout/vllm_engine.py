@@ -35,6 +35,15 @@ The choices, before the code:
   tokenizer's eos, generation_config.json's eos_token_id, the chat template's end-of-turn token) as
   `stop_token_ids`, so vLLM stops where the torch engine does. Finish reason "length" (max_tokens or max_model_len)
   means truncated; "stop" (EOS or a stop id, kept in token_ids) is not; anything else ("abort", "error") raises.
+- **Routes** (`record_routes`, algorithm.routing_replay=r3): on a GPU the engine asks vLLM for the experts it
+  routed each position to (`enable_return_routed_experts`; `CompletionOutput.routed_experts`, prompt
+  included), which its Model Runner V2 returns (not yet run on a GPU). The CPU build has no Model Runner V2
+  (it needs Triton; `config/vllm.py` `_verify_aux_output_compatibility`), so there the engine records them
+  itself: a forward hook on each of vLLM's routers (`vllm_outputs.RouteCapture`; eager execution, so hooks
+  run), and after each `generate` one prefill of every response's fed positions (prompt + response but its
+  last token) through vLLM's own model and weights (`prompt_logprobs`, which skip the prefix cache,
+  max_tokens 1): the routes vLLM's routers choose for the finished sequence, at the cost of one prefill.
+  Wherever vLLM's records come back, that prefill is skipped. Not in streams.
 - **TP groups.** Each rank holds its own prompts. Inside a TP group the prompt lists are all-gathered
   (gloo subgroup, rank order), every rank submits the identical concatenation with identical seeds, and
   keeps the slice that answers its own prompts.
@@ -83,6 +92,7 @@ What the engine changes in the trainer's process, and what it restores, is in `v
 from __future__ import annotations
 
 import importlib
+import json
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -95,7 +105,7 @@ from ..config import RolloutConfig
 from ..seeds import derive_seed
 from .base import Completion, Request, Rollouts, SamplingParams, WeightSource
 from .vllm_bounds import bound_engine, reported
-from .vllm_outputs import sampled_logprobs, to_rollouts, vllm_sampling_params
+from .vllm_outputs import RouteCapture, sampled_logprobs, to_rollouts, vllm_sampling_params
 from .vllm_platform import (
     VLLM_VERSION_READ,
     VLLM_VERSIONS_READ,
@@ -215,7 +225,7 @@ class VLLMEngine:
                  seed: int = 0, dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
                  vllm_module: Any = None, verify_push: Callable[[VLLMEngine], None] | None = None,
                  error_log: Path | None = None, tokenizer_size: int | None = None,
-                 stop_token_ids: list[int] | None = None, **llm_kwargs: Any) -> None:
+                 stop_token_ids: list[int] | None = None, record_routes: bool = False, **llm_kwargs: Any) -> None:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
         the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
@@ -223,7 +233,8 @@ class VLLMEngine:
         ends in one line, vllm_bounds.py); `tokenizer_size` (default: the length of vLLM's tokenizer of the
         checkpoint) bounds the ids sampled; `stop_token_ids` (tokenizer.eos_token_ids; build_engine passes them)
         end a response besides vLLM's own eos, as `SamplingParams.stop_token_ids` of every request; `llm_kwargs`
-        go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32 head override)."""
+        go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32 head override); `record_routes`: every
+        generate also returns the experts each position was routed to (routing replay, module docstring)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
@@ -242,6 +253,8 @@ class VLLMEngine:
                       seed=derive_seed(seed, self.dp_group) % 2**31,  # same in a TP group; < 2**31 for NumPy
                       hf_overrides={"head_dtype": "float32", **llm_kwargs.pop("hf_overrides", {})})
         kwargs.update(self._version_kwargs(engine_arg_names(self._vllm)))
+        if record_routes and not platform.is_cpu():  # vLLM's own records (Model Runner V2; module docstring)
+            kwargs["enable_return_routed_experts"] = True
         if platform.is_cpu():
             check_head_dim(model_path, self._vllm)
         notes = bound_engine(kwargs, config, model_path, dtype, max_model_len, platform.is_cpu(),
@@ -272,9 +285,32 @@ class VLLMEngine:
         self._noted_no_sleep = False
         self._stream: VLLMStream | None = None
         self.last_weight_sync_s = 0.0
+        self.record_routes = record_routes
+        # The CPU build records through hooks on vLLM's routers; a GPU's (compiled) model is left alone.
+        self.routes = self._route_capture(model_path) if record_routes and platform.is_cpu() else None
         self.started_line = self._started_line(kwargs, "; ".join(n for n in (banned_note, kept.note) if n))
         if rank == 0:
             print(f"flashdapo: {self.started_line}", flush=True)
+
+    def _route_capture(self, model_path: str) -> RouteCapture:
+        """Hooks on vLLM's routers (routing replay); ValueError when the model has none."""
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        capture = RouteCapture(int(config.get("num_experts_per_tok", 0)), int(config.get("num_experts", 0)))
+        if not capture.top_k or not self.llm.apply_model(capture.install)[0]:
+            raise ValueError(f"algorithm.routing_replay=r3: vLLM's model of {model_path} has no mixture-of-experts "
+                             "router (mlp.gate) to record; use off")
+        return capture
+
+    def _reroute(self, everyone: list[list[int]], outputs: list[Any]) -> list[torch.Tensor]:
+        """The routes of every response of `outputs` (answering `everyone`, in order), by one prefill of
+        prompt + response but its last token (module docstring, "Routes")."""
+        sequences = [[*prompt, *list(c.token_ids)[:-1]] for prompt, request in zip(everyone, outputs, strict=True)
+                     for c in sorted(request.outputs, key=lambda c: c.index)]
+        params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        self.routes.start()
+        with reported("recording routes", self.rank, self.error_log), torch_threads(self._vllm_threads):
+            self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        return self.routes.routes([len(s) for s in sequences])
 
     @staticmethod
     def _version_kwargs(fields: frozenset[str] | None) -> dict[str, Any]:
@@ -411,7 +447,15 @@ class VLLMEngine:
         self._cache_used = True
         with reported("generating", self.rank, self.error_log), torch_threads(self._vllm_threads):
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], params, use_tqdm=False)
-        return to_rollouts(outputs[start: start + len(mine)], mine, sampling.n)
+        rollouts = to_rollouts(outputs[start: start + len(mine)], mine, sampling.n)
+        if self.record_routes and rollouts.routes is None:
+            if self.routes is None:
+                raise RuntimeError("algorithm.routing_replay=r3: vLLM returned no routed experts "
+                                   "(CompletionOutput.routed_experts; enable_return_routed_experts needs its Model "
+                                   "Runner V2)")
+            first = sum(len(r.outputs) for r in outputs[:start])
+            rollouts.routes = self._reroute(everyone, outputs)[first:first + len(rollouts)]
+        return rollouts
 
     def score(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """fp32 log-prob of each token after the first of every sequence, from vLLM's raw logits (temperature

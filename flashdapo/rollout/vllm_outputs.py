@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..models.moe.replay import route_dtype
 from .base import Rollouts, SamplingParams
 
 
@@ -60,7 +61,7 @@ def to_rollouts(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int
     """`Rollouts` from vLLM `RequestOutput`s (one per prompt, in order; `n` completions each)."""
     if len(outputs) != len(prompts):
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-    prompt_ids, response_ids, group_ids, truncated, logprobs = [], [], [], [], []
+    prompt_ids, response_ids, group_ids, truncated, logprobs, routes = [], [], [], [], [], []
     for group, (request, prompt) in enumerate(zip(outputs, prompts, strict=True)):
         completions = sorted(request.outputs, key=lambda c: c.index)
         if len(completions) != n:
@@ -74,6 +75,50 @@ def to_rollouts(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int
             group_ids.append(group)
             truncated.append(completion.finish_reason == "length")
             logprobs.append(sampled_logprobs(completion.token_ids, completion.logprobs))
+            recorded = getattr(completion, "routed_experts", None)  # enable_return_routed_experts (Model Runner V2)
+            routes.append(None if recorded is None else torch.from_numpy(recorded.astype("int64")))
     return Rollouts(prompt_ids=prompt_ids, response_ids=response_ids,
                     group_ids=torch.tensor(group_ids, dtype=torch.long),
-                    truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)
+                    truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs,
+                    routes=routes if all(r is not None for r in routes) and routes else None)
+
+
+class RouteCapture:
+    """The experts vLLM's routers pick, captured in this process (external_launcher runs the worker here) by a
+    forward hook on every sparse block's router (`...mlp.gate`, vLLM's GateLinear: router logits first) while
+    `capturing`: routing replay's record where vLLM does not return `CompletionOutput.routed_experts` (its
+    AuxOutput needs Model Runner V2, which needs Triton, absent from the CPU build)."""
+
+    def __init__(self, top_k: int, num_experts: int) -> None:
+        self.top_k, self.num_experts = top_k, num_experts
+        self.capturing = False
+        self.layers = 0
+        self.logits: list[list[torch.Tensor]] = []
+        """Per sparse layer, the router logits of each forward while capturing, in order."""
+
+    def install(self, model: Any) -> int:
+        """Hook the routers of vLLM's `model` (called through `LLM.apply_model`); how many were found."""
+        gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+        for layer, gate in enumerate(gates):
+            gate.register_forward_hook(lambda _m, _i, out, layer=layer: self._keep(layer, out))
+        self.layers = len(gates)
+        return len(gates)
+
+    def _keep(self, layer: int, out: Any) -> None:
+        if self.capturing:
+            self.logits[layer].append((out[0] if isinstance(out, tuple) else out).detach().float().cpu())
+
+    def start(self) -> None:
+        self.logits, self.capturing = [[] for _ in range(self.layers)], True
+
+    def routes(self, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Stop capturing; the routes of sequences of `lengths` prefilled in order since `start`, each
+        [length, sparse layers, top_k] (the top-k of the router logits: softmax keeps their order)."""
+        self.capturing = False
+        per_layer = [torch.cat(parts) if parts else torch.zeros(0, self.num_experts) for parts in self.logits]
+        rows = {len(t) for t in per_layer}
+        if rows != {sum(lengths)}:
+            raise RuntimeError(f"routing replay: vLLM's routers saw {sorted(rows)} positions for {len(lengths)} "
+                               f"sequences of {sum(lengths)} positions")
+        top = torch.stack([t.topk(self.top_k, dim=-1).indices for t in per_layer], dim=1)
+        return list(torch.split(top.to(route_dtype(self.num_experts)), list(lengths)))

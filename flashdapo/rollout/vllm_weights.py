@@ -28,16 +28,37 @@ The choices, before the code:
 - **Completeness.** Every vLLM parameter must be the target of a streamed tensor, and every stacked one
   must get all its shards; else RuntimeError (a parameter left out would keep its dummy or older values).
   The names are read before the reload (during it, layers are on the meta device).
+- **Mixture-of-experts.** transformers 5 holds a MoE layer's routed experts fused (`...mlp.experts.gate_up_proj`
+  [E, 2I, H], `...mlp.experts.down_proj` [E, H, I]); vLLM's MoE families load per-expert checkpoint names
+  (`...mlp.experts.<e>.{gate,up,down}_proj.weight`, mapped by `RoutedExperts.build_expert_params_mapping` into
+  `...mlp.experts[.routed_experts].w13_weight` shards w1/w3 and `w2_weight`), and only some also take the
+  fused ones (Qwen3-MoE does, DeepSeek-V3 does not). So for those families (`expert_layout.SPLIT_FAMILIES`)
+  the stream is split into per-expert tensors first (`models/moe/expert_layout.py`: views, no copy), and
+  completeness asks every expert's w1, w3 and w2 of every layer (a fused tensor left fused counts for all;
+  the global expert count: with expert parallelism each rank still reads every expert and keeps its own).
+- **MoE on vLLM's CPU build.** Its MoE kernel pads `moe_intermediate_size` up to its alignment at start-up
+  (32 for the portable kernel, `fused_moe/experts/cpu_moe.py`), and the in-place reload then fails to copy
+  the unpadded reloaded weights into that storage (a size mismatch), so there `moe_intermediate_size` must be
+  a multiple of 32 (real models' are). And as with the tied head, the reload skips a step of its MoE
+  processing: at start-up `CPUUnquantizedExperts.process_weights_after_loading` prepacks w13 and
+  w2 into its grouped-GEMM layout, but on a weight update `UnquantizedFusedMoEMethod._setup_kernel` only
+  copies the reloaded weights into that storage, unpacked, and the experts then compute garbage (measured:
+  a 2-layer model's MoE outputs off by more than their own size, 0.02 |delta logp|, where loading the same
+  weights from disk agrees to 4e-7). So after the stream each such layer's weights are prepacked again, in
+  place (`_repack_cpu_experts`; nothing on CUDA, whose unquantized kernels use the plain layout).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["STACKED", "push_weights", "vllm_target"]
+from ..models.moe.expert_layout import fused_expert_name, per_expert_name, split_experts, splits_experts
+
+__all__ = ["STACKED", "expert_target", "push_weights", "vllm_target"]
 
 STACKED: tuple[tuple[str, str, str | int], ...] = (
     (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
@@ -56,30 +77,78 @@ def vllm_target(name: str) -> tuple[str, str | int | None]:
     return name, shard
 
 
+_EXPERT_PARAMETER = re.compile(r"^(?P<experts>.*?\.mlp\.experts)\.(?:[\w.]*\.)?(?P<kind>w13|w2)_weight$")
+"""vLLM's fused-MoE weights (`model.layers.0.mlp.experts.routed_experts.w13_weight`, `...experts.w2_weight`
+before vLLM 0.32): the HF experts module they load, and which of the two they are."""
+
+
+def expert_target(name: str) -> tuple[tuple[str, str], tuple[int, str]] | None:
+    """((HF experts module, 'w13' | 'w2'), (expert, shard 'w1' | 'w3' | 'w2')) a per-expert HF tensor loads
+    into, None for any other name."""
+    parsed = per_expert_name(name)
+    if parsed is None:
+        return None
+    experts, index, proj = parsed
+    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
+    return (experts, "w2" if shard == "w2" else "w13"), (index, shard)
+
+
 class _Tracked:
-    """The stream, recording which vLLM parameters (and stacked shards) it reached."""
+    """The stream, recording which vLLM parameters (and stacked shards, and experts) it reached."""
 
     def __init__(self, stream: Iterable[tuple[str, torch.Tensor]]):
         self.stream, self.targets, self.shards = stream, set(), {}
+        self.experts: dict[tuple[str, str], set[tuple[int, str]]] = {}
+        self.fused: set[tuple[str, str]] = set()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.stream:
-            target, shard = vllm_target(name)
-            self.targets.add(target)
-            if shard is not None:
-                self.shards.setdefault(target, set()).add(shard)
+            expert, fused = expert_target(name), fused_expert_name(name)
+            if expert is not None:
+                self.experts.setdefault(expert[0], set()).add(expert[1])
+            elif fused is not None:  # every expert at once
+                self.fused.add((fused[0], "w2" if fused[1] == "down_proj" else "w13"))
+            else:
+                target, shard = vllm_target(name)
+                self.targets.add(target)
+                if shard is not None:
+                    self.shards.setdefault(target, set()).add(shard)
             yield name, tensor
             del tensor
 
-    def gaps(self, expected: list[str]) -> tuple[list[str], list[str]]:
-        """(vLLM parameters no tensor reached, stacked parameters short of shards)."""
-        missing = [name for name in expected if name not in self.targets]
-        partial = [t for t, got in self.shards.items() if any(k in t and got != need for k, need in _SHARDS.items())]
+    def gaps(self, expected: list[str], num_experts: int | None = None) -> tuple[list[str], list[str]]:
+        """(vLLM parameters no tensor reached, stacked parameters short of shards: an expert parameter short
+        of any of the `num_experts` experts' shards, too)."""
+        missing, partial = [], []
+        for name in expected:
+            match = _EXPERT_PARAMETER.match(name)
+            if match is None:
+                if name not in self.targets:
+                    missing.append(name)
+                continue
+            if (match["experts"], match["kind"]) in self.fused:
+                continue
+            got = self.experts.get((match["experts"], match["kind"]))
+            if not got:
+                missing.append(name)
+                continue
+            count = num_experts or 1 + max(index for index, _ in got)
+            shards = ("w1", "w3") if match["kind"] == "w13" else ("w2",)
+            if got != {(e, s) for e in range(count) for s in shards}:
+                partial.append(name)
+        partial += [t for t, got in self.shards.items() if any(k in t and got != need for k, need in _SHARDS.items())]
         return missing, partial
 
 
 def _parameter_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()]
+
+
+def _model_facts(model: torch.nn.Module) -> tuple[list[str], int | None, str | None]:
+    """(parameter names, routed experts per layer, config.json model type) of vLLM's model: the expert count is
+    all ranks' together (vLLM's MixtureOfExperts interface), None for a dense model."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return _parameter_names(model), getattr(model, "num_logical_experts", None), model_type
 
 
 def _reprocess_tied_head(model: torch.nn.Module) -> bool:
@@ -92,14 +161,41 @@ def _reprocess_tied_head(model: torch.nn.Module) -> bool:
     return True
 
 
+def _repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Prepack again, in place, the MoE weights vLLM's CPU experts kernel holds prepacked (see the module
+    docstring); how many MoE layers it repacked (0 without vLLM's CPU MoE kernel)."""
+    layers = [(module, module.quant_method.moe_kernel.fused_experts) for module in model.modules()
+              if getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)]
+    if not layers:
+        return 0
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # another build, or a vLLM without the CPU MoE kernel: nothing is prepacked
+        return 0
+    repacked = 0
+    for module, experts in layers:
+        if type(experts) is not CPUUnquantizedExperts or getattr(experts, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(module, name)
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+        repacked += 1
+    return repacked
+
+
 def push_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load full HF-named tensors into the running engine through vLLM's layerwise reload; raise if the
     stream left a parameter (or a shard of a stacked one) unloaded."""
-    expected = llm.apply_model(_parameter_names)[0]
+    expected, num_experts, model_type = llm.apply_model(_model_facts)[0]
+    if splits_experts(model_type):  # per-expert names, which these vLLM MoE loaders map
+        named_tensors = split_experts(named_tensors)
     tracked = _Tracked(named_tensors)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tracked), "is_checkpoint_format": True})
     llm.apply_model(_reprocess_tied_head)
-    missing, partial = tracked.gaps(expected)
+    if num_experts:
+        llm.apply_model(_repack_cpu_experts)
+    missing, partial = tracked.gaps(expected, num_experts)
     if missing or partial:
         raise RuntimeError(f"weight push left vLLM parameters unloaded: {missing[:8]} (of {len(missing)}); "
                            f"stacked parameters missing shards: {partial[:8]}")

@@ -48,6 +48,9 @@ class Group:
     advantages: torch.Tensor | None = None
     """[size] advantages computed over the whole group when it was dealt (a piece cannot compute its own);
     None: computed from `scores` by build_train_batch (a whole group)."""
+    routes: list[torch.Tensor] | None = None
+    """Routing replay (algorithm.routing_replay=r3): per response, the experts the engine routed each fed
+    position to, [prompt + response - 1, sparse layers, top_k] (models/moe/replay.py); None: not recorded."""
 
     @property
     def size(self) -> int:
@@ -78,11 +81,13 @@ class Group:
                      acc=self.acc[idx], truncated=self.truncated[idx],
                      sampler_logprobs=None if self.sampler_logprobs is None else [self.sampler_logprobs[i] for i in idx],
                      versions=None if self.versions is None else [self.versions[i] for i in idx],
+                     routes=None if self.routes is None else [self.routes[i] for i in idx],
                      origin=self.origin, members=tuple(self.member_indices[i] for i in idx),
                      advantages=advantages[idx])
 
 
-PLAIN_FIELDS = ("prompt", "responses", "scores", "acc", "truncated", "sampler_logprobs", "origin", "versions")
+PLAIN_FIELDS = ("prompt", "responses", "scores", "acc", "truncated", "sampler_logprobs", "origin", "versions",
+                "routes")
 """A whole group's fields, as saved and sent (`members` and `advantages` belong to a dealt piece only)."""
 
 
@@ -94,6 +99,14 @@ def flat_prompts(groups: Sequence[Group]) -> list[torch.Tensor]:
 def flat_responses(groups: Sequence[Group]) -> list[torch.Tensor]:
     """Every response of `groups`, in order."""
     return [r for g in groups for r in g.responses]
+
+
+def flat_routes(groups: Sequence[Group]) -> list[torch.Tensor | None] | None:
+    """Every response's recorded routes (routing replay), in order (None for a group without); None when no
+    group has any."""
+    if all(g.routes is None for g in groups):
+        return None
+    return [r for g in groups for r in (g.routes if g.routes is not None else [None] * g.size)]
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,11 @@ class TrainBatch:
     @property
     def responses(self) -> list[torch.Tensor]:
         return flat_responses(self.groups)
+
+    @property
+    def routes(self) -> list[torch.Tensor | None] | None:
+        """Per response, its recorded routes (routing replay); None when no group has any."""
+        return flat_routes(self.groups)
 
     @property
     def scores(self) -> torch.Tensor:

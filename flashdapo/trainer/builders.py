@@ -41,11 +41,12 @@ def build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> P
     if cfg.model.path:
         policy = load_sharded_policy(cfg, env)
         configure_threads(sum(p.numel() for p in policy.parameters()), env.device)
-        return policy
+        return policy.with_route_replay(cfg.algorithm.routing_replay)
     max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
     hf_model = build_toy_model(cfg.model, len(tokenizer), max_positions, cfg.trainer.seed)
     configure_threads(sum(p.numel() for p in hf_model.parameters()), env.device)  # before the warm-up
-    policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
+    policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl,
+                         cfg.rollout.temperature).with_route_replay(cfg.algorithm.routing_replay)
     if not resuming:
         # Same seed, same data, same arithmetic on every rank: every rank gets the same base model.
         warm_up_built_in(policy, cfg, tokenizer, log=log if env.is_main else (lambda _m: None))
@@ -73,7 +74,8 @@ def training_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer, e
     return build_engine(cfg.rollout, env, tokenizer, model=policy, model_path=cfg.model.path, dtype=cfg.model.dtype,
                         seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         shard_group=world_group(env), reshard_after_forward=cfg.trainer.reshard_after_forward,
-                        verify_push=push_check, error_log=error_log)
+                        verify_push=push_check, error_log=error_log,
+                        record_routes=cfg.algorithm.routing_replay == "r3")
 
 
 def parameter_counts(policy: PolicyModel) -> str:

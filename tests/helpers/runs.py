@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from flashdapo.config import merge, toy
@@ -28,10 +29,54 @@ def subprocess_env():
 
 def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`torchrun --standalone` of `nproc` ranks from the repository root; asserts a zero exit."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    cmd = torchrun_cmd(nproc, *args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
+
+
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    """The command line of `torchrun --standalone` of `nproc` ranks (run from the repository root)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def split_cmd(run_dir: Path, *args: str) -> list[str]:
+    """`flashdapo train` of a tiny toy run in split placement under torchrun: 1 trainer + 1 rollout rank (gloo,
+    torch engine), then `args`."""
+    return torchrun_cmd(2, "-m", "flashdapo", "train", *TINY, "--rollout.placement", "split",
+                        "--rollout.rollout-ranks", "1", *args, "--logging.run-dir", str(run_dir))
+
+
+def launch(cmd: list[str], tag: Path | None = None, new_session: bool = False, **env: str) -> subprocess.Popen:
+    """Start `cmd` from the repository root, stdout and stderr together in one text pipe; `tag` marks its ranks'
+    environment (FLASHDAPO_TEST_TAG, for `rank_pid`); `new_session`: a process group of its own (for killpg, a
+    terminal's Ctrl-C); `env`: more variables."""
+    extra = {**({"FLASHDAPO_TEST_TAG": str(tag)} if tag is not None else {}), **env}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**subprocess_env(), **extra}, cwd=ROOT, start_new_session=new_session)
+
+
+def rank_pid(tag: Path, rank: int) -> int | None:
+    """The pid of the torchrun worker of RANK `rank` started by `launch(..., tag=tag)`, if it runs."""
+    for entry in Path("/proc").iterdir():
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"FLASHDAPO_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def wait_rows(job: subprocess.Popen, run_dir: Path, rows: int, timeout: float = 300) -> None:
+    """Wait until the run has logged `rows` steps in its metrics.jsonl (AssertionError if the job ends first or
+    `timeout` seconds pass)."""
+    metrics, deadline = Path(run_dir) / "metrics.jsonl", time.time() + timeout
+    while time.time() < deadline and job.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {rows} was not logged in time")
 
 
 TINY = ["--model.toy.sft-steps", "20", "--model.toy.hidden-size", "32", "--model.toy.intermediate-size", "64",

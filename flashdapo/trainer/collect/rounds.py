@@ -112,6 +112,7 @@ def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier:
             acc=acc[idx],
             truncated=rollouts.truncated[idx],
             sampler_logprobs=None if rollouts.logprobs is None else [rollouts.logprobs[i] for i in idx],
+            routes=None if rollouts.routes is None else [rollouts.routes[i] for i in idx],
         ))
     return groups
 

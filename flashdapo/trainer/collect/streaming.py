@@ -66,6 +66,9 @@ class Response:
     """[len] int64: the policy version that sampled each token."""
     finished: bool = False
     truncated: bool = False
+    routes: torch.Tensor | None = None
+    """Routing replay: the engine's experts of every position fed so far (its last completion's: each covers
+    the prompt and every token before its last); None: not recorded."""
 
 
 @dataclass
@@ -350,7 +353,7 @@ def _resubmissions(state: StreamState, version: int, cfg: Config, stats: StreamS
             age = version - int(r.versions.min()) if len(r.versions) else 0
             if age > cfg.rollout.max_carry_steps:
                 stats.restarted += 1
-                r.tokens, r.logprobs, r.versions = r.tokens[:0], r.logprobs[:0], r.versions[:0]
+                r.tokens, r.logprobs, r.versions, r.routes = r.tokens[:0], r.logprobs[:0], r.versions[:0], None
             stats.carried_age_max = max(stats.carried_age_max, age if len(r.tokens) else 0)
             out.append(Request(_key(key, m, n), tuple(group.prompt.ids), tuple(r.tokens.tolist()),
                                limit - len(r.tokens), derive_seed(cfg.trainer.seed, step, rank, key, m)))
@@ -382,6 +385,8 @@ def _extend(response: Response, c: Completion, version: int) -> None:
     response.logprobs = torch.cat([response.logprobs, c.logprobs.float()])
     response.versions = torch.cat([response.versions, torch.full((len(c.tokens),), version, dtype=torch.long)])
     response.finished, response.truncated = c.finished, c.truncated
+    if c.routes is not None:  # covers the whole sequence so far (a carried prefix re-prefilled included)
+        response.routes = c.routes
 
 
 def _score(group: PendingGroup, tokenizer, verifier: Verifier, cfg: Config) -> Group:
@@ -389,7 +394,9 @@ def _score(group: PendingGroup, tokenizer, verifier: Verifier, cfg: Config) -> G
                         response_ids=[r.tokens for r in group.responses],
                         group_ids=torch.zeros(len(group.responses), dtype=torch.long),
                         truncated=torch.tensor([r.truncated for r in group.responses], dtype=torch.bool),
-                        logprobs=[r.logprobs for r in group.responses])
+                        logprobs=[r.logprobs for r in group.responses],
+                        routes=[r.routes for r in group.responses] if all(r.routes is not None for r in
+                                                                          group.responses) else None)
     # origin = (pull, rank, position): the pull count runs on over steps (and resumes), so it names the group.
     scored = score_groups(rollouts, [group.prompt], tokenizer, verifier, cfg, [(STREAM_KEY, *group.origin)])[0]
     scored.versions = [r.versions for r in group.responses]

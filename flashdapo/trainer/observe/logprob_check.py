@@ -221,6 +221,16 @@ def reference_logprobs(hf: Any, sequences: list[list[int]], device: torch.device
     return list(logp.float().cpu().split(length - 1))
 
 
+def _experts_note(config: Any) -> str:
+    """For a mixture-of-experts model, how its experts show in the localisation (each one is compared only
+    through its decoder layer's output, as the tokens routed to it shape that output)."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    if not experts:
+        return ""
+    return (f" (a MoE layer's output holds its router and its {experts} experts: a wrong expert shows as its "
+            "layer, where the probe's tokens are routed to it)")
+
+
 class PushCheck:
     """`verify_push` for the vLLM engine: after each push, its log-probs of the fixed probe tokens against
     the policy's (every rank together: the policy forward may gather FSDP2 shards)."""
@@ -327,4 +337,5 @@ class PushCheck:
         errors.append((head if previous < 1e-2 else 0.0, "lm_head", head))
         worst = sorted(errors, reverse=True)[:3]
         return "parameter groups that differ most (the relative error their output adds; the head: max |delta " \
-            "logp|): " + ", ".join(f"{name} ({max(added, 0.0):.2g})" for added, name, _ in worst)
+            "logp|): " + ", ".join(f"{name} ({max(added, 0.0):.2g})" for added, name, _ in worst) + \
+            _experts_note(self.policy.config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.collectives import all_gather_objects
+from ...distributed.collectives import all_gather_objects, all_reduce
 from ...distributed.mesh import DistEnv
 from ...profiling import StageTimer
 from ..batch import TrainBatch
@@ -36,6 +36,7 @@ def step_metrics(step: int, batch: TrainBatch, collected: Collected, update: Upd
          **split_metrics(means, acc, resp_len),
          "actor/token_prob": means["token_prob"], "actor/ratio": means["ratio"],
          "actor/grad_norm": sum(update.grad_norms) / max(len(update.grad_norms), 1),
+         **router_metrics(update),
          "train/num_gen_batches": collected.num_gen_batches,
          "train/kept_fraction": collected.groups_informative / max(collected.groups_generated, 1),
          "train/kept_groups": float(len(scores) // n),
@@ -64,6 +65,32 @@ def step_metrics(step: int, batch: TrainBatch, collected: Collected, update: Upd
     return m
 
 
+def router_metrics(update: UpdateResult) -> dict[str, float]:
+    """A mixture-of-experts policy's routers (trainer/update.py): the load-balancing loss, the mean over the
+    optimizer steps of each mini-batch's (before its coefficient); and the expert load, the top-k picks of
+    each expert summed over the step's update forwards and every rank, as max / mean over a layer's experts
+    (1: perfectly balanced; E / k: every token of the layer to the same k experts), per sparse layer
+    (`moe/expert_load_max_over_mean/layer_<i>`, i counting sparse layers) and their mean over layers (where
+    the family's routers take that loss: models/hf.py `router_loss`). {} for a dense policy. One all-reduce of [layers, experts] on every rank. With routing replay (models/moe/replay.py),
+    `moe/route_agreement`: the share of recorded positions x sparse layers whose trainer top-k (its own choice,
+    as without replay) equalled the engine's, over every rank (one more all-reduce)."""
+    out = {}
+    if update.route_agreement is not None:  # also for routers no load-balancing loss balances (no expert_load)
+        matched, recorded = all_reduce(torch.tensor(update.route_agreement, dtype=torch.float64)).tolist()
+        if recorded > 0:
+            out["moe/route_agreement"] = matched / recorded
+    if update.expert_load is None:
+        return out
+    load = all_reduce(update.expert_load).cpu()
+    if update.router_aux_losses:
+        out["actor/router_aux_loss"] = sum(update.router_aux_losses) / len(update.router_aux_losses)
+    if float(load.sum()) > 0:
+        per_layer = load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-12)
+        out["moe/expert_load_max_over_mean"] = per_layer.mean().item()
+        out.update({f"moe/expert_load_max_over_mean/layer_{i}": v.item() for i, v in enumerate(per_layer)})
+    return out
+
+
 def split_metrics(means: dict[str, float], acc: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
     """The clip fractions by region, the up-clipped tokens' old probability and tail share, and length and
     entropy split by the verdict (trained responses). A mean over nothing (no up-clipped token, no correct
@@ -80,4 +107,4 @@ def split_metrics(means: dict[str, float], acc: torch.Tensor, lengths: torch.Ten
     return out
 
 
-__all__ = ["split_metrics", "step_metrics"]
+__all__ = ["router_metrics", "split_metrics", "step_metrics"]

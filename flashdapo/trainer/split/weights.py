@@ -160,7 +160,7 @@ def _send(bridges: Bridges, tensors: Iterator[tuple[str, torch.Tensor]], manifes
         # (roles.wait_count), not found by the bridge's timeout.
         bridges.wait_count(_arrived(version, j), len(rollout_ranks), rollout_ranks,
                            f"the rollout side to receive the weights of step {version}")
-        bridges.broadcast_weights(flat)
+        bridges.broadcast_weights(flat, f"bucket {j} of the weights of step {version}")
         sent += flat.numel() * flat.element_size()
         del flat
     if next(tensors, None) is not None:
@@ -241,7 +241,8 @@ class Stage:
         for j, bucket in enumerate(_buckets(manifest, header["bucket_bytes"])):
             numels = [_numel(manifest[i]) for i in bucket]
             b.arrive(_arrived(version, j))
-            host = self._receive_bucket(_DTYPES[manifest[bucket[0]][2]], sum(numels))
+            host = self._receive_bucket(_DTYPES[manifest[bucket[0]][2]], sum(numels),
+                                        f"bucket {j} of the weights of step {version}")
             for i, part in zip(bucket, host.split(numels)):
                 out[manifest[i][0]] = part.view(manifest[i][1])
         b.wait_key(f"weights/{version}/sums", [0], f"the checksums of the weights of step {version}")
@@ -249,11 +250,11 @@ class Stage:
         return StagedVersion(out, torch.tensor(header["probe"]), dict(zip([m[0] for m in manifest], sums)),
                              _DTYPES[header["dtype"]])
 
-    def _receive_bucket(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    def _receive_bucket(self, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
         """One bucket, received on the weights bridge's device; in host memory (pinned when that is a GPU)."""
         device = self.bridges.weights_device
         flat = torch.empty(numel, dtype=dtype, device=device)
-        self.bridges.broadcast_weights(flat)
+        self.bridges.broadcast_weights(flat, what)
         self.received_bytes += flat.numel() * flat.element_size()
         if device.type == "cpu":
             return flat
@@ -265,9 +266,10 @@ class Stage:
         """Version `version` (waiting for it), dropping it and every older one from the stage; and the seconds
         waited. Each version is taken once: loaded, it lives in the policy copy."""
         start = time.perf_counter()
+        # Trainer rank 0's liveness is read meanwhile: a trainer stopped mid-push is named after stale_s.
+        self.bridges.wait_until(lambda: version in self.staged or self.error is not None, [0],
+                                f"the weights of step {version}")
         with self._ready:
-            while version not in self.staged and self.error is None:
-                self._ready.wait(0.5)
             if self.error is not None:
                 raise self.error
             for old in [v for v in self.staged if v < version]:

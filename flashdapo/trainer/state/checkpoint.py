@@ -1,7 +1,8 @@
 """Checkpoints that survive a crash (the final HF export is export.py).
 
 A checkpoint is a directory `checkpoints/step_XXXXXXXX/` holding a `torch.distributed.checkpoint`
-(DCP) save of model + optimizer (sharded, so it reloads at any world size), `trainer_state.pt` (step,
+(DCP) save of model + optimizer (sharded, so it reloads at any world size and any trainer.expert_parallel: a
+MoE layer's experts are DTensors of the whole [num_experts, ...] tensors, models/moe/), `trainer_state.pt` (step,
 run id, LR schedule, data position, the run's settings: run_settings.py), one `rng_rank{r}.pt` per rank
 (torch, CUDA, numpy, python), and a `COMPLETE` marker (JSON: step, world size, run id). It is written
 under `step_XXXXXXXX.tmp/` and renamed into place only once every rank has finished and rank 0 sees every

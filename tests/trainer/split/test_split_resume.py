@@ -7,39 +7,19 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.runs import ROOT, TINY, subprocess_env
+from tests.helpers.runs import ROOT, launch, rank_pid, split_cmd, subprocess_env, wait_rows
 
-ARGS = [*TINY, "--rollout.placement", "split", "--rollout.rollout-ranks", "1", "--rollout.max-lag", "1",
-        "--algorithm.filter-metric", "score", "--rollout.max-response-length", "24", "--algorithm.dynamic-sampling",
-        "True", "--algorithm.max-gen-batches", "0", "--trainer.gen-batch", "8", "--trainer.total-steps", "5",
-        "--checkpoint.save-every", "1", "--checkpoint.keep-last", "5"]
+ARGS = ["--rollout.max-lag", "1", "--algorithm.filter-metric", "score", "--rollout.max-response-length", "24",
+        "--algorithm.dynamic-sampling", "True", "--algorithm.max-gen-batches", "0", "--trainer.gen-batch", "8",
+        "--trainer.total-steps", "5", "--checkpoint.save-every", "1", "--checkpoint.keep-last", "5"]
 DROP = ("timing_s/", "perf/", "split/trainer_idle", "split/rollout_idle", "split/weight_push_s",
         "split/batch_transfer_s", "split/staged_max")
-
-
-def _cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "flashdapo",
-            "train", *ARGS, "--logging.run-dir", str(run_dir), *extra]
-
-
-def _rank_pid(tag: str, rank: int) -> int | None:
-    """The pid of the torchrun worker of RANK `rank` started with FLASHDAPO_TEST_TAG=tag."""
-    for entry in Path("/proc").iterdir():
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if f"FLASHDAPO_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
-            return int(entry.name)
-    return None
 
 
 def _rows(run_dir: Path):
@@ -52,23 +32,17 @@ def _rows(run_dir: Path):
 @pytest.mark.parametrize(("role", "rank"), [("trainer", 0), ("rollout", 1)])
 def test_sigkill_of_either_side_then_resume_is_the_uninterrupted_run(tmp_path, role, rank):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    env = {**subprocess_env(), "FLASHDAPO_TEST_TAG": str(killed)}
-    ref = subprocess.Popen(_cmd(straight), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=subprocess_env(), cwd=ROOT)
-    victim = subprocess.Popen(_cmd(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              cwd=ROOT)
-    metrics, deadline = killed / "metrics.jsonl", time.time() + 300
-    while time.time() < deadline and victim.poll() is None:  # SIGKILL once step 3 is logged
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            pid = _rank_pid(str(killed), rank)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                break
-        time.sleep(0.05)
+    ref = launch(split_cmd(straight, *ARGS))
+    victim = launch(split_cmd(killed, *ARGS), tag=killed)
+    try:
+        wait_rows(victim, killed, 3)  # SIGKILL once step 3 is logged
+        os.kill(rank_pid(killed, rank), signal.SIGKILL)
+    except (AssertionError, TypeError):
+        pass  # the run ended first: said below
     out = victim.communicate(timeout=120)[0]
     assert victim.returncode != 0, f"the {role} rank was not killed in time:\n{out[-3000:]}"
     assert ref.communicate(timeout=400)[0] is not None and ref.returncode == 0
-    resumed = subprocess.run(_cmd(killed, "--checkpoint.resume", "auto"), capture_output=True, text=True,
+    resumed = subprocess.run(split_cmd(killed, *ARGS, "--checkpoint.resume", "auto"), capture_output=True, text=True,
                              env=subprocess_env(), cwd=ROOT, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     found = re.search(r"resumed from \S+step_(\d+) at step (\d+)", resumed.stdout)
