@@ -112,6 +112,7 @@ class Liveness:
         self.store, self.key, self.every_s = store, _key(f"alive/{global_rank}"), every_s
         self.stop_line = stop_line
         self._stop = threading.Event()
+        self._exiting = threading.Lock()
         self.store.add(self.key, 1)
         self._thread = threading.Thread(target=self._beat, name="flashdapo-liveness", daemon=True)
         self._thread.start()
@@ -120,13 +121,25 @@ class Liveness:
         while not self._stop.wait(self.every_s):
             try:
                 self.store.add(self.key, 1)
-                if self.stop_line is not None and self.store.check([_key(STOP_KEY)]):
-                    signum = int(self.store.get(_key(STOP_KEY)))
-                    print(self.stop_line, file=sys.stderr, flush=True)
-                    sys.stdout.flush()
-                    os._exit(128 + signum)
             except Exception:  # the store went with the job: fail-fast reports it
                 return
+            self.stop_if_announced()
+
+    def stop_if_announced(self) -> None:
+        """With `stop_line`: end this process with that line and the signal's exit status if the trainer side has
+        stopped on a signal (STOP_KEY). Also called on an error: one that follows the trainer side's stop (a
+        batch sent to, or a weight bucket from, a trainer rank that has just exited) is that stop, no failure."""
+        if self.stop_line is None:
+            return
+        with self._exiting:  # the beat and the main thread: one line; the second waits for the exit
+            try:
+                signum = int(self.store.get(_key(STOP_KEY))) if self.store.check([_key(STOP_KEY)]) else 0
+            except Exception:  # the store went with the job: fail-fast reports it
+                return
+            if signum:
+                print(self.stop_line, file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(128 + signum)
 
     def close(self) -> None:
         self._stop.set()

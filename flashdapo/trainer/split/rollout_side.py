@@ -82,6 +82,7 @@ def run_rollout_side(cfg: Config) -> None:
     try:
         _generate_all(cfg, env)
     except BaseException as err:
+        live.stop_if_announced()  # an error right after the trainer side's stop (its closed sockets) is that stop
         failfast.end(err)
         raise
     live.close()
