@@ -99,6 +99,8 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
             run.logger.plot(run.run_dir / "training_dynamics.png", f"flashdapo: {run.run_dir.name}")
         saving = last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)
         stopping = stop.agreed()  # every rank, every step: all stop after the same step
+        if not (stopping or last):  # a signal from here on (this step's save included) is taken after the next step
+            stop.phase = f"step {step + 1}"
         if saving or stopping:
             save_checkpoint(run.run_dir, run.env, run.policy, run.optimizer, run.trainer_state(step),
                             cfg.checkpoint.keep_last, run.rank_state())

@@ -49,6 +49,22 @@ def test_ctrl_c_stops_after_the_step_with_its_checkpoint_and_resumes_bitwise(tmp
     assert run_metrics(stopped) == run_metrics(uninterrupted)
 
 
+def test_ctrl_c_during_a_steps_checkpoint_save_announces_the_step_it_stops_after(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C after step 1's stop check, while its checkpoint is written: the run stops after step 2, and its
+    notice says step 2, not step 1."""
+    real = loop.save_checkpoint
+
+    def save_with_ctrl_c(run_dir, env, policy, optimizer, state, *args):
+        if state.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(run_dir, env, policy, optimizer, state, *args)
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_with_ctrl_c)
+    with pytest.raises(Interrupted, match=r"^stopped at step 2 by Ctrl-C"):
+        train(quick_config(tmp_path, trainer={"total_steps": 3}, checkpoint={"save_every": 1}))
+    assert "Ctrl-C: stopping after step 2 (its checkpoint is saved then)" in capsys.readouterr().err
+
+
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch):
     _ctrl_c_during(monkeypatch, 2, times=2)
     with pytest.raises(Interrupted, match=r"stopped by Ctrl-C during step 2, without a checkpoint of it; the newest "
