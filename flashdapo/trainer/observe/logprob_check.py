@@ -19,10 +19,11 @@ by its own rounding, an error that grows with the model's width, depth and the t
 HF differences of 0.1-0.3 on single tokens are reported for Qwen models, vllm#18352), so no fixed number
 fits every model. The check measures it instead (`calibrate`, at the process's first bf16 push): the
 trainer's log-probs of the probe in fp32 arithmetic on the same bf16-rounded weights (`reference_logprobs`:
-one decoder layer at a time from the full tensors, as the push streams them), and the trainer's own bf16
-error against that, mean and max over the probe. A correct push leaves vLLM about as far from the
-trainer as the trainer is from the exact result (two independent errors of that size: ~1.4x; the two
-correlate, measured 1.1-1.2x); weights that are wrong add their own error. The push passes when
+the model's own forward, every family's details its own, one parameter group at a time from the full
+tensors as the push streams them), and the trainer's own bf16 error against that, mean and max over the
+probe. A correct push leaves vLLM about as far from the trainer as the trainer is from the exact result
+(two independent errors of that size: ~1.4x; the two correlate, measured 1.1-1.2x); weights that are
+wrong add their own error. The push passes when
 
     mean |logp_vllm - logp_trainer| <= MEAN_FACTOR x mean error + MEAN_FLOOR
     max  |logp_vllm - logp_trainer| <= MAX_FACTOR x max error + MAX_FLOOR
@@ -37,6 +38,7 @@ check that tolerates bf16 sees it.
 
 from __future__ import annotations
 
+import collections
 import copy
 import time
 import warnings
@@ -45,12 +47,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ...config import RolloutConfig
 from ...distributed.collectives import all_reduce
 from ...errors import FlashdapoError
-from ...models.hf import group_modules
-from ...models.weights import iter_full_state_dict
+from ...models.hf import final_logit_softcap, group_modules
+from ...models.weights import hf_name, iter_full_state_dict
 from ...rollout.vllm_probe import stream_of, vllm_group_outputs
 from ..batch import TrainBatch
 
@@ -147,14 +151,166 @@ class Calibration:
                 f"{self.max:.3g} max)")
 
 
-def _group_of(name: str, groups: list[str]) -> str | None:
-    """The parameter group ('embed_tokens', 'layers.3', 'norm', 'lm_head') an HF tensor name belongs to."""
-    if name.startswith("lm_head."):
-        return "lm_head"
-    for group in groups:
-        if name.startswith(f"model.{group}."):
-            return group
-    return None
+def _hf_class(hf: nn.Module) -> type:
+    """The transformers class of `hf` (FSDP2's fully_shard swaps in a dynamic `FSDP<class>` subclass)."""
+    return next(cls for cls in type(hf).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The submodule holding the parameter or buffer `name` of `module`, and its name there."""
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+def _reference_groups(inner: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each parameter group of an HF base model: each child holding parameters, a
+    ModuleList's (the decoder layers') entries one by one, in module order."""
+    groups: list[tuple[str, nn.Module]] = []
+    for child_name, child in inner.named_children():
+        parts = [(f"{child_name}.{i}", m) for i, m in enumerate(child)] if isinstance(child, nn.ModuleList) \
+            else [(child_name, child)]
+        groups += [(name, m) for name, m in parts if next(m.parameters(), None) is not None]
+    return groups
+
+
+def _release(module: nn.Module, _args: Any, _output: Any) -> None:
+    """Forward hook: the group's fp32 tensors freed once its forward has run (None keeps its output)."""
+    module.to("meta")
+
+
+class _GroupStream:
+    """The push's stream of full tensors, handed out one parameter group at a time as the forward asks for
+    them. A group the stream reaches later than the forward needs it is read ahead (the tensors passed on the
+    way are held until asked for); names it does not expect (persistent buffers: the live model gives those)
+    are passed over; `drain` reads the rest, so that every rank consumes the whole stream (FSDP2 gathers)."""
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], expected: dict[str, str]):
+        self.stream, self.expected = stream, expected  # full name -> group
+        self.missing = collections.Counter(expected.values())
+        self.held: dict[str, dict[str, torch.Tensor]] = {}
+
+    def take(self, group: str) -> dict[str, torch.Tensor]:
+        """The full tensors of `group` (by full name), reading the stream as far as needed."""
+        while self.missing[group]:
+            try:
+                name, tensor = next(self.stream)
+            except StopIteration:
+                absent = [n for n, g in self.expected.items() if g == group and n not in self.held.get(group, {})]
+                raise RuntimeError(f"the push check's fp32 reference: the weight stream ended without {absent[:3]} "
+                                   f"(parameter group {group!r})") from None
+            owner = self.expected.get(name)
+            if owner is not None and name not in self.held.get(owner, {}):
+                self.held.setdefault(owner, {})[name] = tensor.detach()
+                self.missing[owner] -= 1
+        return self.held.pop(group, {})
+
+    def drain(self) -> None:
+        """Read the stream to its end."""
+        for _ in self.stream:
+            pass
+
+
+class _StreamedModel:
+    """The policy's base model (its own class and forward; eager attention and experts) built on the meta
+    device, each parameter group given its full tensors in fp32 on `device` by a forward pre-hook and released
+    to meta by a forward hook (`reference_logprobs`)."""
+
+    def __init__(self, hf: nn.Module, device: torch.device, weight_dtype: torch.dtype | None,
+                 tensors: Iterator[tuple[str, torch.Tensor]] | None):
+        self.hf, self.device, self.weight_dtype = hf, device, weight_dtype
+        config = copy.deepcopy(hf.config)
+        config._attn_implementation = "eager"
+        if hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"  # the experts' plain loop: grouped kernels may refuse fp32
+        self.config = config
+        with torch.device("meta"):
+            skeleton = _hf_class(hf)(config)
+        self.base = skeleton.base_model_prefix
+        self.inner = skeleton.get_submodule(self.base)
+        self.groups = _reference_groups(self.inner)
+        names = [name for name, _ in skeleton.named_parameters()]  # the stream's order (tied parameters once)
+        expected = {name: name.split(".")[0] for name in names if not name.startswith(f"{self.base}.")}
+        self.head_group = next(iter(expected.values()), None)  # "lm_head"; None: tied to the input embedding
+        for group, module in self.groups:
+            expected |= {f"{self.base}.{group}.{name}": group for name, _ in module.named_parameters()}
+        if len(expected) != len(names):
+            stray = sorted(set(names) - set(expected))
+            raise RuntimeError(f"the push check's fp32 reference: {type(skeleton).__name__}'s parameters "
+                               f"{stray[:3]} belong to no parameter group")
+        embedding = skeleton.get_input_embeddings()
+        self.tied_group = next((g for g, m in self.groups if m is embedding), None) if self.head_group is None else None
+        self.early = self._early_groups(names, expected) if tensors is None else {}
+        expected = {name: group for name, group in expected.items() if group not in self.early}
+        self.source = _GroupStream(iter(tensors if tensors is not None else
+                                        iter_full_state_dict(hf, dtype=weight_dtype)), expected)
+        self.live_buffers = {hf_name(name): buffer for name, buffer in hf.named_buffers()}
+        self.tied_head: torch.Tensor | None = None
+        in_groups = tuple(f"{group}." for group, _ in self.groups)
+        for module_name, module in self.inner.named_modules():  # buffers outside every group: rotary embeddings
+            if not f"{module_name}.".startswith(in_groups):
+                self._give_buffers(module, module_name, recurse=False)
+        for group, module in self.groups:
+            module.register_forward_pre_hook(lambda m, _args, group=group: self._materialise(group, m))
+            module.register_forward_hook(_release)
+
+    def _early_groups(self, names: list[str], expected: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
+        """The full tensors of the root-level groups (not the final norm) the stream reaches after the first
+        decoder layer, which the forward runs before the layers (Gemma 4's per-layer inputs), gathered from the
+        live model now (every rank does, in the same order)."""
+        first: dict[str, int] = {}
+        for position, name in enumerate(names):
+            first.setdefault(expected[name], position)
+        first_layer = min((first[g] for g, _ in self.groups if "." in g), default=len(names))
+        early = {}
+        for group, module in self.groups:
+            if "." not in group and module is not getattr(self.inner, "norm", None) and first[group] > first_layer:
+                live = self.hf.get_submodule(f"{self.base}.{group}")
+                early[group] = {f"{self.base}.{group}.{name}": tensor
+                                for name, tensor in iter_full_state_dict(live, dtype=self.weight_dtype)}
+        return early
+
+    def _give_buffers(self, module: nn.Module, module_name: str, recurse: bool = True) -> None:
+        """`module`'s buffers from the live model's (persistent ones rounded as the stream rounds them)."""
+        for name, _ in list(module.named_buffers(recurse=recurse)):
+            owner, leaf = _owner(module, name)
+            full = f"{self.base}.{module_name}.{name}" if module_name else f"{self.base}.{name}"
+            if full not in self.live_buffers:
+                raise RuntimeError(f"the push check's fp32 reference: {type(self.hf).__name__} has no buffer {full!r}")
+            value = self.live_buffers[full]
+            if leaf not in owner._non_persistent_buffers_set and value.is_floating_point() and self.weight_dtype:
+                value = value.to(self.weight_dtype).float()
+            owner._buffers[leaf] = value.to(self.device, copy=True)  # a dynamic RoPE rewrites its own
+
+    def _materialise(self, group: str, module: nn.Module) -> None:
+        """Forward pre-hook: `group`'s full tensors, fp32 on the device, into its meta module."""
+        full = self.early.pop(group, None) or self.source.take(group)
+        if not full:
+            raise RuntimeError(f"the push check's fp32 reference: {_hf_class(self.hf).__name__}'s forward ran "
+                               f"parameter group {group!r} twice (its weights are released after its first run)")
+        if group == self.tied_group:
+            self.tied_head = full[f"{self.base}.{group}.weight"]  # the head's rows, as streamed
+        for name, _ in list(module.named_parameters()):
+            owner, leaf = _owner(module, name)
+            value = full[f"{self.base}.{group}.{name}"].to(device=self.device, dtype=torch.float32)
+            owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        self._give_buffers(module, group)
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """The base model's last hidden states of `ids` [count, length] (its masks from an all-ones mask)."""
+        out = self.inner(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        return out[0].float()
+
+    def head(self) -> dict[str, torch.Tensor]:
+        """The LM head's tensors ('weight', maybe 'bias'), as streamed; the rest of the stream read."""
+        if self.head_group is None:
+            head = {"weight": self.tied_head} if self.tied_head is not None else {}
+        else:
+            head = {name.removeprefix(f"{self.head_group}."): t for name, t in self.source.take(self.head_group).items()}
+        self.source.drain()
+        if "weight" not in head:
+            raise RuntimeError(f"the push check's fp32 reference found no LM head among "
+                               f"{type(self.hf).__name__}'s tensors")
+        return head
 
 
 @torch.no_grad()
@@ -162,61 +318,33 @@ def reference_logprobs(hf: Any, sequences: list[list[int]], device: torch.device
                        weight_dtype: torch.dtype | None, tensors: Iterator[tuple[str, torch.Tensor]] | None = None
                        ) -> list[torch.Tensor]:
     """log pi(token t | tokens < t) for t >= 1 of each sequence (all of one length), temperature 1, in fp32
-    arithmetic on the policy's weights rounded to `weight_dtype` (what the engine holds). Built one parameter
-    group at a time (embedding, each decoder layer, final norm, head) from the full tensors of
-    `iter_full_state_dict(hf, weight_dtype)` (or `tensors`), into a fresh fp32 copy of that group of the
-    model's own classes, so that memory holds one group at a time; under FSDP2 every rank must call it
-    together (the tensors are all-gathered). Eager attention with an explicit causal mask."""
-    stream = iter(tensors if tensors is not None else iter_full_state_dict(hf, dtype=weight_dtype))
-    config = copy.deepcopy(hf.config)
-    config._attn_implementation = "eager"
-    with torch.device("meta"):
-        skeleton = type(hf)(config)
-    groups = [name for name, _ in group_modules(skeleton, config.model_type)]
-    modules = dict(group_modules(skeleton, config.model_type))
+    arithmetic on the policy's weights rounded to `weight_dtype` (what the engine holds).
+
+    It runs the model's own forward (its class's base model, so that every family's embedding scale,
+    per-layer-type RoPE and masks, attention caps and sinks, per-layer inputs, linear-attention and MoE layers
+    are its own; eager attention and experts, the masks built from an all-ones attention mask) on a copy
+    built on the meta device: each parameter group (the embedding, each decoder layer, the final norm, any
+    other root-level module such as Gemma 4's per-layer input embedding) gets its full tensors from
+    `iter_full_state_dict(hf, weight_dtype)` (or `tensors`), in fp32 on `device`, just before its forward and
+    is released to meta right after it, so that memory holds one group at a time. A root-level group the
+    stream reaches after the decoder layers although the forward runs it before them (Gemma 4's per-layer
+    inputs) is gathered from the live model up front (from `tensors`: read ahead). Buffers come from the live
+    model: RoPE frequencies and embedding scales as they are, persistent ones (Gemma 4's layer scalars,
+    DeepSeek-V3's routing bias) rounded to `weight_dtype` as the stream rounds them. Then the head (lm_head or
+    the tied embedding, in row blocks), the config's final-logit cap (`final_logit_softcap`) and the
+    log-softmax, in fp32. Under FSDP2 every rank must call it together (the tensors are all-gathered)."""
+    model = _StreamedModel(hf, device, weight_dtype, tensors)
     ids = torch.tensor(sequences, dtype=torch.long, device=device)
     count, length = ids.shape
-    positions = torch.arange(length, device=device).expand(count, length)
-    mask = torch.full((length, length), torch.finfo(torch.float32).min, device=device).triu(1)
-    mask = mask[None, None].expand(count, 1, length, length)
-    state: dict[str, Any] = {"hidden": None, "embedding": None, "head": None, "rope": None}
-
-    def run(group: str, tensors: dict[str, torch.Tensor]) -> None:
-        if group == "lm_head":
-            state["head"] = tensors["weight"]
-            return
-        module = modules[group].to_empty(device=device)
-        module.load_state_dict({k: v.to(device=device, dtype=torch.float32) for k, v in tensors.items()})
-        if group == "embed_tokens":
-            state["hidden"] = module(ids).float()
-            state["embedding"] = tensors["weight"] if getattr(config, "tie_word_embeddings", False) else None
-            state["rope"] = hf.model.rotary_emb(state["hidden"], positions)
-        elif group == "norm":
-            state["hidden"] = module(state["hidden"])
-        else:
-            out = module(state["hidden"], attention_mask=mask, position_ids=positions,
-                         position_embeddings=state["rope"])
-            state["hidden"] = out[0] if isinstance(out, tuple) else out
-        module.to("meta")
-
-    current, held = None, {}
-    for name, tensor in stream:
-        group = _group_of(name, groups)
-        if group is None:
-            continue
-        if group != current and current is not None:
-            run(current, held)
-            held = {}
-        current = group
-        held[name.removeprefix("lm_head." if group == "lm_head" else f"model.{group}.")] = tensor.detach()
-    if current is not None:
-        run(current, held)
-    head = state["head"] if state["head"] is not None else state["embedding"]
-    if head is None or state["hidden"] is None:
-        raise RuntimeError(f"the push check's fp32 reference found no {'LM head' if state['hidden'] is not None else 'embedding'}"
-                           f" among {type(hf).__name__}'s full tensors")
-    hidden = state["hidden"][:, :-1].reshape(-1, state["hidden"].shape[-1]).float()
-    logits = torch.cat([hidden @ rows.to(device=device, dtype=torch.float32).T for rows in head.split(16384)], -1)
+    hidden = model.hidden_states(ids)[:, :-1].reshape(count * (length - 1), -1)
+    head = model.head()
+    logits = torch.cat([hidden @ rows.to(device=device, dtype=torch.float32).T for rows in head["weight"].split(16384)],
+                       -1)
+    if "bias" in head:
+        logits = logits + head["bias"].to(device=device, dtype=torch.float32)
+    cap = final_logit_softcap(model.config)
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].reshape(-1, 1)).squeeze(1)
     return list(logp.float().cpu().split(length - 1))
 
