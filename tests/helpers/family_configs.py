@@ -17,7 +17,7 @@ INIT = 0.2
 """The sliding window of the families that have one: shorter than most test sequences, so it bends them."""
 
 MATRIX = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "gemma4_text", "phi3", "olmo2", "olmo3",
-          "gpt_oss", "qwen3_5_text")
+          "gpt_oss", "qwen3_5_text", "qwen3_moe", "deepseek_v3", "qwen3_next")
 """The matrix's rows, by config.json model_type."""
 
 VLLM_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
@@ -58,17 +58,19 @@ def _special(model_type: str, head_dim: int) -> dict:
                          "layer_types": ["linear_attention", "full_attention"]},
         # Qwen3-MoE: sparse blocks on every layer (4 experts, top 2), no shared expert
         "qwen3_moe": {"head_dim": head_dim, "num_experts": 4, "num_experts_per_tok": 2,
-                      "moe_intermediate_size": 2 * head_dim},
+                      "moe_intermediate_size": 2 * head_dim, "experts_implementation": "eager"},
         # DeepSeek-V3: multi-head latent attention, layer 0 dense, then 4 routed experts in 2 groups and a shared one
+        # (the rope part's head size is the one vLLM's CPU attention checks: 32 in the vLLM rows)
         "deepseek_v3": {"num_key_value_heads": None, "n_routed_experts": 4, "n_shared_experts": 1,
                         "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
-                        "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 4, "qk_nope_head_dim": head_dim,
-                        "v_head_dim": head_dim, "moe_intermediate_size": 2 * head_dim},
+                        "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 4 if head_dim < 32 else head_dim, "qk_nope_head_dim": head_dim,
+                        "v_head_dim": head_dim, "moe_intermediate_size": 2 * head_dim, "topk_method": "noaux_tc",
+                        "experts_implementation": "eager"},
         # Qwen3-Next: Qwen3.5's layers with sparse MoE blocks (4 experts, top 2, a shared expert)
         "qwen3_next": {"head_dim": head_dim, "linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim,
                        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
                        "num_experts_per_tok": 2, "moe_intermediate_size": 2 * head_dim,
-                       "shared_expert_intermediate_size": 2 * head_dim,
+                       "shared_expert_intermediate_size": 2 * head_dim, "experts_implementation": "eager",
                        "layer_types": ["linear_attention", "full_attention"]},
     }[model_type]
 

