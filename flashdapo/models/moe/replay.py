@@ -118,7 +118,7 @@ class RouteReplay:
     def take_agreement(self) -> tuple[int, int]:
         """(matched, recorded) positions x layers counted since the last call; the counts restart and counting
         resumes."""
-        out = (self.matched, self.recorded)
+        out = (int(self.matched), int(self.recorded))
         self.matched = self.recorded = 0
         self.counting = True
         return out
@@ -146,8 +146,9 @@ class RouteReplay:
             self._counted.add(layer)
             with torch.no_grad():
                 same = (own.sort(dim=-1).values == recorded.sort(dim=-1).values.to(own.dtype)).all(dim=-1) & has
-                self.matched += int(same.sum())
-                self.recorded += int(has.sum())
+                # Device counts, read once per step (take_agreement): no host sync per layer on a GPU.
+                self.matched = self.matched + same.sum()
+                self.recorded = self.recorded + has.sum()
         indices = torch.where(has[:, None], recorded.to(own.dtype), own)
         return logits, replay_weights(logits, indices, bool(getattr(module, "norm_topk_prob", True))), indices
 
