@@ -175,7 +175,10 @@ def vllm_refusal(config, on_gpu: bool) -> str | None:
     (Qwen3.5, Qwen3-Next), which vLLM 0.32 runs on CPU only in bfloat16 ("CPU GDN attention requires BF16", and
     its CPU kernel refuses a linear head size of 32; 128, the released models', runs) and, with prefix caching
     on (flashdapo's engine keeps it on), only with chunked prefill ("Chunked prefill is required for mamba cache
-    mode 'align'"), which flashdapo's CPU engine turns off (rollout/vllm_bounds.py)."""
+    mode 'align'"), which flashdapo's CPU engine turns off (rollout/vllm_bounds.py); and DeepSeek-V3, whose
+    multi-head latent attention hands vLLM's CPU rotary kernel (`_custom_ops.rotary_embedding`) a 3-D query
+    [tokens, heads, rope], which that kernel rotates wrong past the first head (a 2-D [tokens, heads * rope] one,
+    as the other families pass, it rotates right), and whose MoE layers, that fixed, still give other log-probs."""
     get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
     model_type = get("model_type")
     if model_type in VLLM_UNSUPPORTED:
@@ -185,6 +188,11 @@ def vllm_refusal(config, on_gpu: bool) -> str | None:
     if model_type == "gemma2" and get("attn_logit_softcapping"):
         return (f"its attention-logit softcapping (attn_logit_softcapping={get('attn_logit_softcapping')}) is left "
                 "out by vLLM's CPU attention")
+    if model_type == "deepseek_v3":
+        return ("vLLM's CPU build computes DeepSeek-V3 differently from transformers, loaded from disk or pushed "
+                "alike: its CPU rotary_embedding kernel rotates the [tokens, heads, rope] query of multi-head latent "
+                "attention wrong past the first head, and its MoE layers differ too (up to 5 and 2 nats of "
+                "log-prob on a 2-layer model whose weights it loads exactly)")
     if "linear_attention" in (get("layer_types") or ()):
         return ("its Gated DeltaNet (linear-attention) layers run on vLLM's CPU build only in bfloat16 and, under "
                 "the prefix caching the engine keeps on, only with chunked prefill, which flashdapo turns off on CPU")

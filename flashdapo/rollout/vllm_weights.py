@@ -46,6 +46,12 @@ The choices, before the code:
   a 2-layer model's MoE outputs off by more than their own size, 0.02 |delta logp|, where loading the same
   weights from disk agrees to 4e-7). So after the stream each such layer's weights are prepacked again, in
   place (`_repack_cpu_experts`; nothing on CUDA, whose unquantized kernels use the plain layout).
+- **Multi-head latent attention (DeepSeek-V3).** vLLM stacks q_a_proj and kv_a_proj_with_mqa into
+  `fused_qkv_a_proj` (STACKED) and derives `W_UV` / `W_UK_T` from kv_b_proj: the reload runs each attention layer's
+  `process_weights_after_loading` after all other layers (`reload/layerwise.py` `_finalize_attention_layer`), so they
+  follow the pushed kv_b_proj (measured on vLLM's CPU build: equal to those split from it, to the bit), and
+  completeness counts them written with their kv_b_proj. (vLLM's CPU build then computes the model differently
+  from transformers, pushed or loaded from disk alike, so `models/hf.py` `vllm_refusal` refuses the family there.)
 - **GPT-OSS.** vLLM's GptOssForCausalLM loads its own names (`model.embedding`, `.attn.`) and copies whole fused
   experts and the attention sinks with `param.copy_`, past the weight loaders the reload buffers through (lost:
   the layer is on the meta device then). So its stream is renamed and split one expert at a time, weights and
@@ -75,12 +81,20 @@ STACKED: tuple[tuple[str, str, str | int | tuple[int, ...]], ...] = (
     (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1),
     (".in_proj_qkv", ".in_proj_qkvz", (0, 1, 2)), (".in_proj_z", ".in_proj_qkvz", 3),
     (".in_proj_b", ".in_proj_ba", 0), (".in_proj_a", ".in_proj_ba", 1),
+    (".q_a_proj", ".fused_qkv_a_proj", 0), (".kv_a_proj_with_mqa", ".fused_qkv_a_proj", 1),
 )
 """vLLM Qwen2Model.hf_to_vllm_mapper `orig_to_new_stacked`: HF substring -> (vLLM substring, shard); and
 Qwen3_5Model's (models/qwen3_5.py: Qwen3.5 ships its Gated DeltaNet input projections apart, vLLM stacks them).
-In order: `.in_proj_b` before `.in_proj_a` (the name `.in_proj_b` becomes holds no `.in_proj_a`)."""
+In order: `.in_proj_b` before `.in_proj_a` (the name `.in_proj_b` becomes holds no `.in_proj_a`). And DeepSeek-V2/V3's
+multi-head latent attention (models/deepseek_v2.py `mla_params_mapping`: q_a_proj and kv_a_proj_with_mqa stack
+into `fused_qkv_a_proj` where the model has a q_lora_rank; mapped always here: every DeepSeek-V3 has one)."""
 _SHARDS = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}, ".in_proj_qkvz": {(0, 1, 2), 3},
-           ".in_proj_ba": {0, 1}}
+           ".in_proj_ba": {0, 1}, ".fused_qkv_a_proj": {0, 1}}
+_DERIVED = re.compile(r"^(?P<attn>.*?)\.mla_attn\.(?:[\w.]*\.)?(?:W_UV|W_UK_T|W_UK_T_dcp_qrep|W_K|W_K_scale|W_V|W_V_scale)$")
+"""vLLM's multi-head latent attention parameters computed from `kv_b_proj` rather than loaded (`W_UV`, `W_UK_T`:
+layers/attention/mla_attention.py `MLAAttention.process_weights_after_loading`, which the reload runs again for
+every attention layer after all others are loaded, `reload/layerwise.py` `_finalize_attention_layer`): reached
+when their layer's kv_b_proj is."""
 
 
 def vllm_target(name: str) -> tuple[str, str | int | None]:
@@ -151,6 +165,11 @@ class _Tracked:
         of any of the `num_experts` experts' shards, too)."""
         missing, partial = [], []
         for name in expected:
+            derived = _DERIVED.match(name)
+            if derived is not None:  # recomputed from kv_b_proj by the reload
+                if f"{derived['attn']}.kv_b_proj.weight" not in self.targets:
+                    missing.append(name)
+                continue
             match = _EXPERT_PARAMETER.match(name)
             if match is None:
                 if name not in self.targets:

@@ -60,10 +60,12 @@ def _special(model_type: str, head_dim: int) -> dict:
         "qwen3_moe": {"head_dim": head_dim, "num_experts": 4, "num_experts_per_tok": 2,
                       "moe_intermediate_size": 2 * head_dim, "experts_implementation": "eager"},
         # DeepSeek-V3: multi-head latent attention, layer 0 dense, then 4 routed experts in 2 groups and a shared one
-        # (the rope part's head size is the one vLLM's CPU attention checks: 32 in the vLLM rows)
+        # (vLLM rows: the latent cache's size, kv_lora_rank + qk_rope_head_dim, is 576 as in the real model, the one
+        # size vLLM's CPU MLA backend takes, v1/attention/backends/mla/cpu_mla.py)
         "deepseek_v3": {"num_key_value_heads": None, "n_routed_experts": 4, "n_shared_experts": 1,
                         "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
-                        "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 4 if head_dim < 32 else head_dim, "qk_nope_head_dim": head_dim,
+                        "kv_lora_rank": 16 if head_dim < 32 else 512, "q_lora_rank": 24,
+                        "qk_rope_head_dim": 4 if head_dim < 32 else 64, "qk_nope_head_dim": head_dim,
                         "v_head_dim": head_dim, "moe_intermediate_size": 2 * head_dim, "topk_method": "noaux_tc",
                         "experts_implementation": "eager"},
         # Qwen3-Next: Qwen3.5's layers with sparse MoE blocks (4 experts, top 2, a shared expert)

