@@ -55,8 +55,12 @@ ablate-ladder: setup  ## the paper's cumulative ladder (6 arms x 3 seeds): runs/
 # One rerun, only for a rank that aborted in C++ thread teardown ("terminate called without an active
 # exception", seen once in a 2-rank gloo test and not reproduced in 8 reruns); every other failure fails.
 # Given here, not in pyproject's addopts, so that pytest runs where pytest-rerunfailures is absent (the GPU image).
+# Two pytest workers (TEST_WORKERS), each whole test files (--dist loadfile: a file's module fixtures, such as a
+# started vLLM engine, are built once): many tests wait on subprocesses, rendezvous and engine start-up, so two
+# workers keep two cores busy. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup $(VLLM_STAMP)  ## the whole suite; real vLLM on CPU here (GPU cases skip with a reason)
-	$(VENV)/bin/pytest --reruns 1 --only-rerun 'terminate called without an active exception'
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --reruns 1 --only-rerun 'terminate called without an active exception'
 
 test-fast: setup
 	$(VENV)/bin/pytest -m "not slow and not distributed"
