@@ -48,7 +48,10 @@ from bench import kernel_model  # noqa: E402
 # (label, N, H, V); naive only where its ~35 GB of fp32 logits and gradients fit next to the rest.
 GPU_SHAPES = [("7B", 16384, 3584, 152064), ("32B", 16384, 5120, 152064), ("32B-32k", 32768, 5120, 152064)]
 DRY_SHAPES = [("7B", 256, 32, 1000), ("32B", 128, 48, 1500)]
-PROVIDERS = ("generic", "fused", "naive", "liger-flce", "cce")
+PROVIDERS = ("generic", "fused", "naive", "liger-flce", "cce", "generic-cap30", "fused-cap30")
+"""LM-head providers timed; `-cap30`: flashdapo's own with Gemma's final-logit softcap of 30 (its tanh and
+sech^2 work against the same provider uncapped)."""
+GEMMA_CAP = 30.0
 OPTIONAL = ("triton", "transformers", "liger_kernel", "cut_cross_entropy", "vllm", "flash_attn", "pytest")
 
 
@@ -224,6 +227,12 @@ def make_provider(name: str, h, w, y, g, impl: str):
     """(forward, backward) closures of one provider, or a string saying why it cannot run here."""
     from flashdapo.kernels import fused_token_loss, token_logprobs
 
+    if name.endswith("-cap30"):  # flashdapo's own provider with the final-logit softcap
+        base, cap = name.removesuffix("-cap30"), GEMMA_CAP
+        if base == "generic":
+            return (lambda: token_logprobs(h, w, y, impl=impl, softcap=cap)), (lambda logp: logp.backward(g))
+        loss_fn = lambda lp, rows: (lp * g[rows]).sum()  # noqa: E731 - as "fused" below
+        return (lambda: fused_token_loss(h, w, y, loss_fn, impl=impl, softcap=cap)[0]), (lambda loss: loss.backward())
     if name == "generic":
         return (lambda: token_logprobs(h, w, y, impl=impl)), (lambda logp: logp.backward(g))
     if name == "naive":

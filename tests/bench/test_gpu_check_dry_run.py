@@ -40,7 +40,8 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path):
     failed = [r for r in rows if str(r.get("status", "ok")).startswith(("failed", "skipped: 0"))]
     assert not failed, failed
     ran = {(r["shape"], r["provider"]) for r in rows if r["section"] == "providers" and r["status"] == "ok"}
-    assert {("7B", "generic"), ("7B", "fused"), ("7B", "naive"), ("32B", "generic")} <= ran, ran
+    assert {("7B", "generic"), ("7B", "fused"), ("7B", "naive"), ("32B", "generic"), ("7B", "generic-cap30"),
+            ("7B", "fused-cap30")} <= ran, ran
     assert all(r["fwd ms"] > 0 and r["bwd ms"] >= 0 for r in rows if r["section"] == "providers" and r["status"] == "ok")
     train = next(r for r in rows if r["section"] == "train")
     assert train["status"] == "ok" and train["steps"] == 2 and train["s/step"] > 0, train

@@ -43,6 +43,20 @@ def test_qwen_shapes_match_float64(shape, seed):
     torch.cuda.empty_cache()
 
 
+GEMMA3_4B = (4096, 2560, 262208)
+"""Gemma 3 4B's LM head (hidden 2560, vocabulary 262,208), whose logits are softcapped at 30 in Gemma 2/3/4."""
+
+
+@pytest.mark.parametrize("cap", [30.0, 3.0], ids=["gemma-cap30", "saturating-cap3"])
+def test_softcapped_gemma_shape_matches_float64(cap, seed):
+    """The compiled kernels with the final-logit softcap against float64, log-prob, entropy and both gradients."""
+    h, w, y = _inputs(*GEMMA3_4B)
+    g, ge = _upstream(GEMMA3_4B[0])
+    logp, ent, _, _ = check("triton", h, w, y, 1.0, g, ge, on_cpu=False, blocked=False, softcap=cap)
+    assert (logp <= 0).all() and (ent >= 0).all()
+    torch.cuda.empty_cache()
+
+
 def triton_token_logprobs(*args, **kw):
     return chunked_token_logprobs(*args, impl="triton", **kw)
 
