@@ -140,11 +140,13 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 MULTIMODAL_MODEL_TYPES = {
     "gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text", "Gemma3ForCausalLM"),
     "gemma4": ("Gemma4ForConditionalGeneration", "gemma4_text", "Gemma4ForCausalLM"),
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "qwen3_5_text", "Qwen3_5ForCausalLM"),
 }
 """Multimodal checkpoints whose text model is a registered family: (their class, the text model's model_type
 and class). transformers 5.19's AutoModelForCausalLM builds the whole multimodal model for them (vision tower,
 model.language_model) and Gemma3ForCausalLM.from_pretrained does not map their weights, so they are refused,
-naming the text checkpoint to train instead (docs/models.md converts one)."""
+naming the text checkpoint to train instead (docs/models.md converts one). Qwen3.5 as released is such a
+checkpoint too (its shape fields sit under text_config, which the start-up checks do not read)."""
 
 
 def multimodal_refusal(model_type: str | None) -> str | None:

@@ -219,7 +219,8 @@ def test_vllm_takes_the_push_or_refuses_the_family_in_one_line(model_type, tmp_p
 
 # -- refusals and the command line ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model_type, text_type", [("gemma3", "gemma3_text"), ("gemma4", "gemma4_text")])
+@pytest.mark.parametrize("model_type, text_type", [("gemma3", "gemma3_text"), ("gemma4", "gemma4_text"),
+                                                   ("qwen3_5", "qwen3_5_text")])
 def test_a_multimodal_gemma_is_refused_naming_the_text_checkpoint_to_train(model_type, text_type):
     with pytest.raises(ModelDirError) as err:
         check_model_shape({"model_type": model_type, "architectures": ["X"]}, "model.path=/m")
@@ -267,6 +268,25 @@ def test_an_unknown_family_is_refused_listing_every_registered_one():
     with pytest.raises(ModelDirError) as err:
         check_model_shape({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model.path=/m")
     assert str(err.value).endswith("supported: " + ", ".join(FAMILIES))
+
+
+def test_the_docs_conversion_of_a_qwen3_5_checkpoint_gives_its_text_model():
+    """docs/models.md's five lines on a tiny Qwen3.5 (vision-language, as released): the qwen3_5_text model they
+    make computes the whole model's logits of a text prompt exactly."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    text = family_config("qwen3_5_text").to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=2, temporal_patch_size=1, spatial_merge_size=1)
+    torch.manual_seed(0)
+    whole = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    converted = Qwen3_5ForCausalLM(whole.config.text_config).eval()
+    converted.model.load_state_dict(whole.model.language_model.state_dict())
+    converted.lm_head.weight = whole.lm_head.weight
+    assert converted.config.model_type == "qwen3_5_text"
+    ids = torch.randint(0, VOCAB, (1, 11))
+    with torch.no_grad():
+        assert torch.equal(converted(input_ids=ids).logits, whole(input_ids=ids).logits)
 
 
 def test_the_docs_conversion_of_a_multimodal_gemma3_trains_as_its_text_model(tmp_path):
