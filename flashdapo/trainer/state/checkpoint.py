@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ...distributed.collectives import all_gather_objects, all_reduce, barrier
+from ...distributed.interrupt import Interrupted
 from ...distributed.mesh import DistEnv
 from ...errors import FlashdapoError, refused_pickle
 
@@ -253,6 +254,8 @@ def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path,
     try:
         if action is not None:
             action()
+    except Interrupted:  # a second Ctrl-C stops at once: the stop itself, not a failed write (the next save
+        raise  # clears the temporary directory)
     except (OSError, RuntimeError, ValueError, CheckpointException) as err:
         error = err
     reasons = all_gather_objects("" if error is None else

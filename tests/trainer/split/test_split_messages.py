@@ -88,7 +88,7 @@ def test_a_trainer_stopped_inside_a_bucket_broadcast_is_named_by_the_rollout_sid
                 break
             time.sleep(0.2)
         _kill(stopped)  # else torchrun waits 30 s before its own SIGKILL of a stopped process
-        out = job.communicate(timeout=60)[0]
+        out = job.communicate(timeout=180)[0]
     finally:
         _kill(stopped)
         if job.poll() is None:
