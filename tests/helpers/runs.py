@@ -144,3 +144,20 @@ def first_step_weights(cfg, monkeypatch, force_recompute=False):
         shutdown()
         monkeypatch.undo()
     return metrics, weights
+
+
+def train_two_steps_on(model: Path, tmp_path: Path) -> tuple[Path, list[dict]]:
+    """`flashdapo train --model.path model` for 2 steps on 8 addition problems, the engine's sampling and two
+    updates at the smallest batch (no checkpoint): (the run dir, its metrics rows). Asserts a zero exit."""
+    from flashdapo.__main__ import main as cli
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{a}+{a + 1}", "answer": str(2 * a + 1)}) + "\n" for a in range(8)))
+    run = tmp_path / "run"
+    assert cli(["train", "--model.path", str(model), "--data.train-files", str(data), "--data.max-prompt-length", "32",
+                "--rollout.max-response-length", "8", "--rollout.n", "2", "--trainer.train-batch", "2",
+                "--trainer.gen-batch", "2", "--trainer.mini-batch", "1", "--trainer.micro-batch-tokens", "64",
+                "--trainer.total-steps", "2", "--trainer.val-every", "0", "--trainer.val-before-train", "False",
+                "--algorithm.dynamic-sampling", "False", "--checkpoint.save-every", "0", "--logging.plot", "False",
+                "--logging.progress", "False", "--logging.run-dir", str(run)]) == 0
+    return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

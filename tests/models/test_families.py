@@ -25,7 +25,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from flashdapo.__main__ import main as cli
 from flashdapo.config import engine_spec
 from flashdapo.errors import ConfigError
 from flashdapo.models.hf import FAMILIES, VLLM_UNSUPPORTED, config_keys, family_of, final_logit_softcap
@@ -35,7 +34,7 @@ from flashdapo.models.policy import PolicyModel, per_token_split
 from flashdapo.preflight import check_architecture, check_engine_model, check_model_shape
 from tests.helpers.family_configs import ATTENTION, MATRIX, VOCAB, family_config
 from tests.helpers.model_dirs import model_dir
-from tests.helpers.runs import ROOT, subprocess_env, torchrun
+from tests.helpers.runs import ROOT, subprocess_env, torchrun, train_two_steps_on
 
 TEMPERATURE = 0.7
 
@@ -319,15 +318,6 @@ def test_flashdapo_train_runs_two_steps_on_a_gemma3_directory(tmp_path):
     """The command line end to end on a tiny Gemma 3 (text) directory: start-up checks, loading, the torch
     engine's sampling with its sliding window and final-logit cap, two updates, the export."""
     model = model_dir(tmp_path / "model", "gemma3_text", positions=128)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"{a}+{a + 1}", "answer": str(2 * a + 1)}) + "\n" for a in range(8)))
-    run = tmp_path / "run"
-    assert cli(["train", "--model.path", str(model), "--data.train-files", str(data), "--data.max-prompt-length", "32",
-                "--rollout.max-response-length", "8", "--rollout.n", "2", "--trainer.train-batch", "2",
-                "--trainer.gen-batch", "2", "--trainer.mini-batch", "1", "--trainer.micro-batch-tokens", "64",
-                "--trainer.total-steps", "2", "--trainer.val-every", "0", "--trainer.val-before-train", "False",
-                "--algorithm.dynamic-sampling", "False", "--checkpoint.save-every", "0", "--logging.plot", "False",
-                "--logging.progress", "False", "--logging.run-dir", str(run)]) == 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    run, rows = train_two_steps_on(model, tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert json.loads((run / "export" / "config.json").read_text())["model_type"] == "gemma3_text"

@@ -18,6 +18,7 @@ from flashdapo.errors import ConfigError
 from flashdapo.models import packing, ulysses
 from flashdapo.models.policy import PolicyModel, make_token_batch, per_token_split
 from tests.helpers.attention_models import VOCAB, gemma2_softcapped, gpt_oss_with_sinks, qwen2_windowed
+from tests.helpers.thread_ranks import ThreadGroup
 
 CPU = torch.device("cpu")
 ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=CPU, mesh=None)
@@ -197,26 +198,12 @@ def test_flash_attn_varlen_gets_the_softcap_and_the_window(monkeypatch):
     assert (out - uncapped).abs().max() > 0.1
 
 
-class _ThreadGroup:
-    """sp ranks as threads of one process: rank r sends chunk j of its tensor to rank j."""
-
-    def __init__(self, size: int):
-        self.size, self.barrier, self.sent = size, threading.Barrier(size, timeout=60), [None] * size
-
-    def all_to_all(self, chunks: torch.Tensor, rank: int) -> torch.Tensor:
-        self.sent[rank] = chunks
-        self.barrier.wait()
-        received = torch.stack([self.sent[source][rank] for source in range(self.size)])
-        self.barrier.wait()
-        return received
-
-
 @pytest.mark.parametrize("sp", [2, 4])
 def test_ulysses_gives_each_rank_its_heads_sinks(monkeypatch, sp):
     """Under sequence parallelism (sp ranks simulated by threads, both all-to-alls and the KV-head repeat
     real) with sinks, a softcap and a window, each rank's output shard is that of the whole row in one
     process, and the sinks' gradient summed over ranks is one process's."""
-    group = _ThreadGroup(sp)
+    group = ThreadGroup(sp)
     rank_of = {}
     monkeypatch.setattr(ulysses.dist, "get_world_size", lambda g: sp)
     monkeypatch.setattr(ulysses.dist, "get_rank", lambda g: rank_of[threading.get_ident()])

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.runs import ROOT, TINY, TRAINER_SCRIPTS, run_metrics, subprocess_env, torchrun
+from tests.helpers.thread_ranks import ThreadGroup
 
 MODES = ("token-mean", "seq-mean-token-mean")
 
@@ -96,20 +97,6 @@ def _error(got, reference):
                                                      for n in ref_grads)
 
 
-class _ThreadGroup:
-    """sp ranks as threads of one process, for `_all_to_all`: rank r sends chunk j of its tensor to rank j."""
-
-    def __init__(self, size: int):
-        self.size, self.barrier, self.sent = size, threading.Barrier(size, timeout=60), [None] * size
-
-    def all_to_all(self, chunks: torch.Tensor, rank: int) -> torch.Tensor:
-        self.sent[rank] = chunks
-        self.barrier.wait()
-        received = torch.stack([self.sent[source][rank] for source in range(self.size)])
-        self.barrier.wait()
-        return received
-
-
 @pytest.mark.parametrize("heads, kv_heads, sp, window", [(4, 1, 4, None), (8, 1, 8, 5), (16, 2, 4, None),
                                                          (32, 4, 8, 7), (8, 8, 4, None), (8, 2, 2, None)])
 def test_ulysses_attention_head_mapping_without_ranks(monkeypatch, heads, kv_heads, sp, window):
@@ -119,7 +106,7 @@ def test_ulysses_attention_head_mapping_without_ranks(monkeypatch, heads, kv_hea
     from flashdapo.models import packing, ulysses
 
     ulysses.check_heads(heads, kv_heads, sp)
-    group = _ThreadGroup(sp)
+    group = ThreadGroup(sp)
     rank_of = {}
     monkeypatch.setattr(ulysses.dist, "get_world_size", lambda g: sp)
     monkeypatch.setattr(ulysses, "_all_to_all",

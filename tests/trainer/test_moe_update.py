@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdapo.__main__ import main as cli
 from tests.helpers.moe import fixed_batch_update, moe_model_dir
-from tests.helpers.runs import TRAINER_SCRIPTS, torchrun
+from tests.helpers.runs import TRAINER_SCRIPTS, torchrun, train_two_steps_on
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +66,7 @@ def test_a_sequence_parallel_pair_updates_as_one_rank(one_rank, tmp_path):
 def test_train_on_a_moe_model_dir_logs_the_router_loss_and_expert_load(tmp_path, capsys):
     """config.json's output_router_logits on: its coefficient (0.01) trains, and the torch engine samples."""
     model = moe_model_dir(tmp_path / "model", output_router_logits=True)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"{a}+{a + 1}", "answer": str(2 * a + 1)}) + "\n"
-                            for a in range(8)))
-    run = tmp_path / "run"
-    assert cli(["train", "--model.path", str(model), "--data.train-files", str(data), "--data.max-prompt-length", "32",
-                "--rollout.max-response-length", "8", "--rollout.n", "2", "--trainer.train-batch", "2",
-                "--trainer.gen-batch", "2", "--trainer.mini-batch", "1", "--trainer.micro-batch-tokens", "64",
-                "--trainer.total-steps", "2", "--trainer.val-every", "0", "--trainer.val-before-train", "False",
-                "--algorithm.dynamic-sampling", "False", "--checkpoint.save-every", "0", "--logging.plot", "False",
-                "--logging.progress", "False", "--logging.run-dir", str(run)]) == 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    run, rows = train_two_steps_on(model, tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["actor/router_aux_loss"] > 0
