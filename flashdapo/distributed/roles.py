@@ -215,21 +215,43 @@ class Bridges:
             time.sleep(self.poll_s)
         return time.perf_counter() - start
 
-    def send_bytes(self, payload: bytes, dst: int, tag: int) -> None:
-        """`payload` to global rank `dst` over the control bridge (its length first)."""
+    def send_bytes(self, payload: bytes, dst: int, tag: int, what: str = "a message") -> None:
+        """`payload` to global rank `dst` over the control bridge (its length first), reading `dst`'s liveness
+        while the send is in flight (a peer stopped before it receives is named, not found by the timeout)."""
+        _stop_here_for_test("send")
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
-        self.ctl.send([torch.tensor([len(payload)], dtype=torch.int64)], dst, tag).wait()
+        self._finish(self.ctl.send([torch.tensor([len(payload)], dtype=torch.int64)], dst, tag), [dst], what)
         if len(payload):
-            self.ctl.send([data], dst, tag).wait()
+            self._finish(self.ctl.send([data], dst, tag), [dst], what)
 
-    def recv_bytes(self, src: int, tag: int) -> bytes:
-        """What global rank `src` sent with `send_bytes` and `tag`."""
+    def recv_bytes(self, src: int, tag: int, what: str = "a message") -> bytes:
+        """What global rank `src` sent with `send_bytes` and `tag`. The receive runs while this rank reads `src`'s
+        liveness: a sender stopped between announcing the message and sending it is named after stale_s."""
         size = torch.zeros(1, dtype=torch.int64)
-        self.ctl.recv([size], src, tag).wait()
+        self._finish(self.ctl.recv([size], src, tag), [src], what)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         if len(data):
-            self.ctl.recv([data], src, tag).wait()
+            self._finish(self.ctl.recv([data], src, tag), [src], what)
         return data.numpy().tobytes()
+
+    def _finish(self, work, peers: list[int], what: str) -> None:
+        """Wait for a point-to-point `work` while polling `peers`' liveness. Gloo's send/recv works report
+        is_completed() only once wait() has returned, so the wait runs on a helper thread (left blocked, daemon,
+        if the peer hung: the process is about to end with PeerHungError)."""
+        done, errors = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except BaseException as err:  # re-raised on the caller's thread
+                errors.append(err)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="flashdapo-bridge-wait", daemon=True).start()
+        self._poll(done.is_set, peers, what)
+        if errors:
+            raise errors[0]  # the transfer's own error (a peer that died: its closed socket)
 
     def broadcast_weights(self, tensor: torch.Tensor, what: str = "a bucket of the weights") -> None:
         """Trainer rank 0's `tensor` into every rollout rank's (same shape and dtype, on `weights_device`), over
@@ -260,7 +282,8 @@ def _bridge_group(store: dist.Store, name: str, rank: int, size: int, device: to
 STOP_ENV = "FLASHDAPO_SPLIT_STOP_IN"
 """Test hook (fault injection): `<global rank>:<where>:<n>` makes that rank SIGSTOP itself (every thread, its
 liveness beat included: a hung process) at its n-th pass through `where` (1-based); `push`: about to join a
-bucket broadcast of the weights push."""
+bucket broadcast of the weights push; `send`: about to send a message over the control bridge (a rollout rank: a
+batch whose ready key is set)."""
 
 
 def _stop_here_for_test(where: str) -> None:

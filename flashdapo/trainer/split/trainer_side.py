@@ -120,7 +120,8 @@ class SplitTrainer:
         began = time.perf_counter()
         payload = None
         if env.rank == 0:
-            payload = self.queued.pop(step) if queued else bridges.recv_bytes(src=bridges.layout.trainers, tag=step)
+            payload = (self.queued.pop(step) if queued else
+                       bridges.recv_bytes(src=bridges.layout.trainers, tag=step, what=f"batch {step}"))
         payload = broadcast_object(payload)  # the bytes are here already: a short collective
         if env.rank == 0 and not queued:
             bridges.delete(ready_key(step))

@@ -103,7 +103,7 @@ class Sender:
             batch, payload = item
             try:
                 self.bridges.set(ready_key(batch), str(len(payload)))
-                self.bridges.send_bytes(payload, dst=0, tag=batch)
+                self.bridges.send_bytes(payload, dst=0, tag=batch, what=f"trainer rank 0 to take batch {batch}")
             except BaseException as err:  # raised on the main thread at the next put / close
                 self.error = err
                 return

@@ -6,7 +6,8 @@ docs/failures.md), each in one line (gloo, torch engine, 1 trainer + 1 rollout r
   receivers in the store (polling liveness) before each broadcast instead of sitting in the bridge's gloo
   broadcast (the delay shortened through the FLASHDAPO_SPLIT_STALE_S test hook);
 - a rank that stops inside a bucket broadcast of the push (FLASHDAPO_SPLIT_STOP_IN fault injection) is named the
-  same way: the broadcast runs asynchronously while each member polls the others' liveness;
+  same way: the broadcast runs asynchronously while each member polls the others' liveness; so is a rollout rank
+  that stops between announcing a batch and sending it (the trainer's receive polls its liveness);
 - SIGTERM to a rollout rank is one notice; Ctrl-C stops the trainer side after its step and the rollout side with
   it; a second Ctrl-C still ends the rollout side in one line, with no half-written checkpoint;
 - a SIGKILLed torchrun agent (the launcher, host of the store) is named as such by every rank, not as 'rank ?'."""
@@ -16,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,6 +102,36 @@ def test_a_trainer_stopped_inside_a_bucket_broadcast_is_named_by_the_rollout_sid
     assert job.returncode == 1, out[-4000:]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_rollout_rank_stopped_between_announcing_a_batch_and_sending_it_is_named(tmp_path):
+    """The rollout rank SIGSTOPs itself after setting batch 1's ready key, before its first byte: the trainer has
+    passed the key's wait and sits in the receive. Seen once in a full run (gloo's 120 s receive timeout, a raw
+    traceback): only a liveness poll during the receive names the stopped rank in time."""
+    run_dir = tmp_path / "run"
+    job = launch(split_cmd(run_dir, *LONG, "--trainer.setup-timeout-s", "600"), tag=run_dir,
+                 FLASHDAPO_SPLIT_STALE_S="3", FLASHDAPO_SPLIT_STOP_IN="1:send:1")
+    stopped = trainer = None
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and job.poll() is None:  # the trainer rank ends, the stopped one stays
+            stopped, trainer = stopped or rank_pid(run_dir, 1), trainer or rank_pid(run_dir, 0)
+            if stopped is not None and trainer is not None and rank_pid(run_dir, 0) is None:  # seen, then gone
+                break
+            time.sleep(0.2)
+        _kill(stopped)  # else torchrun waits 30 s before its own SIGKILL of a stopped process
+        out = job.communicate(timeout=180)[0]
+    finally:
+        _kill(stopped)
+        if job.poll() is None:
+            job.kill()
+    assert "test hook FLASHDAPO_SPLIT_STOP_IN: rank 1 stops itself in send" in out, out[-4000:]
+    assert "rank 1 (rollout rank 0) has not answered for 3 s while rank 0 (trainer rank 0) waited for batch 1" \
+        in out, out[-4000:]
+    assert "Timed out waiting" not in out, out[-4000:]
+    assert job.returncode == 1, out[-4000:]
+
+
 class _NeverDone:
     """A bridge broadcast whose peer stopped inside it: never completes."""
 
@@ -127,6 +159,51 @@ def test_a_member_stopped_inside_a_bucket_broadcast_is_named_by_the_other_side(m
     with pytest.raises(PeerHungError, match=re.escape(f"{named} has not answered for 1 s while {waiter} waited for "
                                                       "bucket 3 of the weights of step 2")):
         bridges.broadcast_weights(torch.zeros(4), "bucket 3 of the weights of step 2")
+
+
+class _BlockingWork:
+    """A gloo send/recv whose peer stopped: wait() blocks (until the test releases it); is_completed() stays False
+    until wait() returns, as gloo's point-to-point works do."""
+
+    def __init__(self, release):
+        self.release = release
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        self.release.wait()
+
+
+class _StuckControl:
+    def __init__(self, release):
+        self.release = release
+
+    def send(self, tensors, dst, tag):
+        return _BlockingWork(self.release)
+
+    def recv(self, tensors, src, tag):
+        return _BlockingWork(self.release)
+
+
+@pytest.mark.parametrize(("me", "named"), [(0, "rank 1 (rollout rank 0)"), (1, "rank 0 (trainer rank 0)")])
+def test_a_peer_stopped_inside_a_control_message_is_named(me, named):
+    """Trainer rank 0 receiving a batch whose sender stopped after announcing it, or the rollout rank sending to a
+    stopped trainer: after stale_s the wait ends in PeerHungError naming the peer and the message."""
+    release = threading.Event()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    bridges = Bridges(layout=Layout(trainers=1, rollouts=1), global_rank=me, store=store,
+                      ctl=_StuckControl(release), weights=None, stale_s=1.0)
+    waiter = "rank 0 (trainer rank 0)" if me == 0 else "rank 1 (rollout rank 0)"
+    try:
+        with pytest.raises(PeerHungError, match=re.escape(f"{named} has not answered for 1 s while {waiter} "
+                                                          "waited for batch 4")):
+            if me == 0:
+                bridges.recv_bytes(src=1, tag=4, what="batch 4")
+            else:
+                bridges.send_bytes(b"abc", dst=0, tag=4, what="batch 4")
+    finally:
+        release.set()
 
 
 @pytest.mark.distributed
