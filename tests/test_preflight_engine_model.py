@@ -1,4 +1,4 @@
-"""The model against the rollout engine (flashdapo/preflight.py, check_engine_model): what vLLM cannot build of a
+"""The model against the rollout engine (flashdapo/rollout/engine_models.py, check_engine_model): what vLLM cannot build of a
 config.json (attention windows mixed across layers on Qwen2/Qwen3, an architecture outside its ModelRegistry) is
 one line at start-up and in `flashdapo plan`, before any process group, weights or engine; configs vLLM builds
 still pass. The vLLM-importing cases are marked `vllm`. Wall budget: 20 s (the vLLM import alone is most of it)."""
@@ -14,7 +14,8 @@ import pytest
 
 from flashdapo.__main__ import main
 from flashdapo.config import ConfigError, engine_spec, merge, preset
-from flashdapo.preflight import check_engine_model, check_launch, check_layer_windows
+from flashdapo.preflight import check_launch
+from flashdapo.rollout.engine_models import check_engine_model, check_layer_windows
 from flashdapo.trainer import setup
 from tests.helpers.data_files import train_file
 
@@ -48,10 +49,11 @@ MIXED = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1
                          ids=["qwen2-derived", "qwen3", "qwen2-explicit-layer-types"])
 def test_mixed_windows_under_vllm_are_one_line_before_the_process_group(config, tmp_path, capsys, monkeypatch):
     import flashdapo.preflight as preflight
+    import flashdapo.rollout.engine_models as engine_models
 
     monkeypatch.setenv("FLASHDAPO_DEBUG", "0")
     monkeypatch.setattr(preflight, "installed", lambda module: True)  # as on a machine with vLLM, which need not be this
-    monkeypatch.setattr(preflight, "check_architecture", lambda *a: pytest.fail("the windows are checked first"))
+    monkeypatch.setattr(engine_models, "check_architecture", lambda *a: pytest.fail("the windows are checked first"))
     monkeypatch.setattr(setup, "init_distributed", lambda *a, **k: pytest.fail("the launch went on"))
     model = _model_dir(tmp_path / "m", config)
     argv = ["train", "--model.path", str(model), "--data.train-files", str(train_file(tmp_path / "d.jsonl")),
@@ -167,7 +169,7 @@ def test_a_model_module_missing_a_package_is_one_line_naming_it(tmp_path, monkey
     the engine's own package (the engine's start says what it lacks). A stand-in registry: no vLLM needed."""
     from types import SimpleNamespace
 
-    from flashdapo.preflight import check_model_module
+    from flashdapo.rollout.engine_models import check_model_module
 
     (tmp_path / "needs_pkg_fdp.py").write_text("import no_such_package_fdp.sub\n")
     (tmp_path / "fine_fdp.py").write_text("import json\n")

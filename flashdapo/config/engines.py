@@ -44,7 +44,7 @@ class EngineSpec:
     """It can also record them in a stream (rollout.streaming)."""
     uniform_window_architectures: tuple[str, ...] = ()
     """Architectures it builds with one attention kind for every layer: a config whose layer_types mix sliding
-    and full attention is refused at start-up (preflight.check_layer_windows states the engine's condition)."""
+    and full attention is refused at start-up (rollout/engine_models.py check_layer_windows states the engine's condition)."""
 
 
 ENGINES: dict[str, EngineSpec] = {

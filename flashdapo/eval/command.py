@@ -51,7 +51,8 @@ from ..distributed.failfast import FailFast
 from ..distributed.mesh import DistEnv, init_distributed
 from ..models.hf import attention_refusal
 from ..models.model_dir import check_model_dir
-from ..preflight import check_engine, check_engine_model, check_model
+from ..preflight import check_engine, check_model
+from ..rollout.engine_models import check_engine_model
 from ..rollout.factory import build_engine, world_group
 from .results import EvalReport, format_report
 from .sampling import EvalSampling, Shard, evaluate_to_dir

@@ -28,7 +28,8 @@ from ..data import DAPO_TEMPLATE, Record, chat_ids, prompts_from_records, read_r
 from ..distributed.mesh import init_distributed, shutdown
 from ..errors import file_in_the_way
 from ..models.model_dir import check_model_dir
-from ..preflight import check_engine, check_engine_model, check_model
+from ..preflight import check_engine, check_model
+from ..rollout.engine_models import check_engine_model
 from .command import OPTIONS, eval_engine, tree_options
 from .examples import example_records
 from .results import PromptResult

