@@ -38,6 +38,10 @@ from .interrupt import Interrupted, signal_name
 
 _EXIT_STATUS = 1
 
+_EXIT_LOCK = threading.Lock()
+"""Held by the thread that ends the process: one closing line per process, whichever watcher (the failure
+watch here, the launcher watch of trainer/state/rundir.py) or error path gets there first."""
+
 
 def _key(name: str) -> str:
     # One namespace per (elastic) attempt: a restarted worker group must not read the last one's failure.
@@ -56,7 +60,7 @@ class FailFast:
     parent_pid: int = field(default_factory=os.getppid)
     """The process that started this rank (torchrun's agent): another one later means the launcher is gone."""
     _stop: threading.Event = field(default_factory=threading.Event)
-    _exiting: threading.Lock = field(default_factory=threading.Lock)
+    _exiting: threading.Lock = field(default=_EXIT_LOCK)
     _thread: threading.Thread | None = None
 
     @classmethod
@@ -221,10 +225,19 @@ def lost_peer_line(err: BaseException) -> str | None:
             "code); resume with --checkpoint.resume auto")
 
 
+def exit_with_line(line: str, status: int = _EXIT_STATUS) -> None:
+    """Print `line` and end the process, unless another thread is ending it already (then return at once: its own
+    line is the one said)."""
+    if not _EXIT_LOCK.acquire(blocking=False):
+        return
+    print(line, file=sys.stderr, flush=True)
+    _exit(status)
+
+
 def _exit(status: int = _EXIT_STATUS) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
 
 
-__all__ = ["FailFast"]
+__all__ = ["FailFast", "exit_with_line"]

@@ -253,3 +253,10 @@ def test_workers_stop_when_the_torchrun_launcher_is_killed_and_their_lock_refuse
         except RunDirError:
             assert time.monotonic() < deadline, "the dead workers' lock was not released"
             time.sleep(0.2)
+    # One closing line per rank: the launcher watch (rundir.py) and the failure watch (failfast.py) both see the
+    # launcher's loss; whichever ends the process says it, the other stays silent.
+    out = (tmp_path / "out.txt").read_text()
+    for rank in (0, 1):
+        said = [line for line in out.splitlines() if line.startswith("flashdapo:") and "launcher" in line
+                and (f"rank {rank}:" in line or f"rank {rank} stops" in line)]
+        assert len(said) == 1, out[-3000:]

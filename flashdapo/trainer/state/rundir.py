@@ -28,7 +28,6 @@ import os
 import re
 import secrets
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from ...distributed.failfast import exit_with_line
 from ...errors import FlashdapoError
 
 LOCK_NAME = ".flashdapo.lock"
@@ -220,9 +220,7 @@ def stop_if_launcher_dies(rank: int, poll_s: float = 0.5) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
-        sys.stderr.write(f"flashdapo: error: rank {rank}: the torchrun launcher (pid {launcher}) died; this worker stops "
-                         "instead of training on alone. Resume with --checkpoint.resume auto\n")
-        sys.stderr.flush()
-        os._exit(1)
+        exit_with_line(f"flashdapo: error: rank {rank}: the torchrun launcher (pid {launcher}) died; this worker stops "
+                       "instead of training on alone. Resume with --checkpoint.resume auto")
 
     threading.Thread(target=watch, name=watcher, daemon=True).start()
