@@ -25,7 +25,7 @@ from .linear_attention import check_sequence_parallel
 from .moe.replay import RouteReplay, install_route_replay, lay_out_routes
 from .moe.router import RouterLogits, router_logits_kwargs
 from .packing import DocumentBounds, packed_attention_kwargs, use_packed_attention
-from .ulysses import check_heads, gather_token_values, local_predictions, shard_bounds
+from .ulysses import check_layer_heads, gather_token_values, layer_heads, local_predictions, shard_bounds
 
 
 @dataclass
@@ -223,7 +223,7 @@ class PolicyModel(nn.Module):
         """Pack micro-batches (or pad them), split over env's sequence-parallel group when it has one."""
         if env.sequence_parallel > 1:
             check_sequence_parallel(self.config, env.sequence_parallel)
-            check_heads(self.config.num_attention_heads, self.config.num_key_value_heads, env.sequence_parallel)
+            check_layer_heads(layer_heads(self.config), env.sequence_parallel)
         self.pack = pack or env.sequence_parallel > 1
         self.sp_group, self.sp, self.sp_rank = env.sp_group, env.sequence_parallel, env.sp_rank
         if self.pack:

@@ -75,12 +75,31 @@ def heads_fit(num_heads: int, num_kv_heads: int, sp: int) -> bool:
 
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
     """One-line error unless the heads split into sp chunks (`heads_fit`), naming the sizes that do."""
-    if not heads_fit(num_heads, num_kv_heads, sp):
-        fitting = ", ".join(str(s) for s in range(1, num_heads + 1) if heads_fit(num_heads, num_kv_heads, s))
-        raise SequenceParallelError(
-            f"trainer.sequence_parallel={sp} does not fit the model's {num_heads} query heads and {num_kv_heads} "
-            f"key/value heads (query heads must divide by it; key/value heads must divide by it or divide it): "
-            f"choose one of {fitting}")
+    check_layer_heads([(num_heads, num_kv_heads)], sp)
+
+
+def layer_heads(config) -> list[tuple[int, int]]:
+    """(query heads, key/value heads) of each kind of attention layer of an HF config: a heterogeneous config's
+    per-layer values (Gemma 4's full-attention layers carry key/value heads of their own), else the config's."""
+    layers = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else [config]
+    return sorted({(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+                   for c in layers})
+
+
+def check_layer_heads(kinds: list[tuple[int, int]], sp: int) -> None:
+    """`check_heads` for every kind of attention layer (`layer_heads`): one line naming the kind that does not
+    split into sp chunks and the sizes that fit every kind."""
+    bad = [(heads, kv) for heads, kv in kinds if not heads_fit(heads, kv, sp)]
+    if not bad:
+        return
+    fitting = ", ".join(str(s) for s in range(1, max(h for h, _ in kinds) + 1)
+                        if all(heads_fit(h, kv, s) for h, kv in kinds))
+    which = "" if len(kinds) == 1 else f" ({len(kinds)} kinds of attention layer: " + ", ".join(
+        f"{h}/{kv}" for h, kv in kinds) + " query/key-value heads)"
+    raise SequenceParallelError(
+        f"trainer.sequence_parallel={sp} does not fit the model's {bad[0][0]} query heads and {bad[0][1]} "
+        f"key/value heads{which} (query heads must divide by it; key/value heads must divide by it or divide it): "
+        f"choose one of {fitting}")
 
 
 def shard_bounds(length: int, sp: int, sp_rank: int) -> tuple[int, int]:
@@ -104,5 +123,5 @@ def gather_token_values(values: torch.Tensor, held: torch.Tensor, total: int, gr
     return full
 
 
-__all__ = ["check_heads", "expand_kv_heads", "gather_token_values", "heads_fit", "heads_to_sequence",
+__all__ = ["check_heads", "check_layer_heads", "layer_heads", "expand_kv_heads", "gather_token_values", "heads_fit", "heads_to_sequence",
            "local_heads", "local_predictions", "sequence_to_heads", "shard_bounds"]

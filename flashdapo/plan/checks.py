@@ -5,7 +5,7 @@ Run here: the batch layout over ranks and data-parallel slots (preflight.check_l
 config.json (preflight.check_model_config: architecture, positions for prompt + response), and with the
 checkpoint directory on this machine also its files and tokenizer (model_dir.check_model_dir,
 preflight.check_model, as trainer/setup.py does); the sequence-parallel head rule (models/ulysses.py
-check_heads); vLLM's tensor-parallel head rule; expert parallelism against the model's experts
+check_layer_heads); vLLM's tensor-parallel head rule; expert parallelism against the model's experts
 (models/moe/expert_parallel.py check_expert_parallel on the meta-built modules; check_layout checks it
 against the world size). Not run: what the nodes themselves must have
 (preflight.check_machine: CUDA, vLLM, flash-attn, wandb), and the data files when they are not here.
@@ -22,7 +22,7 @@ from ..config import Config, ConfigError, engine_spec
 from ..models.linear_attention import check_sequence_parallel
 from ..models.model_dir import check_model_dir
 from ..models.moe.expert_parallel import check_expert_parallel
-from ..models.ulysses import check_heads
+from ..models.ulysses import check_layer_heads
 from ..preflight import check_layout, check_model, check_model_config
 from ..rollout.engine_models import check_engine_model
 from .model import ModelShape
@@ -62,8 +62,8 @@ def launch_checks(cfg: Config, world: int, source: ModelSource, shape: ModelShap
         check_engine_model(cfg.rollout.engine, source.config, source.origin, registry=False)
     if cfg.trainer.sequence_parallel > 1:
         check_sequence_parallel(source.config, cfg.trainer.sequence_parallel)  # refused with linear attention
-        check_heads(shape.heads, shape.kv_heads, cfg.trainer.sequence_parallel)
-        report.passed.append(f"sequence_parallel {cfg.trainer.sequence_parallel} heads (ulysses.check_heads)")
+        check_layer_heads(list(shape.layer_heads) or [(shape.heads, shape.kv_heads)], cfg.trainer.sequence_parallel)
+        report.passed.append(f"sequence_parallel {cfg.trainer.sequence_parallel} heads (ulysses.check_layer_heads)")
     ep = cfg.trainer.expert_parallel
     if ep > 1:  # its world-size rule is check_layout's
         if experts is not None:

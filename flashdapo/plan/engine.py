@@ -49,8 +49,8 @@ class EngineMemory:
 
 def kv_bytes_per_token(shape: ModelShape, tp: int) -> int:
     """bf16 K and V of every layer for one token on one rank: KV heads split over tp (replicated when tp
-    exceeds them, as vLLM does)."""
-    return shape.layers * 2 * max(1, shape.kv_heads // tp) * shape.head_dim * BF16
+    exceeds them, as vLLM does), each layer's own heads and head dim (they vary in Gemma 4)."""
+    return sum(2 * max(1, kv // tp) * dim * BF16 for kv, dim in shape.kv_layers())
 
 
 def engine_memory(shape: ModelShape, cfg: Config, gpu_bytes: int) -> EngineMemory:

@@ -147,6 +147,27 @@ def test_sequence_parallel_head_rule():
     assert "choose one of 1, 3, 6" in user_error_line(err.value)
 
 
+def test_sequence_parallel_checks_every_kind_of_attention_layer():
+    """Gemma 4's full-attention layers carry key/value heads of their own (num_global_key_value_heads, in the
+    config's per-layer values): sp must fit them too, in the trainer and in `flashdapo plan` alike."""
+    from transformers import Gemma4TextConfig
+
+    from flashdapo.errors import user_error_line
+    from flashdapo.models.ulysses import check_layer_heads, layer_heads
+
+    config = Gemma4TextConfig(num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4,
+                              num_global_key_value_heads=3, attention_k_eq_v=True)
+    assert layer_heads(config) == [(12, 3), (12, 4)]
+    check_layer_heads(layer_heads(config), 1)
+    check_layer_heads(layer_heads(config), 12)  # 4 and 3 key/value heads both divide 12
+    with pytest.raises(Exception) as err:
+        check_layer_heads(layer_heads(config), 2)  # the sliding layers' 4 fit, the full layers' 3 do not
+    line = user_error_line(err.value)
+    assert "12 query heads and 3 key/value heads (2 kinds of attention layer: 12/3, 12/4" in line, line
+    assert "choose one of 1, 12" in line, line
+    assert layer_heads(Gemma4TextConfig(num_hidden_layers=4, num_key_value_heads=4)) == [(8, 4)]  # no override
+
+
 def _logprobs_and_grads(policy, prompts, responses):
     """Per-token log-probs of one micro-batch and the gradients of a fixed weighted sum of them (float64)."""
     logp, _ = policy(policy.token_batch(prompts, responses, torch.device("cpu")))

@@ -71,6 +71,32 @@ def test_a_stopped_rollout_rank_is_named_before_any_collective_timeout(tmp_path)
     assert took < 110, f"{took:.0f} s from the stop to the job's end:\n{out[-4000:]}"
 
 
+def _stop_in(run_dir: Path, stopped_rank: int, place: str) -> tuple[str, int]:
+    """A long split run (stale delay 3 s, collective timeout 10 minutes) whose rank `stopped_rank` SIGSTOPs itself
+    at its first pass through `place` (FLASHDAPO_SPLIT_STOP_IN): wait (up to 180 s) for the other rank to end, then
+    kill the stopped one (else torchrun waits 30 s before its own SIGKILL of a stopped process). The job's output
+    and exit status."""
+    other = 1 - stopped_rank
+    job = launch(split_cmd(run_dir, *LONG, "--trainer.setup-timeout-s", "600"), tag=run_dir,
+                 FLASHDAPO_SPLIT_STALE_S="3", FLASHDAPO_SPLIT_STOP_IN=f"{stopped_rank}:{place}:1")
+    stopped = alive = None
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and job.poll() is None:
+            stopped, alive = stopped or rank_pid(run_dir, stopped_rank), alive or rank_pid(run_dir, other)
+            if stopped is not None and alive is not None and rank_pid(run_dir, other) is None:  # seen, then gone
+                break
+            time.sleep(0.2)
+        _kill(stopped)
+        out = job.communicate(timeout=180)[0]
+    finally:
+        _kill(stopped)
+        if job.poll() is None:
+            job.kill()
+    assert f"test hook FLASHDAPO_SPLIT_STOP_IN: rank {stopped_rank} stops itself in {place}" in out, out[-4000:]
+    return out, job.returncode
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_trainer_stopped_inside_a_bucket_broadcast_is_named_by_the_rollout_side(tmp_path):
@@ -78,28 +104,11 @@ def test_a_trainer_stopped_inside_a_bucket_broadcast_is_named_by_the_rollout_sid
     rank counted in at bucket 0, just before broadcasting it: the rollout rank's receiver is then inside the
     broadcast. The bridges' collective timeout is 10 minutes here, the test's own 3: only a liveness poll during
     the broadcast (the receiver's) or the wait for the weights (the main thread's) can end the job in time."""
-    run_dir = tmp_path / "run"
-    job = launch(split_cmd(run_dir, *LONG, "--trainer.setup-timeout-s", "600"), tag=run_dir,
-                 FLASHDAPO_SPLIT_STALE_S="3", FLASHDAPO_SPLIT_STOP_IN="0:push:1")
-    stopped = rollout = None
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and job.poll() is None:  # the rollout rank ends, the stopped one stays
-            stopped, rollout = stopped or rank_pid(run_dir, 0), rollout or rank_pid(run_dir, 1)
-            if stopped is not None and rollout is not None and rank_pid(run_dir, 1) is None:  # seen, then gone
-                break
-            time.sleep(0.2)
-        _kill(stopped)  # else torchrun waits 30 s before its own SIGKILL of a stopped process
-        out = job.communicate(timeout=180)[0]
-    finally:
-        _kill(stopped)
-        if job.poll() is None:
-            job.kill()
-    assert "test hook FLASHDAPO_SPLIT_STOP_IN: rank 0 stops itself in push" in out, out[-4000:]
+    out, status = _stop_in(tmp_path / "run", 0, "push")
     named = "rank 0 (trainer rank 0) has not answered for 3 s while rank 1 (rollout rank 0) waited for "
     assert any(named + what in out for what in ("bucket 0 of the weights of step 0", "the weights of step 0")), \
         out[-4000:]
-    assert job.returncode == 1, out[-4000:]
+    assert status == 1, out[-4000:]
 
 
 @pytest.mark.distributed
@@ -108,28 +117,11 @@ def test_a_rollout_rank_stopped_between_announcing_a_batch_and_sending_it_is_nam
     """The rollout rank SIGSTOPs itself after setting batch 1's ready key, before its first byte: the trainer has
     passed the key's wait and sits in the receive. Seen once in a full run (gloo's 120 s receive timeout, a raw
     traceback): only a liveness poll during the receive names the stopped rank in time."""
-    run_dir = tmp_path / "run"
-    job = launch(split_cmd(run_dir, *LONG, "--trainer.setup-timeout-s", "600"), tag=run_dir,
-                 FLASHDAPO_SPLIT_STALE_S="3", FLASHDAPO_SPLIT_STOP_IN="1:send:1")
-    stopped = trainer = None
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and job.poll() is None:  # the trainer rank ends, the stopped one stays
-            stopped, trainer = stopped or rank_pid(run_dir, 1), trainer or rank_pid(run_dir, 0)
-            if stopped is not None and trainer is not None and rank_pid(run_dir, 0) is None:  # seen, then gone
-                break
-            time.sleep(0.2)
-        _kill(stopped)  # else torchrun waits 30 s before its own SIGKILL of a stopped process
-        out = job.communicate(timeout=180)[0]
-    finally:
-        _kill(stopped)
-        if job.poll() is None:
-            job.kill()
-    assert "test hook FLASHDAPO_SPLIT_STOP_IN: rank 1 stops itself in send" in out, out[-4000:]
+    out, status = _stop_in(tmp_path / "run", 1, "send")
     assert "rank 1 (rollout rank 0) has not answered for 3 s while rank 0 (trainer rank 0) waited for batch 1" \
         in out, out[-4000:]
     assert "Timed out waiting" not in out, out[-4000:]
-    assert job.returncode == 1, out[-4000:]
+    assert status == 1, out[-4000:]
 
 
 class _NeverDone:
