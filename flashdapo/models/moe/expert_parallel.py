@@ -171,15 +171,42 @@ def clip_grad_norm_over_meshes(params: list[nn.Parameter], max_norm: float) -> f
     for p in params:
         groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
-    for members in groups.values():
+    for mesh, members in groups.items():
+        if mesh is not None and mesh.ndim > 1:
+            norms.append(_sharded_norm([p.grad for p in members], mesh))
+            continue
         norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type=2.0)
-        norms.append(full_tensor_by_dim(norm) if isinstance(norm, DTensor) else norm)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])) if norms else \
         torch.tensor(0.0)
     if max_norm > 0:
         for members in groups.values():
             torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
     return float(total)
+
+
+def _sharded_norm(grads: list[DTensor], mesh: DeviceMesh) -> torch.Tensor:
+    """The global 2-norm of DTensor gradients on a multi-dimensional mesh: each placement pattern's sum of local
+    squares, summed over the mesh dimensions it is sharded on (a replicated dimension holds copies: not summed).
+    torch's get_total_norm stacks per-tensor norms as partial DTensors and reduces them over both dimensions
+    at once, with a warning on every rank that it cannot merge the two all-reduces."""
+    squares: dict[tuple, torch.Tensor] = {}
+    dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp32 at least; float64 stays float64
+    for grad in grads:
+        local = grad.to_local()
+        term = torch.linalg.vector_norm(local, 2.0, dtype=dtype) ** 2 if local.numel() else \
+            torch.zeros((), dtype=dtype, device=local.device)
+        key = tuple(grad.placements)
+        squares[key] = squares[key] + term if key in squares else term
+    total = torch.zeros((), dtype=dtype, device=next(iter(squares.values())).device)
+    for placements, square in squares.items():  # the same order on every rank: parameters' order
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                raise ValueError(f"a gradient placed {placements} on the expert mesh: reduced gradients expected")
+            if not placement.is_replicate():  # Shard, or FSDP2's _StridedShard over an already-sharded dim
+                dist.all_reduce(square, group=mesh.get_group(dim))
+        total = total + square
+    return total.sqrt()
 
 
 def full_tensor_by_dim(value: DTensor) -> torch.Tensor:
