@@ -257,6 +257,7 @@ class PolicyModel(nn.Module):
                                 attention_mask=batch.attention_mask, use_cache=False, **moe)
         if routing is not None:
             routing.layers = tuple(getattr(out, "router_logits", None) or ())
+            routing.chosen = self.route_replay.chosen_layers() if self.route_replay is not None else None
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         if batch.held is not None and not len(batch.predict_index):
             return hidden  # the whole shard: see _nothing_held

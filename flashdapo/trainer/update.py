@@ -190,7 +190,7 @@ class RouterTerm:
         with torch.set_grad_enabled(self.coef > 0 and torch.is_grad_enabled()):
             ids = token_sequences(num_sequences, packed.bounds, packed.attention_mask, policy.sp, policy.sp_rank)
             balance = load_balancing(routing.layers, ids, num_sequences, self.top_k,
-                                     policy.sp_group if policy.sp > 1 else None)
+                                     policy.sp_group if policy.sp > 1 else None, routing.chosen)
             self.load += balance.load
             return balance.loss_sum / sequences
 

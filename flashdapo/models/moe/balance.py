@@ -17,6 +17,9 @@ Under sequence parallelism a sequence spans the group's shards: the counts (no g
 the group, and each rank's share is E * sum_i f_i * (its own probability sums) / (L * tokens); the
 shares add up to the loss and its gradient.
 
+Under routing replay (replay.py) f counts the experts the tokens were dispatched to, the engine's records,
+not the router's own top-k: the load balanced is the load carried. P is the router's, as always.
+
 Probabilities are taken in fp32 (or the logits' wider dtype), whatever the model's dtype.
 """
 
@@ -62,12 +65,16 @@ def token_sequences(num_sequences: int, bounds: DocumentBounds | None, attention
 
 
 def load_balancing(router_logits: tuple[torch.Tensor, ...], sequence: torch.Tensor, num_sequences: int, top_k: int,
-                   sp_group: dist.ProcessGroup | None = None) -> Balance:
+                   sp_group: dist.ProcessGroup | None = None,
+                   chosen: tuple[torch.Tensor, ...] | None = None) -> Balance:
     """Per-sequence load-balancing losses (summed) and per-layer expert load of one forward.
 
     `router_logits`: one [tokens, E] tensor per sparse layer, as transformers records them with
     `output_router_logits=True`; `sequence` [tokens]: `token_sequences`; `sp_group`: the sequence-parallel
-    group whose ranks hold the other shards of these sequences (None: none).
+    group whose ranks hold the other shards of these sequences (None: none); `chosen`: one [tokens, k] tensor
+    per layer, the experts the tokens were dispatched to when they are not the router's own top-k (routing
+    replay: the engine's), counted in f and the load in its place (as Megatron's router replay counts its
+    replayed routing map); None: the top-k of the logits.
     """
     keep = sequence >= 0
     seq = sequence[keep]
@@ -79,11 +86,11 @@ def load_balancing(router_logits: tuple[torch.Tensor, ...], sequence: torch.Tens
     load = torch.zeros(len(router_logits), num_experts, dtype=torch.float64, device=first.device)
     for layer, logits in enumerate(router_logits):
         p = torch.softmax(logits[keep].to(dtype), dim=-1)
-        chosen = torch.topk(p, top_k, dim=-1).indices
+        picked = torch.topk(p, top_k, dim=-1).indices if chosen is None else chosen[layer][keep].long()
         with torch.no_grad():
-            picks.index_put_((seq[:, None].expand_as(chosen), chosen), torch.ones((), dtype=dtype, device=p.device),
+            picks.index_put_((seq[:, None].expand_as(picked), picked), torch.ones((), dtype=dtype, device=p.device),
                              accumulate=True)
-            load[layer] = torch.bincount(chosen.reshape(-1), minlength=num_experts).to(load.dtype)
+            load[layer] = torch.bincount(picked.reshape(-1), minlength=num_experts).to(load.dtype)
         probs = probs.index_add(0, seq, p)
     rows = torch.bincount(seq, minlength=num_sequences).to(dtype) * len(router_logits)
     if sp_group is not None and dist.get_world_size(sp_group) > 1:  # the sequences' other shards' counts

@@ -100,6 +100,9 @@ class RouteReplay:
             raise ValueError("routing replay needs a mixture-of-experts model (no router found)")
         self.routers = model_routers
         self.layout: torch.Tensor | None = None
+        self.chosen: dict[int, torch.Tensor] = {}
+        """Per sparse layer, the experts the last forward's router handed on ([tokens, k], recorded where there was
+        a record): what the load-balancing loss counts under replay (balance.py)."""
         self.counting = True
         self.matched = 0
         self.recorded = 0
@@ -113,7 +116,15 @@ class RouteReplay:
             raise ValueError(f"routing replay: the records hold {layout.shape[1]} sparse layers, the model has "
                              f"{len(self.routers)}")
         self.layout = layout
+        self.chosen = {}
         self._counted = set()
+
+    def chosen_layers(self) -> tuple[torch.Tensor, ...] | None:
+        """The experts each sparse layer's router handed on in the last forward with routes loaded, in layer
+        order; None without a loaded layout (the routers chose freely)."""
+        if self.layout is None or len(self.chosen) != len(self.routers):
+            return None
+        return tuple(self.chosen[layer] for layer in range(len(self.routers)))
 
     def take_agreement(self) -> tuple[int, int]:
         """(matched, recorded) positions x layers counted since the last call; the counts restart and counting
@@ -150,6 +161,7 @@ class RouteReplay:
                 self.matched = self.matched + same.sum()
                 self.recorded = self.recorded + has.sum()
         indices = torch.where(has[:, None], recorded.to(own.dtype), own)
+        self.chosen[layer] = indices.detach()
         return logits, replay_weights(logits, indices, bool(getattr(module, "norm_topk_prob", True))), indices
 
 

@@ -50,6 +50,9 @@ class RouterLogits:
 
     def __init__(self) -> None:
         self.layers: tuple[torch.Tensor, ...] = ()
+        self.chosen: tuple[torch.Tensor, ...] | None = None
+        """Under routing replay, the experts each layer's router handed on ([tokens, k]: the engine's where
+        recorded); None: the routers' own top-k of `layers`."""
 
 
 def router_logits_kwargs(config, record: bool = False) -> dict[str, bool]:

@@ -75,6 +75,42 @@ def test_aux_loss_per_sequence_equals_transformers_and_its_gradient_reaches_the_
             torch.testing.assert_close(gate.weight.grad, expected, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_under_routing_replay_the_loss_and_the_load_count_the_replayed_experts(packed):
+    """With the engine's routes replayed, f_i and the expert load count the experts the tokens were dispatched to
+    (the records), not the router's own top-k; P_i stays the router's probabilities (the gradient)."""
+    model = tiny_moe()
+    prompts, responses = _sequences()
+    lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses)]
+    own = [torch.topk(torch.stack(model(input_ids=torch.cat([p, r[:-1]])[None], output_router_logits=True)
+                                  .router_logits, dim=1), 2).indices for p, r in zip(prompts, responses)]
+    records = [((o + 1) % 4).to(torch.int8) for o in own]  # [positions, layers, 2]: every pick moved
+    policy = PolicyModel(model, "sdpa", "torch", 1.0).with_route_replay("r3")
+    policy.pack = packed
+    if packed:
+        use_packed_attention(model)
+    batch = make_token_batch(prompts, responses, torch.device("cpu"), packed, routes=records)
+    routing = RouterLogits()
+    policy(batch, routing=routing)
+    assert routing.chosen is not None and len(routing.chosen) == 2
+    ids = token_sequences(len(prompts), batch.bounds, batch.attention_mask)
+    replayed = load_balancing(routing.layers, ids, len(prompts), top_k=2, chosen=routing.chosen)
+    free = load_balancing(routing.layers, ids, len(prompts), top_k=2)
+    expected_load = torch.stack([torch.bincount(torch.cat([r[:, layer] for r in records]).long().reshape(-1),
+                                                minlength=4) for layer in range(2)]).double()
+    torch.testing.assert_close(replayed.load, expected_load, rtol=0, atol=0)
+    assert not torch.equal(free.load, replayed.load)
+    # The loss from its definition: per sequence, E * sum_i f_i * P_i over the 2 layers, f from the records.
+    reference = 0.0
+    for i, n in enumerate(lengths):
+        rows = (ids == i).nonzero().squeeze(1)
+        probs = sum(torch.softmax(layer_logits[rows].double(), -1).sum(0) for layer_logits in routing.layers)
+        picks = torch.bincount(records[i].long().reshape(-1), minlength=4).double()
+        reference = reference + 4 * (picks / (2 * n) * probs / (2 * n)).sum()
+    torch.testing.assert_close(replayed.loss_sum, reference, rtol=1e-12, atol=0)
+    policy.route_replay.remove()
+
+
 def test_a_placeholder_micro_batch_counts_nothing():
     model = tiny_moe()
     policy = PolicyModel(model, "sdpa", "torch", 1.0)
