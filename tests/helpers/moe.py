@@ -12,6 +12,8 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -74,6 +76,25 @@ def tiny_deepseek(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides
         for router in routers(model):
             router.weight.mul_(50.0)
     return model
+
+
+def tiny_gpt_oss(dtype: torch.dtype = torch.float64, **overrides) -> GptOssForCausalLM:
+    """A random 2-layer GPT-OSS (4 experts, top-2, a sliding layer of window 4 then a full one, sinks), eager
+    attention and experts; routers and sinks scaled up so that routing is far from uniform and sinks matter."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=50, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                 sliding_window=4, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+                 router_aux_loss_coef=0.01, initializer_range=0.2, experts_implementation="eager")
+    model = GptOssForCausalLM(GptOssConfig(**{**shape, **overrides})).to(dtype)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for router in routers(model):
+            router.weight.mul_(20.0)
+            router.bias.normal_(0.0, 1.0)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model.eval()
 
 
 def moe_model_dir(path: Path, **overrides) -> Path:

@@ -1,13 +1,11 @@
 """GPT-OSS as a mixture-of-experts family (models/hf.py: its `mlp.router` of every block): the router loss of a
 tiny GPT-OSS (float64, sinks and a sliding layer) in flashdapo's policy == transformers' own aux_loss of each
 sequence alone, gradient into the routers' weights and biases included, and the expert load == its top-k picks;
-the torch engine samples from a GPT-OSS whose config turns `output_router_logits` on exactly what it samples
-with it off (transformers' load-balancing loss over a KV cache would crash every decode step); routing replay
+routing replay
 recomputes GPT-OSS's gate weights (softmax over the k picked logits) exactly. Wall budget: 15 s."""
 
 import pytest
 import torch
-from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.models.gpt_oss.modeling_gpt_oss import load_balancing_loss_func
 
 from flashdapo.models.moe import (
@@ -22,9 +20,7 @@ from flashdapo.models.moe import (
 from flashdapo.models.moe.replay import replay_weights
 from flashdapo.models.packing import use_packed_attention
 from flashdapo.models.policy import PolicyModel, make_token_batch
-from flashdapo.rollout.base import SamplingParams
-from flashdapo.rollout.torch_engine import TorchEngine
-from tests.helpers.moe import one_thread
+from tests.helpers.moe import one_thread, tiny_gpt_oss
 
 EXPERTS, TOP_K, VOCAB = 4, 2, 50
 PROMPTS, RESPONSES = (5, 3, 9), (4, 7, 1)
@@ -35,25 +31,6 @@ PROMPTS, RESPONSES = (5, 3, 9), (4, 7, 1)
 def _one_thread():
     with one_thread():
         yield
-
-
-def tiny_gpt_oss(dtype: torch.dtype = torch.float64, **overrides) -> GptOssForCausalLM:
-    """A random 2-layer GPT-OSS (4 experts, top-2, a sliding layer of window 4 then a full one, sinks), eager
-    attention and experts; routers and sinks scaled up so that routing is far from uniform and sinks matter."""
-    torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                 sliding_window=4, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
-                 router_aux_loss_coef=0.01, initializer_range=0.2, experts_implementation="eager")
-    model = GptOssForCausalLM(GptOssConfig(**{**shape, **overrides})).to(dtype)
-    model.config._attn_implementation = "eager"
-    with torch.no_grad():
-        for router in routers(model):
-            router.weight.mul_(20.0)
-            router.bias.normal_(0.0, 1.0)
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)
-    return model.eval()
 
 
 def _sequences():
@@ -115,17 +92,3 @@ def test_replayed_gate_weights_are_gpt_oss_own():
     assert replayed.dtype == scores.dtype and (scores - 1 / TOP_K).abs().max() > 0.1  # far from even weights
     # the replay's softmax runs in float32 (as Qwen3-MoE's router does): agreement to float32 rounding
     torch.testing.assert_close(replayed, scores, rtol=2e-6, atol=1e-7)
-
-
-def _sample(switch: bool):
-    model = tiny_gpt_oss(dtype=torch.float32, output_router_logits=switch)
-    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, max_batch=4)
-    return engine.generate([[3, 4, 5], [6, 7], [8, 9, 10, 11, 12]], SamplingParams(n=3, max_new_tokens=7, seed=11))
-
-
-def test_generation_with_output_router_logits_on_samples_what_it_samples_with_it_off():
-    on, off = _sample(True), _sample(False)
-    assert len(on.response_ids) == 9 and max(len(r) for r in on.response_ids) == 7
-    assert [r.tolist() for r in on.response_ids] == [r.tolist() for r in off.response_ids]
-    for a, b in zip(on.logprobs, off.logprobs):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
