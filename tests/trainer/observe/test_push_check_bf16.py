@@ -22,25 +22,19 @@ from flashdapo.trainer.observe.logprob_check import (
     PushMismatchError,
     reference_logprobs,
 )
+from tests.helpers.push_doubles import BF16ScoringEngine
 from tests.vllm.padded_vocab import FAMILIES, family_config, hf_model
 
 VOCAB, TOKENS = 4160, 4096  # 64 rows of padding past the tokenizer, as Qwen2.5's 399
 CPU = torch.device("cpu")
 
 
-class BF16Engine:
-    """What a push leaves in vLLM, as far as the check sees it: `score` (fp32 head over bf16 hidden states),
-    `llm.apply_model` (the localisation's hooks), `weight_dtype`."""
-
-    weight_dtype = torch.bfloat16
+class BF16Engine(BF16ScoringEngine):
+    """vLLM's scoring as the check sees it: an fp32 head over bf16 hidden states, eager attention."""
 
     def __init__(self, model):
-        self.model = copy.deepcopy(model)
+        super().__init__(model)
         self.model.config._attn_implementation = "eager"
-        self.llm = self
-
-    def apply_model(self, fn):
-        return [fn(self.model)]
 
     @torch.no_grad()
     def score(self, sequences):

@@ -28,6 +28,7 @@ from flashdapo.trainer.observe import logprob_check
 from flashdapo.trainer.observe.logprob_check import PushCheck, PushMismatchError, reference_logprobs
 from tests.helpers.family_configs import VLLM_ARCHITECTURES, WINDOW, family_config
 from tests.helpers.moe import tiny_deepseek, tiny_moe
+from tests.helpers.push_doubles import BF16ScoringEngine
 from tests.helpers.runs import ROOT, torchrun
 
 CPU = torch.device("cpu")
@@ -146,26 +147,6 @@ def test_a_stream_missing_a_group_is_one_line():
     assert "\n" not in str(err.value)
 
 
-class HFBF16Engine:
-    """A push as the check sees it, for any family: the HF model's own forward (its caps included) on a bf16 copy
-    of the policy; `llm.apply_model` for the localisation's hooks."""
-
-    weight_dtype = torch.bfloat16
-
-    def __init__(self, model):
-        self.model = copy.deepcopy(model).to(torch.bfloat16)
-        self.llm = self
-
-    def apply_model(self, fn):
-        return [fn(self.model)]
-
-    @torch.no_grad()
-    def score(self, sequences):
-        ids = torch.tensor(sequences)
-        logits = self.model(ids).logits[:, :-1].float()
-        return list(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0])
-
-
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "gpt_oss"])
 def test_a_bf16_push_check_of_a_capped_or_sliding_family_passes_right_and_fails_wrong(model_type):
     """The calibration against the reference measures the trainer's own bf16 error (the hand-written reference was
@@ -175,9 +156,9 @@ def test_a_bf16_push_check_of_a_capped_or_sliding_family_passes_right_and_fails_
     model.config._attn_implementation = "eager"  # Gemma 2's attention cap, GPT-OSS's sinks (models/hf.py)
     policy = PolicyModel(model, "eager", "torch", temperature=1.0)
     check = PushCheck(policy, CPU, model.config.vocab_size, lambda _line: None, tokenizer_size=289)
-    check(HFBF16Engine(model))
+    check(BF16ScoringEngine(model))
     assert check.calibration is not None and check.calibration.mean < 0.05, check.calibration
-    wrong = HFBF16Engine(model)
+    wrong = BF16ScoringEngine(model)
     torch.manual_seed(7)
     with torch.no_grad():
         for p in wrong.model.model.layers[1].parameters():

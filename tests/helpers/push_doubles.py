@@ -1,0 +1,27 @@
+"""An engine double for the push check's bf16 tests: what a push leaves in vLLM, as far as the check sees it
+(`score`, `llm.apply_model` for the localisation's hooks, `weight_dtype`), on a bf16 copy of the policy."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+class BF16ScoringEngine:
+    """The HF model's own forward (its caps included) on a bf16 copy of `model`: any family."""
+
+    weight_dtype = torch.bfloat16
+
+    def __init__(self, model):
+        self.model = copy.deepcopy(model).to(torch.bfloat16)
+        self.llm = self
+
+    def apply_model(self, fn):
+        return [fn(self.model)]
+
+    @torch.no_grad()
+    def score(self, sequences):
+        ids = torch.tensor(sequences)
+        logits = self.model(ids).logits[:, :-1].float()
+        return list(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0])
