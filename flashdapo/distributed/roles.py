@@ -199,7 +199,8 @@ class Bridges:
         something of this process (a receiver thread's progress) that a stopped peer would hold up."""
         return self._poll(done, peers, what)
 
-    def _poll(self, done, peers: list[int], what: str) -> float:
+    def _poll(self, done, peers: list[int], what: str, pause: Callable[[], object] | None = None) -> float:
+        """Until `done()`: read `peers`' liveness counters between pauses (`pause`, else poll_s of sleep)."""
         start = time.perf_counter()
         seen = {p: (-1, start) for p in peers}
         while not done():
@@ -212,7 +213,10 @@ class Bridges:
                     raise PeerHungError(f"{self.layout.describe(p)} has not answered for {self.stale_s:.0f} s while "
                                         f"{self.layout.describe(self.global_rank)} waited for {what}: it is stopped "
                                         "or hung; resume with --checkpoint.resume auto")
-            time.sleep(self.poll_s)
+            if pause is None:
+                time.sleep(self.poll_s)
+            else:
+                pause()
         return time.perf_counter() - start
 
     def send_bytes(self, payload: bytes, dst: int, tag: int, what: str = "a message") -> None:
@@ -249,7 +253,7 @@ class Bridges:
                 done.set()
 
         threading.Thread(target=wait, name="flashdapo-bridge-wait", daemon=True).start()
-        self._poll(done.is_set, peers, what)
+        self._poll(done.is_set, peers, what, pause=lambda: done.wait(self.poll_s))  # wakes as the transfer ends
         if errors:
             raise errors[0]  # the transfer's own error (a peer that died: its closed socket)
 
