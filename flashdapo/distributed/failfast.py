@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from ..errors import FlashdapoError, debug_requested, user_error_line
-from .interrupt import Interrupted, signal_name
+from .interrupt import Interrupted, interruption_of, signal_name
 
 _EXIT_STATUS = 1
 
@@ -114,7 +114,7 @@ class FailFast:
         its traceback; a later one prints a line naming the first. Returns only without peers."""
         if self.store is None:
             return
-        err = _interruption(err) or err  # a second Ctrl-C that cut a save short: the stop, not the save's error
+        err = interruption_of(err) or err  # a second Ctrl-C that cut a save short: the stop, not the save's error
         first = self._count_in(err)
         with self._exiting:  # the watcher thread may be exiting already: one message per process
             self._stop.set()
@@ -194,18 +194,6 @@ class FailFast:
                     return
                 print(line, file=sys.stderr, flush=True)
                 _exit(status)
-
-
-def _interruption(err: BaseException) -> Interrupted | None:
-    """The Interrupted that `err` is, or was raised from or while handling (a stop that a writer wrapped into its
-    own error: 'cannot write checkpoint ...: Interrupted'), if any."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, Interrupted):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
 
 
 _LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",

@@ -136,3 +136,25 @@ def _notice(text: str) -> None:
         os.write(sys.stderr.fileno(), text.encode())
     except (OSError, ValueError):  # io.UnsupportedOperation is both
         sys.stderr.write(text)
+
+
+def interruption_of(err: BaseException | None) -> Interrupted | None:
+    """The Interrupted that `err` is, or was raised from or while handling, or that a rank's failure inside a
+    torch.distributed.checkpoint save or load holds (DCP wraps every exception of its stages, a stop included, into
+    a CheckpointException whose `failures` map ranks to (exception, traceback)): a stop that a writer wrapped into
+    its own error ('cannot write checkpoint ...: Interrupted') is still the stop. None if there is none."""
+    seen: set[int] = set()
+    pending = [err]
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        if isinstance(err, Interrupted):
+            return err
+        seen.add(id(err))
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f[0] for f in failures.values() if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+        pending += [err.__cause__, err.__context__]
+    return None
+

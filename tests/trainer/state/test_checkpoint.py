@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -141,6 +142,27 @@ def test_a_full_disk_during_save_leaves_older_checkpoints_intact(tmp_path, monke
     assert "\n" not in message and "No space left on device" in message and "step_00000002" in message
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [first.name]  # no .tmp left
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+
+
+def test_a_stop_inside_dcps_write_is_the_stop_not_a_failed_write(tmp_path, monkeypatch):
+    """A second Ctrl-C (SIGTERM from torchrun) landing inside dcp.save: DCP wraps every exception of its stages,
+    the stop included, into a CheckpointException; the save re-raises the stop itself (seen in a full run: the
+    rollout rank then said the trainer 'failed'), publishes nothing and leaves the older checkpoint intact."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from flashdapo.distributed.interrupt import Interrupted
+
+    model, optimizer = _model_and_optimizer()
+    first = _save(tmp_path, model, optimizer, 1, keep_last=1)
+
+    def stopped(*args, **kwargs):
+        raise Interrupted("stopped by Ctrl-C during step 2, without a checkpoint of it", signal.SIGTERM)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", stopped)
+    with pytest.raises(Interrupted, match="stopped by Ctrl-C during step 2") as info:
+        _save(tmp_path, model, optimizer, 2, keep_last=1)
+    assert info.value.exit_status == 143
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.endswith(".tmp")] == [first.name]
 
 
 def test_pruning_only_touches_the_saving_runs_checkpoints(tmp_path):
