@@ -227,19 +227,18 @@ def make_provider(name: str, h, w, y, g, impl: str):
     """(forward, backward) closures of one provider, or a string saying why it cannot run here."""
     from flashdapo.kernels import fused_token_loss, token_logprobs
 
+    cap = None
     if name.endswith("-cap30"):  # flashdapo's own provider with the final-logit softcap
-        base, cap = name.removesuffix("-cap30"), GEMMA_CAP
-        if base == "generic":
-            return (lambda: token_logprobs(h, w, y, impl=impl, softcap=cap)), (lambda logp: logp.backward(g))
-        loss_fn = lambda lp, rows: (lp * g[rows]).sum()  # noqa: E731 - as "fused" below
-        return (lambda: fused_token_loss(h, w, y, loss_fn, impl=impl, softcap=cap)[0]), (lambda loss: loss.backward())
+        name, cap = name.removesuffix("-cap30"), GEMMA_CAP
+        if name not in ("generic", "fused"):
+            raise ValueError(f"{name}-cap30")
     if name == "generic":
-        return (lambda: token_logprobs(h, w, y, impl=impl)), (lambda logp: logp.backward(g))
+        return (lambda: token_logprobs(h, w, y, impl=impl, softcap=cap)), (lambda logp: logp.backward(g))
     if name == "naive":
         return (lambda: token_logprobs(h, w, y, impl="naive")), (lambda logp: logp.backward(g))
     if name == "fused":  # the gradient is formed in the forward; backward hands it on
         loss_fn = lambda lp, rows: (lp * g[rows]).sum()  # noqa: E731 - dL/dlogp = g, as the others get
-        return (lambda: fused_token_loss(h, w, y, loss_fn, impl=impl)[0]), (lambda loss: loss.backward())
+        return (lambda: fused_token_loss(h, w, y, loss_fn, impl=impl, softcap=cap)[0]), (lambda loss: loss.backward())
     if name == "liger-flce":
         if importlib.util.find_spec("liger_kernel") is None or not h.is_cuda:
             return "liger-kernel not installed" if h.is_cuda else "needs CUDA"

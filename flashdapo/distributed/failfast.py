@@ -60,7 +60,6 @@ class FailFast:
     parent_pid: int = field(default_factory=os.getppid)
     """The process that started this rank (torchrun's agent): another one later means the launcher is gone."""
     _stop: threading.Event = field(default_factory=threading.Event)
-    _exiting: threading.Lock = field(default=_EXIT_LOCK)
     _thread: threading.Thread | None = None
 
     @classmethod
@@ -116,7 +115,7 @@ class FailFast:
             return
         err = interruption_of(err) or err  # a second Ctrl-C that cut a save short: the stop, not the save's error
         first = self._count_in(err)
-        with self._exiting:  # the watcher thread may be exiting already: one message per process
+        with _EXIT_LOCK:  # the watcher thread may be exiting already: one message per process
             self._stop.set()
             line = None if debug_requested() else user_error_line(err) or lost_peer_line(err)
             if first is None and self.launcher_gone() and not debug_requested():  # this error is the store's loss
@@ -188,9 +187,9 @@ class FailFast:
                     status = _EXIT_STATUS if stop is None else 128 + stop
             except Exception:  # the store's host (the launcher) is gone: so is the job
                 line, status = self.store_gone_line(), _EXIT_STATUS
-            if line is not None and self._exiting.acquire(blocking=False):
+            if line is not None and _EXIT_LOCK.acquire(blocking=False):
                 if self._stop.is_set():  # a clean close raced the poll
-                    self._exiting.release()
+                    _EXIT_LOCK.release()
                     return
                 print(line, file=sys.stderr, flush=True)
                 _exit(status)

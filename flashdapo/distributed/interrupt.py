@@ -147,14 +147,13 @@ def interruption_of(err: BaseException | None) -> Interrupted | None:
     pending = [err]
     while pending:
         err = pending.pop()
-        if err is None or id(err) in seen:
+        if not isinstance(err, BaseException) or id(err) in seen:
             continue
         if isinstance(err, Interrupted):
             return err
         seen.add(id(err))
-        failures = getattr(err, "failures", None)
+        failures = getattr(err, "failures", None)  # a CheckpointException's {rank: (exception, traceback)}
         if isinstance(failures, dict):
-            pending += [f[0] for f in failures.values() if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+            pending += [failure[0] for failure in failures.values() if isinstance(failure, tuple)]
         pending += [err.__cause__, err.__context__]
     return None
-

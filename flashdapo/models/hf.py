@@ -270,7 +270,14 @@ def cache_argument(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
+def layer_configs(config) -> list:
+    """The config each decoder layer is built from: a heterogeneous config's per-layer ones (Gemma 4's
+    full-attention layers carry their own key/value heads and head dim; transformers refuses to read such
+    attributes from the whole config), else the config itself, once for all."""
+    return list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else [config]
+
+
 __all__ = ["ATTENTION_REFUSED", "COMMON_CONFIG_KEYS", "FAMILIES", "Family", "MULTIMODAL_MODEL_TYPES",
            "SUPPORTED_MODEL_TYPES", "VLLM_UNSUPPORTED", "attention_refusal", "cache_argument",
            "config_keys", "decoder_layers", "family_of", "final_logit_softcap", "group_modules",
-           "multimodal_refusal", "vllm_refusal"]
+           "layer_configs", "multimodal_refusal", "vllm_refusal"]

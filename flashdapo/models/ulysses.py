@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from ..distributed.mesh import SequenceParallelError
+from .hf import layer_configs
 
 
 def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -79,11 +80,10 @@ def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
 
 
 def layer_heads(config) -> list[tuple[int, int]]:
-    """(query heads, key/value heads) of each kind of attention layer of an HF config: a heterogeneous config's
-    per-layer values (Gemma 4's full-attention layers carry key/value heads of their own), else the config's."""
-    layers = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else [config]
+    """(query heads, key/value heads) of each kind of attention layer of an HF config (`hf.layer_configs`: Gemma
+    4's full-attention layers carry key/value heads of their own)."""
     return sorted({(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-                   for c in layers})
+                   for c in layer_configs(config)})
 
 
 def check_layer_heads(kinds: list[tuple[int, int]], sp: int) -> None:
@@ -123,5 +123,5 @@ def gather_token_values(values: torch.Tensor, held: torch.Tensor, total: int, gr
     return full
 
 
-__all__ = ["check_heads", "check_layer_heads", "layer_heads", "expand_kv_heads", "gather_token_values", "heads_fit", "heads_to_sequence",
-           "local_heads", "local_predictions", "sequence_to_heads", "shard_bounds"]
+__all__ = ["check_heads", "check_layer_heads", "expand_kv_heads", "gather_token_values", "heads_fit",
+           "heads_to_sequence", "layer_heads", "local_heads", "local_predictions", "sequence_to_heads", "shard_bounds"]

@@ -62,7 +62,7 @@ def launch_checks(cfg: Config, world: int, source: ModelSource, shape: ModelShap
         check_engine_model(cfg.rollout.engine, source.config, source.origin, registry=False)
     if cfg.trainer.sequence_parallel > 1:
         check_sequence_parallel(source.config, cfg.trainer.sequence_parallel)  # refused with linear attention
-        check_layer_heads(list(shape.layer_heads) or [(shape.heads, shape.kv_heads)], cfg.trainer.sequence_parallel)
+        check_layer_heads(list(shape.layer_heads), cfg.trainer.sequence_parallel)
         report.passed.append(f"sequence_parallel {cfg.trainer.sequence_parallel} heads (ulysses.check_layer_heads)")
     ep = cfg.trainer.expert_parallel
     if ep > 1:  # its world-size rule is check_layout's

@@ -50,7 +50,7 @@ class EngineMemory:
 def kv_bytes_per_token(shape: ModelShape, tp: int) -> int:
     """bf16 K and V of every layer for one token on one rank: KV heads split over tp (replicated when tp
     exceeds them, as vLLM does), each layer's own heads and head dim (they vary in Gemma 4)."""
-    return sum(2 * max(1, kv // tp) * dim * BF16 for kv, dim in shape.kv_layers())
+    return sum(2 * max(1, kv // tp) * dim * BF16 for kv, dim in shape.layer_kv)
 
 
 def engine_memory(shape: ModelShape, cfg: Config, gpu_bytes: int) -> EngineMemory:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from ..models.hf import layer_configs
 from ..models.ulysses import layer_heads
 from .moe import MoeShape, expert_gathered_numel, expert_shard_numel, moe_shape
 from .shapes import ModelSource
@@ -76,15 +77,13 @@ class ModelShape:
     tied: bool
     max_positions: int | None
     model_type: str
+    layer_heads: tuple[tuple[int, int], ...]
+    """(query heads, key/value heads) of each kind of attention layer (models/ulysses.py layer_heads)."""
+    layer_kv: tuple[tuple[int, int], ...]
+    """(key/value heads, head dim) of every layer: they vary in Gemma 4, whose full-attention layers have their own
+    key/value heads and a wider head (heads, kv_heads and head_dim are then the first layer's)."""
     moe: MoeShape | None = None
     """The routed experts of a mixture-of-experts model; None: dense."""
-    layer_heads: tuple[tuple[int, int], ...] = ()
-    """(query heads, key/value heads) of each kind of attention layer (models/ulysses.py layer_heads); empty:
-    (heads, kv_heads) alone."""
-    layer_kv: tuple[tuple[int, int], ...] = ()
-    """(key/value heads, head dim) of each layer where they vary (Gemma 4's full-attention layers: their own
-    key/value heads and a wider head); empty: (kv_heads, head_dim) for every layer. heads, kv_heads and head_dim
-    are then the first layer's."""
 
     @property
     def parameters(self) -> int:
@@ -127,11 +126,7 @@ class ModelShape:
     @property
     def kv_dim(self) -> int:
         """The widest key (or value) projection of a layer: its key/value heads times its head dim."""
-        return max(kv * dim for kv, dim in self.layer_kv) if self.layer_kv else self.kv_heads * self.head_dim
-
-    def kv_layers(self) -> list[tuple[int, int]]:
-        """(key/value heads, head dim) of every layer."""
-        return list(self.layer_kv) or [(self.kv_heads, self.head_dim)] * self.layers
+        return max(kv * dim for kv, dim in self.layer_kv)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -164,18 +159,18 @@ def model_shape(model: torch.nn.Module, name: str) -> ModelShape:
         tensors.append(Tensor(pname, tuple(param.shape), f"layers.{match.group(1)}" if match else "root",
                               expert=pname in expert_names))
     c = model.config
-    # A heterogeneous config (Gemma 4) refuses its per-layer attributes globally: read them layer by layer.
-    per_layer = list(c.per_layer_config) if getattr(c, "is_heterogeneous", False) else [c]
+    per_layer = layer_configs(c)
     kv = [(_kv_heads(layer), getattr(layer, "head_dim", None) or c.hidden_size // layer.num_attention_heads)
           for layer in per_layer]
+    if len(kv) == 1:  # one config for every layer
+        kv *= c.num_hidden_layers
     first = per_layer[0]
     intermediate = getattr(first, "intermediate_size", None) or (moe.moe_intermediate if moe else 0)
     return ModelShape(name=name, tensors=tuple(tensors), hidden=c.hidden_size, intermediate=intermediate,
                       layers=c.num_hidden_layers, heads=first.num_attention_heads, kv_heads=kv[0][0],
                       head_dim=kv[0][1], vocab=c.vocab_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
                       max_positions=getattr(c, "max_position_embeddings", None), model_type=c.model_type,
-                      moe=moe, layer_heads=tuple(layer_heads(c)),
-                      layer_kv=tuple(kv) if len(per_layer) > 1 and len(set(kv)) > 1 else ())
+                      layer_heads=tuple(layer_heads(c)), layer_kv=tuple(kv), moe=moe)
 
 
 def _kv_heads(config) -> int:

@@ -7,14 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..config import ConfigError, engine_spec
 from ..models.hf import vllm_refusal
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def check_engine_model(engine: str, config: dict[str, Any], where: str, registry: bool = True) -> None:
@@ -24,7 +20,7 @@ def check_engine_model(engine: str, config: dict[str, Any], where: str, registry
     spec = engine_spec(engine)
     # A device-bound refusal (vLLM's CPU attention) only where the engine starts here: `flashdapo plan`
     # (registry=False) plans a GPU launch from any machine.
-    refusal = vllm_refusal(config, on_gpu=_cuda_available() or not registry) if spec.model_registry else None
+    refusal = vllm_refusal(config, on_gpu=torch.cuda.is_available() or not registry) if spec.model_registry else None
     if refusal is not None:
         raise ConfigError(f"rollout.engine {spec.name}: {config.get('model_type')} is not supported by the installed "
                           f"{spec.name} {installed_version(spec.package)}: {refusal} ({where}); use --rollout.engine "

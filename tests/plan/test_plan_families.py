@@ -34,12 +34,12 @@ def test_every_family_plans(model_type, tmp_path, capsys):
 
 
 def test_gemma4s_kv_cache_counts_each_layers_heads_and_head_dim(tmp_path):
-    """4 layers, full attention every second one (2 KV heads of 16 there, 2 of 8 on sliding layers: the matrix's
+    """4 layers, full attention every second one (1 KV head of 16 there, 2 of 8 on sliding layers: the matrix's
     config with a wider global head): bf16 K and V summed layer by layer."""
     config = family_config("gemma4_text", layers=4, num_global_key_value_heads=1, attention_k_eq_v=True).to_dict()
     shape = model_shape(build_meta_model(ModelSource(config, "gemma4"), toy()), "gemma4")
     layers = [(1, 16) if kind == "full_attention" else (2, 8) for kind in config["layer_types"]]
-    assert shape.kv_layers() == layers and "full_attention" in config["layer_types"]
+    assert list(shape.layer_kv) == layers and "full_attention" in config["layer_types"]
     assert kv_bytes_per_token(shape, tp=1) == sum(2 * kv * dim * 2 for kv, dim in layers)
     assert kv_bytes_per_token(shape, tp=2) == sum(2 * max(1, kv // 2) * dim * 2 for kv, dim in layers)
 

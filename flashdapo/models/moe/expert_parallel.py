@@ -193,9 +193,7 @@ def _sharded_norm(grads: list[DTensor], mesh: DeviceMesh) -> torch.Tensor:
     squares: dict[tuple, torch.Tensor] = {}
     dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp32 at least; float64 stays float64
     for grad in grads:
-        local = grad.to_local()
-        term = torch.linalg.vector_norm(local, 2.0, dtype=dtype) ** 2 if local.numel() else \
-            torch.zeros((), dtype=dtype, device=local.device)
+        term = torch.linalg.vector_norm(grad.to_local(), 2.0, dtype=dtype) ** 2  # 0 for an empty shard
         key = tuple(grad.placements)
         squares[key] = squares[key] + term if key in squares else term
     total = torch.zeros((), dtype=dtype, device=next(iter(squares.values())).device)

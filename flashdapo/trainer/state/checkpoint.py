@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ...distributed.collectives import all_gather_objects, all_reduce, barrier
-from ...distributed.interrupt import Interrupted, interruption_of
+from ...distributed.interrupt import interruption_of
 from ...distributed.mesh import DistEnv
 from ...errors import FlashdapoError, refused_pickle
 
@@ -254,10 +254,10 @@ def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path,
     try:
         if action is not None:
             action()
-    except Interrupted:  # a second Ctrl-C stops at once: the stop itself, not a failed write (the next save
-        raise  # clears the temporary directory)
     except (OSError, RuntimeError, ValueError, CheckpointException) as err:
-        stop = interruption_of(err)  # inside dcp.save the stop comes back wrapped in a CheckpointException
+        # A second Ctrl-C stops at once: the stop itself, not a failed write (inside dcp.save it comes wrapped in a
+        # CheckpointException); the next save clears the temporary directory.
+        stop = interruption_of(err)
         if stop is not None:
             raise stop from None
         error = err

@@ -1,8 +1,7 @@
 """GPT-OSS as a mixture-of-experts family (models/hf.py: its `mlp.router` of every block): the router loss of a
 tiny GPT-OSS (float64, sinks and a sliding layer) in flashdapo's policy == transformers' own aux_loss of each
 sequence alone, gradient into the routers' weights and biases included, and the expert load == its top-k picks;
-routing replay
-recomputes GPT-OSS's gate weights (softmax over the k picked logits) exactly. Wall budget: 15 s."""
+routing replay recomputes GPT-OSS's gate weights (softmax over the k picked logits) exactly. Wall budget: 15 s."""
 
 import pytest
 import torch

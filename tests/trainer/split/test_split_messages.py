@@ -154,14 +154,10 @@ def test_a_member_stopped_inside_a_bucket_broadcast_is_named_by_the_other_side(m
 
 
 class _BlockingWork:
-    """A gloo send/recv whose peer stopped: wait() blocks (until the test releases it); is_completed() stays False
-    until wait() returns, as gloo's point-to-point works do."""
+    """A gloo send/recv whose peer stopped: wait() blocks (until the test releases it)."""
 
     def __init__(self, release):
         self.release = release
-
-    def is_completed(self) -> bool:
-        return False
 
     def wait(self) -> None:
         self.release.wait()
