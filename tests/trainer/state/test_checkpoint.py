@@ -71,6 +71,32 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+def test_a_checkpoint_before_the_first_optimizer_step_leaves_the_first_update_as_it_was(tmp_path):
+    """A run stopped before its first update (dynamic sampling still collecting) and resumed takes that update
+    as the uninterrupted run does: saving does not leave AdamW's step count at 1 (torch initialises a fresh
+    optimizer's state by stepping it at lr 0), neither in the saving run nor in the one that loads."""
+    def fresh(seed: int = 0):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def update(model, optimizer):
+        torch.manual_seed(7)
+        model(torch.randn(4, 5)).square().sum().backward()
+        optimizer.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    straight = update(*fresh())
+    saver, saver_opt = fresh()
+    path = _save(tmp_path, saver, saver_opt, 0)
+    loaded, loaded_opt = fresh(seed=1)
+    load_checkpoint(path, ENV, loaded, loaded_opt)
+    for model, optimizer in ((saver, saver_opt), (loaded, loaded_opt)):
+        got = update(model, optimizer)
+        assert all(torch.equal(got[k], straight[k]) for k in straight)
+        assert all(int(s["step"]) == 1 for s in optimizer.state.values())
+
+
 @pytest.mark.parametrize("victim", ["trainer_state.pt", "rng_rank0.pt"])
 def test_a_pickled_object_in_a_checkpoint_is_refused_not_run(tmp_path, victim):
     model, optimizer = _model_and_optimizer()

@@ -1,9 +1,15 @@
 """The README's bit-for-bit resume on the settings the ablation runs, not only the tiny toy run: the scratchpad task
 with the dynamic-sampling panel's "on" arm (dynamic sampling refilling up to 3 rounds with gen_batch =
 train_batch, validation and the probe every 5 steps, the warmed-up base model and the task's data files, as
-`flashdapo ablate` trains it), stopped by Ctrl-C (SIGINT) at step 5 and resumed with --checkpoint.resume
-auto, gives the uninterrupted run's metrics and exported weights bit for bit, over steps past the resume point
-and the validations at 5 and 8. Each run is a process of its own, as a user's runs are."""
+`flashdapo ablate` trains it, with a short warm-up and small data files: `--model.toy.sft-steps 30
+--data.scratchpad.num-train 200 --data.scratchpad.num-val 16 --trainer.total-steps 10`), stopped by Ctrl-C
+(SIGINT) at step 5 and resumed with --checkpoint.resume auto, gives the uninterrupted run's metrics and
+exported weights bit for bit, over steps past the resume point and the validations at 5 and 10. Each run is a
+process of its own, as a user's runs are.
+
+On this arm dynamic sampling finds no group with mixed rewards for the first steps, so the stop lands before
+the first optimizer step: the case where saving once left AdamW's step count at 1 (checkpoint.py,
+model_and_optimizer_state)."""
 
 import subprocess
 import sys
@@ -19,7 +25,8 @@ from flashdapo.config import merge
 from flashdapo.config.presets import preset
 from tests.helpers.runs import ROOT, TRAINER_SCRIPTS, run_metrics, subprocess_env
 
-STEPS = 8
+STEPS = 10
+ARM = {"model": {"toy": {"sft_steps": 30}}, "data": {"scratchpad": {"num_train": 200, "num_val": 16}}}
 STOPS = (5,)
 """Where the Ctrl-C lands: step 5, a validation step, the last the probing found equal before a resume went
 astray (one stop keeps the suite's time; 4 and 5 both held when this was written)."""
@@ -30,12 +37,13 @@ def arm_config(tmp_path_factory):
     """The dynamic-sampling panel's "on" arm, seed 0, as `flashdapo ablate --panels dynamic-sampling` plans it
     (its base model built once), cut to STEPS steps, written as a config file for `flashdapo train --config`."""
     out = tmp_path_factory.mktemp("ablate")
-    base = preset("scratchpad")
-    plan = plan_panels(base, AblateOptions(out=str(out), seeds=1, panels=["dynamic-sampling"]), base)
+    start = preset("scratchpad")
+    plan = plan_panels(merge(start, ARM), AblateOptions(out=str(out), seeds=1, panels=["dynamic-sampling"]), start)
     for base_dir, cfg in plan.bases.items():
         build_base(cfg, base_dir, log=lambda _m: None)
     (run,) = [r for r in plan.runs if r.arm.name == "on"]
     cfg = merge(run.config, {"trainer": {"total_steps": STEPS}, "logging": {"progress": False}})
+    assert cfg.model.toy.sft_steps == 30 and cfg.data.scratchpad.num_train == 200
     assert cfg.algorithm.dynamic_sampling and cfg.trainer.gen_batch == cfg.trainer.train_batch
     assert cfg.algorithm.max_gen_batches == 3 and cfg.trainer.val_every == 5 and cfg.model.path
     path = out / "on.yaml"
