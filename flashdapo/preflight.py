@@ -14,13 +14,22 @@ import dataclasses
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import Config, ConfigError, engine_spec
-from .models.hf import SUPPORTED_MODEL_TYPES, attention_refusal, multimodal_refusal
+from .models.hf import (
+    FAMILIES,
+    SUPPORTED_MODEL_TYPES,
+    attention_refusal,
+    multimodal_refusal,
+    resolved_attention,
+)
 from .models.model_dir import ModelDirError
+from .models.moe.replay import check_routing_replay
+from .models.moe.router import check_router_aux_coef
 from .rollout.engine_models import check_engine_model
 from .tokenizer import eos_token_ids, load_tokenizer
 
@@ -63,17 +72,29 @@ def check_launch(cfg: Config, world_size: int | None = None) -> None:
 
 
 def check_model_attention(cfg: Config) -> None:
-    """model.attn_implementation that transformers cannot run model.path's family with, or not right (models/hf.py
-    ATTENTION_REFUSED: GPT-OSS, Gemma 2 with SDPA), refused in one line before any weights load. An absent or
-    unreadable config.json is left to model_dir.check_model_dir."""
+    """The model settings model.path's family cannot run (`check_model_settings`), from its config.json, before
+    any weights load. An absent or unreadable config.json is left to model_dir.check_model_dir."""
     try:
         config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8")) if cfg.model.path else None
     except (OSError, ValueError):
         return
-    reason = attention_refusal(config, cfg.model.attn_implementation) if isinstance(config, dict) else None
+    if isinstance(config, dict) and config.get("model_type") in SUPPORTED_MODEL_TYPES:
+        check_model_settings(cfg, config, f"model.path={cfg.model.path}")
+
+
+def check_model_settings(cfg: Config, config: dict[str, Any], where: str) -> None:
+    """Refuse, in one line, a model setting `config` (a config.json of a registered family) cannot honour: an
+    attention implementation its transformers modeling cannot run right (models/hf.py ATTENTION_REFUSED; only
+    an explicit choice: `auto` picks one that can), a router-loss coefficient where no router loss applies (a
+    dense model, DeepSeek-V3's bias-balanced routers), routing replay without softmax top-k routers. `train`
+    and `plan` both run it: a plan passes exactly what the launch accepts."""
+    model_type = config["model_type"]
+    reason = attention_refusal(config, cfg.model.attn_implementation)
     if reason is not None:
-        raise ConfigError(f"model.attn_implementation={cfg.model.attn_implementation}: {config['model_type']} at "
-                          f"model.path={cfg.model.path}: {reason}")
+        raise ConfigError(f"model.attn_implementation={cfg.model.attn_implementation}: {model_type} at {where}: "
+                          f"{reason}")
+    check_router_aux_coef(cfg.model.router_aux_loss_coef, config)
+    check_routing_replay(cfg.algorithm.routing_replay, config)
 
 
 def check_machine(cfg: Config) -> None:
@@ -82,6 +103,9 @@ def check_machine(cfg: Config) -> None:
     check_device(cfg.trainer.device, "trainer.device")
     on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and _cuda_available())
     check_kernels(cfg, on_gpu)
+    if cfg.trainer.fsdp_cpu_offload and not on_gpu:
+        raise ConfigError("trainer.fsdp_cpu_offload: true offloads a GPU's parameters to host memory, and this run "
+                          "has no GPU (its parameters are in host memory already); set it false")
     check_engine(cfg.rollout.engine, "rollout.engine")
     if cfg.logging.wandb and not installed("wandb"):
         raise ConfigError("logging.wandb: true needs the wandb package (pip install wandb); or set it false")
@@ -185,21 +209,41 @@ def check_kernels(cfg: Config, on_gpu: bool) -> None:
     """GPU-only kernels asked for on a CPU: flash-attention, and Triton outside its interpreter."""
     if cfg.model.attn_implementation == "flash_attention_2":
         if not on_gpu:
-            raise ConfigError("model.attn_implementation: 'flash_attention_2' needs a CUDA GPU; use 'sdpa' on a CPU")
+            raise ConfigError("model.attn_implementation: 'flash_attention_2' needs a CUDA GPU; use 'auto' on a CPU (sdpa, or eager where the family needs it)")
         if not installed("flash_attn"):
             raise ConfigError("model.attn_implementation: 'flash_attention_2' needs the flash-attn package "
-                              "(pip install flash-attn); or use 'sdpa'")
+                              "(pip install flash-attn); or use 'auto'")
     if cfg.trainer.kernel_impl == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ConfigError("trainer.kernel_impl: 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1, slow, for "
                           "tests); use 'auto' or 'torch' on a CPU")
 
 
-def resolve_auto(cfg: Config, on_gpu: bool) -> Config:
-    """`cfg` with its `auto` choices made for this device: model.dtype bfloat16 on CUDA, float32 on a CPU."""
-    if cfg.model.dtype != "auto":
-        return cfg
-    model = dataclasses.replace(cfg.model, dtype="bfloat16" if on_gpu else "float32")
+def resolve_auto(cfg: Config, on_gpu: bool, log: Callable[[str], None] = lambda _m: None) -> Config:
+    """`cfg` with its `auto` choices made for this device and model: model.dtype bfloat16 on CUDA, float32 on a
+    CPU; model.attn_implementation SDPA, or eager for a family SDPA cannot run right (`log` says so)."""
+    model = cfg.model
+    if model.dtype == "auto":
+        model = dataclasses.replace(model, dtype="bfloat16" if on_gpu else "float32")
+    if model.attn_implementation == "auto":
+        config = _config_json(model.path)
+        attention = resolved_attention("auto", config)
+        if attention != "sdpa":
+            log(f"model.attn_implementation auto: {attention} for {config['model_type']} "
+                f"({attention_refusal(config, 'sdpa').split(';')[0]})")
+        model = dataclasses.replace(model, attn_implementation=attention)
     return dataclasses.replace(cfg, model=model)
+
+
+def _config_json(path: str) -> dict[str, Any] | None:
+    """model.path's config.json as a dict; None for the built-in model or one that does not read as a JSON object
+    (the model checks name what is wrong with it)."""
+    if not path:
+        return None
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -278,6 +322,10 @@ def check_chat_template(tokenizer: Any, path: str) -> None:
                             "fix the template") from err
 
 
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""The config.json keys a mixture-of-experts family's expert count goes by (which one: its registry entry's
+config_keys)."""
+
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 """config.json fields every supported family needs, each a positive integer."""
 
@@ -309,6 +357,10 @@ def check_model_shape(config: Any, where: str, named: str = "config.json") -> No
     model_type = config.get("model_type")
     if multimodal_refusal(model_type) is not None:
         raise ModelDirError(f"{where}: {multimodal_refusal(model_type)}")
+    if model_type is None:
+        classes = ", ".join(map(str, config.get("architectures") or [])) or "no architectures"
+        raise ModelDirError(f"{named}: model_type: missing (the file names {classes}); expected the family's "
+                            f"model_type, one of {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         architectures = config.get("architectures")
         architectures = (", ".join(map(str, architectures)) if isinstance(architectures, list) else "") or \
@@ -322,6 +374,13 @@ def check_model_shape(config: Any, where: str, named: str = "config.json") -> No
     for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
         if config.get(name) is not None and not _positive_int(config[name]):
             raise ModelDirError(f"{named}: {name}: expected a positive integer (or no such key), got {config[name]!r}")
+    family = FAMILIES[model_type]
+    for name in family.config_keys if family.routers is not None else ():
+        value = next((config[k] for k in _spellings(model_type, name) if k in config), None)
+        if name in EXPERT_COUNT_KEYS and not _positive_int(value):
+            raise ModelDirError(f"{named}: {name}: expected the number of experts, a positive integer, got "
+                                f"{value!r}" + (" (missing: transformers would assume a default of its own, which "
+                                               "need not be the checkpoint's)" if value is None else ""))
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
         raise ModelDirError(f"{named}: num_key_value_heads: {kv_heads} does not divide num_attention_heads "
@@ -329,6 +388,16 @@ def check_model_shape(config: Any, where: str, named: str = "config.json") -> No
     if config.get("head_dim") is None and config["hidden_size"] % heads:
         raise ModelDirError(f"{named}: num_attention_heads: {heads} does not divide hidden_size "
                             f"{config['hidden_size']} (and no head_dim is given); expected a divisor of it")
+
+
+def _spellings(model_type: str, name: str) -> list[str]:
+    """`name` and the keys transformers' config class of `model_type` reads as the same field (its
+    attribute_map: Qwen3-MoE's released config.json says num_experts, transformers 5.19 writes
+    num_local_experts)."""
+    from transformers import CONFIG_MAPPING
+
+    aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) if model_type in CONFIG_MAPPING else {}
+    return [name] + [k for k, v in aliases.items() if v == name] + [v for k, v in aliases.items() if k == name]
 
 
 def _positive_int(value: Any) -> bool:

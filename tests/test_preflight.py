@@ -51,10 +51,9 @@ def test_every_supported_architecture_trains_a_step(model_type, tmp_path, capsys
     model = model_dir(tmp_path / "m", model_type, chat_template=not no_template)
     argv = ["train", "--model.path", str(model), "--data.train-files", str(train_file(tmp_path / "d.jsonl")),
             "--logging.run-dir", str(tmp_path / "run"), *TINY_RUN]
-    if model_type in ("gpt_oss", "gemma2"):  # their attention needs eager in transformers (else refused)
-        argv += ["--model.attn-implementation", "eager"]
-    assert main(argv) == 0
+    assert main(argv) == 0  # model.attn_implementation auto: eager for GPT-OSS and capped Gemma 2, said once
     out = capsys.readouterr().out
+    assert out.count("model.attn_implementation auto: eager") == (model_type in ("gpt_oss", "gemma2")), out
     assert out.count("the tokenizer has no chat template") == (1 if no_template else 0), out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] and "actor/pg_loss" in rows[0]
@@ -89,7 +88,27 @@ def _too_few_positions(tmp):
             "data.max_prompt_length + rollout.max_response_length = 36 tokens > max_position_embeddings=32")
 
 
-@pytest.mark.parametrize("case", [_gpt2, _pad_outside_embedding, _eos_outside_embedding, _too_few_positions],
+def _no_model_type(tmp):
+    path = model_dir(tmp / "m", "gemma2")
+    config = json.loads((path / "config.json").read_text())
+    del config["model_type"]
+    (path / "config.json").write_text(json.dumps(config))
+    return path, (f"{path / 'config.json'}: model_type: missing (the file names Gemma2ForCausalLM); expected the "
+                  "family's model_type, one of qwen2, ")
+
+
+def _index_naming_a_missing_shard(tmp):
+    path = model_dir(tmp / "m")
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path, (f"{path / 'model.safetensors.index.json'}: weight_map names shard model-00002-of-00002.safetensors, "
+                  f"which is not in {path}; copy the whole checkpoint")
+
+
+@pytest.mark.parametrize("case", [_gpt2, _pad_outside_embedding, _eos_outside_embedding, _too_few_positions,
+                                  _no_model_type, _index_naming_a_missing_shard],
                          ids=lambda c: c.__name__.strip("_"))
 def test_a_model_the_run_cannot_use_is_one_line_before_its_weights_load(case, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FLASHDAPO_DEBUG", "0")
@@ -180,7 +199,9 @@ def _run(capsys, monkeypatch, tmp_path, *args: str) -> str:
 @pytest.mark.parametrize(("args", "expected"), [
     (["--trainer.device", "cuda"], "trainer.device: 'cuda' but no CUDA GPU is available"),
     (["--model.attn-implementation", "flash_attention_2"], "model.attn_implementation: 'flash_attention_2' needs a "
-                                                           "CUDA GPU; use 'sdpa' on a CPU"),
+                                                           "CUDA GPU; use 'auto' on a CPU"),
+    (["--trainer.fsdp-cpu-offload", "true"], "trainer.fsdp_cpu_offload: true offloads a GPU's parameters to host "
+                                             "memory, and this run has no GPU"),
 ])
 def test_gpu_only_settings_on_a_cpu_are_one_line(args, expected, tmp_path, capsys, monkeypatch):
     assert expected in _run(capsys, monkeypatch, tmp_path, *args)

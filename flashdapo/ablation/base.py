@@ -16,6 +16,7 @@ import torch
 
 from ..config import Config, RolloutConfig
 from ..eval.sampling import EvalSampling, sample_prompts
+from ..models.hf import resolved_attention
 from ..models.policy import PolicyModel
 from ..reward import get_verifier
 from ..rollout import RolloutEngine
@@ -71,7 +72,7 @@ def build_base(cfg: Config, out: Path, log: Callable[[str], None] = print) -> bo
     max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
     hf_model = build_toy_model(cfg.model, len(tokenizer), max_positions, cfg.trainer.seed)
     configure_threads(sum(p.numel() for p in hf_model.parameters()), torch.device("cpu"))
-    policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
+    policy = PolicyModel(hf_model, resolved_attention(cfg.model.attn_implementation, None), cfg.trainer.kernel_impl, cfg.rollout.temperature)
     warm_up_built_in(policy, cfg, tokenizer, log=log)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -3,6 +3,8 @@ OPTIONS]`: the options of AblateOptions, then any `flashdapo train` option (--pr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..config import PRESETS, Config, ConfigError, starting_point
 from .options import DEFAULT_ABLATION_PRESET, AblateOptions
 from .panel_runner import run_panels
@@ -37,7 +39,8 @@ def parse_ablate_command(argv: list[str]) -> tuple[AblateOptions, Config, Config
 
 def check_choices(opts: AblateOptions, argv: list[str]) -> None:
     """Refuse an option the chosen mode would ignore: --arms (the ladder's rungs) without --ladder, --panels with
-    --ladder or --quick (which choose the runs themselves)."""
+    --ladder or --quick (which choose the runs themselves), --quick with --ladder (the ladder has no short
+    variant); and an --out that is a file (the runs are written under a directory)."""
     def given(flag: str) -> bool:
         return any(a == flag or a.startswith(flag + "=") for a in argv)
 
@@ -48,6 +51,12 @@ def check_choices(opts: AblateOptions, argv: list[str]) -> None:
         mode = "--ladder runs the ladder's rungs (choose them with --arms)" if opts.ladder else \
             "--quick runs its own panels and arms"
         raise ConfigError(f"ablate.panels: --panels chooses the mechanism panels, but {mode}; drop one of them")
+    if opts.ladder and opts.quick:
+        raise ConfigError("ablate.quick: --quick runs the short panels and --ladder the whole ladder (it has no short "
+                          "variant: fewer rungs with --arms, fewer seeds with --seeds); drop one of them")
+    if Path(opts.out).exists() and not Path(opts.out).is_dir():
+        raise ConfigError(f"ablate.out: {opts.out} is a file; the ablation writes its runs and report under a "
+                          "directory: name a directory (new or one of an earlier ablation to reuse its runs)")
 
 
 def ablate_main(argv: list[str]) -> list[ArmRun] | list[PanelRun]:

@@ -80,8 +80,9 @@ class ModelConfig(Section):
     """Parameter dtype used for compute (master weights and gradient reduction stay fp32; FSDP2 mixed
     precision). auto: bfloat16 on CUDA, float32 on CPU (bf16 matmuls on a CPU are several times slower).
     The HF export is written in this dtype, and its config.json says so."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """transformers attention backend of the policy."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """transformers attention backend of the policy. auto: sdpa, or eager for a family whose attention SDPA
+    cannot run right (GPT-OSS's sinks, Gemma 2's attention-logit cap; start-up says so in one line)."""
     gradient_checkpointing: bool = False
     """Recompute decoder-block activations in backward (activation checkpointing)."""
     router_aux_loss_coef: Annotated[float | None, ge(0)] = None

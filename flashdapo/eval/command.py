@@ -49,7 +49,7 @@ from ..config.checks import (
 from ..data import load_eval_prompts
 from ..distributed.failfast import FailFast
 from ..distributed.mesh import DistEnv, init_distributed
-from ..models.hf import attention_refusal
+from ..models.hf import resolved_attention
 from ..models.model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from ..rollout.engine_models import check_engine_model
@@ -210,7 +210,7 @@ def eval_attention(model_dir: str) -> str:
     family whose attention transformers' SDPA path cannot honour (models/hf.py ATTENTION_REFUSED: Gemma 2's
     attention-logit cap, GPT-OSS's sinks), where training would refuse SDPA."""
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return "eager" if attention_refusal(config, "sdpa") is not None else "sdpa"
+    return resolved_attention("auto", config)
 
 
 def prompts_per_call(args: Any) -> int:

@@ -256,6 +256,17 @@ def attention_refusal(config: dict, attn_implementation: str) -> str | None:
     return f"{reason}; use --model.attn-implementation eager"
 
 
+def resolved_attention(choice: str, config) -> str:
+    """model.attn_implementation `choice` made concrete for a config (object or config.json dict; None: the
+    built-in toy model): `auto` is SDPA, or eager for a family SDPA cannot run right (ATTENTION_REFUSED); an
+    explicit choice stays as given (the start-up check refuses it where it cannot run)."""
+    if choice != "auto":
+        return choice
+    if config is not None and not isinstance(config, dict):
+        config = config.to_dict()
+    return "eager" if config is not None and attention_refusal(config, "sdpa") is not None else "sdpa"
+
+
 def final_logit_softcap(config) -> float | None:
     """The config's final-logit softcapping (`cap * tanh(z / cap)` on the logits: Gemma 2, 3 and 4; the text
     config of a multimodal one), None when it has none: the LM-head kernels apply it (flashdapo.kernels)."""
@@ -280,4 +291,4 @@ def layer_configs(config) -> list:
 __all__ = ["ATTENTION_REFUSED", "COMMON_CONFIG_KEYS", "FAMILIES", "Family", "MULTIMODAL_MODEL_TYPES",
            "SUPPORTED_MODEL_TYPES", "VLLM_UNSUPPORTED", "attention_refusal", "cache_argument",
            "config_keys", "decoder_layers", "family_of", "final_logit_softcap", "group_modules",
-           "layer_configs", "multimodal_refusal", "vllm_refusal"]
+           "layer_configs", "multimodal_refusal", "resolved_attention", "vllm_refusal"]

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config import Config
 from ..distributed.mesh import DistEnv
+from .hf import resolved_attention
 from .parallelize import parallelize
 from .policy import PolicyModel
 
@@ -24,17 +25,16 @@ from .policy import PolicyModel
 def load_sharded_policy(cfg: Config, env: DistEnv) -> PolicyModel:
     """The policy of `cfg.model.path`, FSDP2-sharded over `env`, fp32 master weights."""
     mc = cfg.model
+    config = AutoConfig.from_pretrained(mc.path)
+    attention = resolved_attention(mc.attn_implementation, config)
     if env.rank == 0:  # the side's rank 0 (split placement's rollout side reads its own copy)
-        hf = AutoModelForCausalLM.from_pretrained(mc.path, dtype=torch.float32,
-                                                  attn_implementation=mc.attn_implementation)
+        hf = AutoModelForCausalLM.from_pretrained(mc.path, dtype=torch.float32, attn_implementation=attention)
         full = {k: v for k, v in hf.state_dict().items()}
     else:
-        config = AutoConfig.from_pretrained(mc.path)
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                  attn_implementation=mc.attn_implementation)
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
         full = {}
-    policy = PolicyModel(hf, mc.attn_implementation, cfg.trainer.kernel_impl, cfg.rollout.temperature)
+    policy = PolicyModel(hf, attention, cfg.trainer.kernel_impl, cfg.rollout.temperature)
     policy = parallelize(policy, env, mc, cfg.trainer)
     if env.world_size == 1:
         return policy

@@ -63,6 +63,8 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> None:
     shards = sorted(root.glob("*.safetensors"))
     if not shards and not any(root.glob("*.bin")):
         raise ModelDirError(f"{where}: no weights (*.safetensors or *.bin); expected {EXPECTED}")
+    for index in sorted(root.glob("*.index.json")):
+        _check_index(index)
     for file in [*shards, *sorted(root.glob("*.bin")), *(root / n for n in TOKENIZER_FILES if (root / n).is_file())]:
         _check_readable(file)  # safetensors reports a denied read as "No such file or directory"
     for shard in shards:
@@ -77,6 +79,27 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> None:
             _check_bin(file)
     if not any((root / name).is_file() for name in TOKENIZER_FILES):
         raise ModelDirError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); expected {EXPECTED}")
+
+
+def _check_index(index: Path) -> None:
+    """A sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json) whose
+    weight_map names only files the directory holds: transformers would fail mid-load on the first missing
+    one with a bare FileNotFoundError."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except PermissionError as err:
+        raise _denied(index) from err
+    except (ValueError, UnicodeDecodeError, AttributeError) as err:
+        raise ModelDirError(f"{index}: not a shard index (a JSON object with a weight_map); re-download or "
+                            "re-export the model") from err
+    if not isinstance(weight_map, dict):
+        raise ModelDirError(f"{index}: weight_map: expected an object of tensor name -> shard file, got "
+                            f"{type(weight_map).__name__}; re-download or re-export the model")
+    missing = sorted({str(f) for f in weight_map.values()} - {p.name for p in index.parent.iterdir()})
+    if missing:
+        raise ModelDirError(f"{index}: weight_map names shard {missing[0]}, which is not in {index.parent}"
+                            + (f" ({len(missing)} shards missing)" if len(missing) > 1 else "")
+                            + "; copy the whole checkpoint")
 
 
 def _check_bin(file: Path) -> None:

@@ -23,7 +23,7 @@ from ..models.linear_attention import check_sequence_parallel
 from ..models.model_dir import check_model_dir
 from ..models.moe.expert_parallel import check_expert_parallel
 from ..models.ulysses import check_layer_heads
-from ..preflight import check_layout, check_model, check_model_config
+from ..preflight import check_layout, check_model, check_model_config, check_model_settings
 from ..rollout.engine_models import check_engine_model
 from .model import ModelShape
 from .shapes import ModelSource
@@ -59,6 +59,8 @@ def launch_checks(cfg: Config, world: int, source: ModelSource, shape: ModelShap
         report.passed.append("model config (preflight.check_model_config)")
         report.not_checked.append("the tokenizer (the checkpoint is not on this machine)")
     if not source.toy:  # the engine's attention-window limits; its architecture registry is checked at launch
+        check_model_settings(cfg, source.config, f"model.path={cfg.model.path}" if cfg.model.path else source.origin)
+        report.passed.append("model settings against the family (preflight.check_model_settings)")
         check_engine_model(cfg.rollout.engine, source.config, source.origin, registry=False)
     if cfg.trainer.sequence_parallel > 1:
         check_sequence_parallel(source.config, cfg.trainer.sequence_parallel)  # refused with linear attention

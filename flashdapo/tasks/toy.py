@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from ..config import ConfigError, ModelConfig, ToyTaskConfig, field_path
 from ..data import Record
+from ..models.hf import resolved_attention
 from ..tokenizer import IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS, ensure_pad
 
 TOY_DATA_SOURCE = "toy_arithmetic"
@@ -195,7 +196,8 @@ def build_toy_model(cfg: ModelConfig, vocab_size: int, max_positions: int, seed:
     config = Qwen2Config(
         vocab_size=vocab_size, hidden_size=toy.hidden_size, intermediate_size=toy.intermediate_size,
         num_hidden_layers=toy.num_layers, num_attention_heads=toy.num_heads, num_key_value_heads=toy.num_kv_heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=True, attn_implementation=cfg.attn_implementation,
+        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        attn_implementation=resolved_attention(cfg.attn_implementation, None),
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

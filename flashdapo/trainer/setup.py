@@ -166,13 +166,13 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
     split = cfg.rollout.placement == "split"
     env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, cfg.trainer.sequence_parallel,
                            cfg.rollout.rollout_ranks if split else 0)
-    cfg = resolve_auto(cfg, env.device.type == "cuda")
     failfast = (FailFast.connect(env.global_rank, env.global_world_size, role=f"trainer rank {env.rank}") if split
                 else FailFast.connect(env.rank, env.world_size))
     failfast.watch()
     liveness = Liveness(env.bridges.store, env.global_rank) if split else None
     run_dir = Path(cfg.logging.run_dir)
     log = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else (lambda _m: None)
+    cfg = resolve_auto(cfg, env.device.type == "cuda", log)
     plan, run = None, None
     try:
         checkpoint()

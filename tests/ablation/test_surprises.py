@@ -1,5 +1,6 @@
 """`flashdapo ablate` does what it is asked or says why not: --arms (the ladder's) without --ladder and --panels
-with --ladder or --quick are refused in one line before anything runs, and a rerun with other panels keeps the
+with --ladder or --quick, --quick with --ladder, and an --out that is a file are refused in one line before
+anything runs, and a rerun with other panels keeps the
 earlier panels' sections in ablation.md (read back from their finished runs, nothing rerun)."""
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ def nothing_runs(monkeypatch):
                                            "the ladder's rungs (choose them with --arms); drop one of them"),
     (["--quick", "--panels", "overlong"], "ablate.panels: --panels chooses the mechanism panels, but --quick runs "
                                           "its own panels and arms; drop one of them"),
+    (["--ladder", "--quick"], "ablate.quick: --quick runs the short panels and --ladder the whole ladder (it has no "
+                              "short variant"),
+    (["--out", "FILE"], "ablate.out: FILE is a file; the ablation writes its runs and report under a directory"),
 ])
 def test_an_option_the_mode_would_ignore_is_refused_before_anything_runs(flags, message, tmp_path, capsys,
                                                                          nothing_runs):
+    (tmp_path / "FILE").write_text("an earlier report\n")
+    flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
+    message = message.replace("FILE", str(tmp_path / "FILE"))
     assert main(["ablate", "--out", str(tmp_path), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"flashdapo: config error: {message}") and err.count("\n") == 1, err

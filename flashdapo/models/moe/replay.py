@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from .router import loss_routers, routers
+from .router import family_entry, loss_routers, routers
 
 NO_ROUTE = -1
 """A position of a laid-out micro-batch without a record: its router chooses for itself."""
@@ -163,6 +163,21 @@ class RouteReplay:
         indices = torch.where(has[:, None], recorded.to(own.dtype), own)
         self.chosen[layer] = indices.detach()
         return logits, replay_weights(logits, indices, bool(getattr(module, "norm_topk_prob", True))), indices
+
+
+def check_routing_replay(mode: str, config) -> None:
+    """ConfigError in one line for `algorithm.routing_replay` r3 on a config (object or config.json dict) of a
+    dense family or one without softmax top-k routers (DeepSeek-V3), before anything is built
+    (preflight.check_model_settings); install_route_replay checks the built model the same way."""
+    family = family_entry(config)
+    if mode == "off" or family is None:
+        return
+    if family.routers is None:
+        raise ConfigError(f"algorithm.routing_replay={mode}: the model ({family.model_type}) is dense (no registered "
+                          "mixture-of-experts router to replay); use off")
+    if not family.router_loss:
+        raise ConfigError(f"algorithm.routing_replay={mode}: the routers of {family.model_type} are not softmax top-k "
+                          "routers, whose gate weights the replay recomputes; use off")
 
 
 def install_route_replay(hf_model: nn.Module, mode: str) -> RouteReplay | None:

@@ -19,27 +19,28 @@ from ...errors import ConfigError
 from ..hf import FAMILIES, Family
 
 
-def _family(config) -> Family | None:
+def family_entry(config) -> Family | None:
+    """The registry entry of an HF config (object or config.json dict); None for an unregistered type."""
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     return FAMILIES.get(model_type)
 
 
 def routers(hf_model: nn.Module) -> list[nn.Module]:
     """The top-k routers of an HF causal LM, one per sparse block in layer order; [] for a dense model."""
-    family = _family(hf_model.config)
+    family = family_entry(hf_model.config)
     return [] if family is None or family.routers is None else family.routers(hf_model)
 
 
 def loss_routers(hf_model: nn.Module) -> list[nn.Module]:
     """`routers` where the family balances them by transformers' load-balancing loss (softmax top-k routers:
     the router loss and expert load of balance.py apply); [] otherwise."""
-    family = _family(hf_model.config)
+    family = family_entry(hf_model.config)
     return routers(hf_model) if family is not None and family.router_loss else []
 
 
 def is_moe(config) -> bool:
     """Whether an HF config (object or config.json dict) is of a registered mixture-of-experts family."""
-    family = _family(config)
+    family = family_entry(config)
     return family is not None and family.routers is not None
 
 
@@ -63,9 +64,13 @@ def router_logits_kwargs(config, record: bool = False) -> dict[str, bool]:
 
 
 def check_router_aux_coef(override: float | None, config) -> None:
-    """ConfigError for `model.router_aux_loss_coef` above 0 on an MoE family whose routers no load-balancing loss
-    balances (DeepSeek-V3's bias-corrected sigmoid routers): run at start-up (models/parallelize.py)."""
-    family = _family(config)
+    """ConfigError for `model.router_aux_loss_coef` above 0 on a dense model (no router to balance) or on an MoE
+    family whose routers no load-balancing loss balances (DeepSeek-V3's bias-corrected sigmoid routers): run
+    before the launch (preflight.check_model_settings) and at start-up (models/parallelize.py)."""
+    family = family_entry(config)
+    if override and family is not None and family.routers is None:
+        raise ConfigError(f"model.router_aux_loss_coef={override}: {family.model_type} is a dense model (no "
+                          "mixture-of-experts router to balance); leave it unset or 0")
     if override and family is not None and family.routers is not None and not family.router_loss:
         raise ConfigError(f"model.router_aux_loss_coef={override}: {family.model_type}'s routers are not balanced by "
                           f"a load-balancing loss (transformers has none for them); leave it unset or 0")
@@ -77,7 +82,7 @@ def router_aux_coef(override: float | None, config) -> float:
     transformers ...ForCausalLM adds to its own training loss). Always 0 for a dense model; a ConfigError for a
     coefficient above 0 on a family whose routers no such loss balances (DeepSeek-V3)."""
     check_router_aux_coef(override, config)
-    if not is_moe(config) or not _family(config).router_loss:
+    if not is_moe(config) or not family_entry(config).router_loss:
         return 0.0
     if override is not None:
         return float(override)
