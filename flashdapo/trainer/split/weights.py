@@ -297,16 +297,29 @@ def load_weights(policy, staged: StagedVersion) -> None:
 
 def check_loaded(policy, staged: StagedVersion, check: PushCheck, version: int) -> float:
     """The push check on the rollout side: this policy's probe log-probs against the trainer's for `version`;
-    raises PushMismatchError naming the tensors whose checksums differ. The max difference."""
+    raises PushMismatchError naming the tensors whose checksums differ. The max difference. The tolerance is
+    the co-located check's (observe/logprob_check.py): fp32's fixed one when the pushed dtype, the one the
+    rollout side computes in, is fp32; else the one `check.calibrate` measures at the first low-precision
+    version (both sides' bf16 forwards each stray from exact arithmetic by far more than fp32's 1e-3)."""
     mine = torch.cat(check.trainer_logprobs(check.probe))
-    worst = all_reduce(torch.tensor([(mine - staged.probe).abs().max().item()], dtype=torch.float64), "max").item()
-    tolerance = PUSH_TOLERANCE[torch.float32]
-    if not worst <= tolerance:
+    diff = (mine - staged.probe).abs()
+    worst, mean = all_reduce(torch.tensor([diff.max().item(), diff.mean().item()], dtype=torch.float64),
+                             "max").tolist()
+    if staged.dtype == torch.float32:
+        passed, tolerance = worst <= PUSH_TOLERANCE[torch.float32], f"{PUSH_TOLERANCE[torch.float32]:g} max"
+    else:
+        if check.calibration is None or check.calibration.dtype != staged.dtype:
+            check.calibration = check.calibrate(staged.dtype, mine, staged.probe)
+        calibration = check.calibration
+        passed = mean <= calibration.mean_limit and worst <= calibration.max_limit
+        tolerance = calibration.describe()
+    if not passed:  # also NaN
         differ = [name for name, value in _loaded_sums(policy, staged.dtype) if abs(value - staged.sums[name]) > 1e-6 *
                   max(1.0, abs(staged.sums[name]))]
         raise PushMismatchError(
             f"after loading the weights of step {version} the rollout side's log-probs of {mine.numel()} fixed tokens "
-            f"differ from the trainer's by {worst:.3g} max, beyond {tolerance}; tensors that differ: "
+            f"differ from the trainer's by {mean:.3g} mean ({worst:.3g} max), beyond {tolerance} for "
+            f"{str(staged.dtype).removeprefix('torch.')} weights; tensors that differ: "
             f"{', '.join(differ) or 'none (the forward itself differs)'}")
     return worst
 
