@@ -126,7 +126,7 @@ def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor, top_
     group, experts = module.ep_group, module.num_experts
     ep = dist.get_world_size(group)
     per_rank = experts // ep
-    top_k = top_k_index.shape[-1]
+    tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     counts = torch.bincount(flat, minlength=experts + 1)[:experts]  # pairs per expert, from this rank
     order = torch.argsort(flat, stable=True)  # grouped by expert, so by the rank that holds it
@@ -134,16 +134,31 @@ def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor, top_
     dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, local expert]
     send_splits = counts.view(ep, per_rank).sum(1).tolist()
     recv_splits = received_counts.view(ep, per_rank).sum(1).tolist()
-    order = order[:sum(send_splits)]  # HF's "no expert" entries sort last and are dropped
-    token = order // top_k
-    received = _exchange(hidden_states.index_select(0, token), recv_splits, send_splits, group)
+    sent = sum(send_splits)  # HF's "no expert" entries sort last and are not sent
+    # Each (token, slot) pair's row: the token's hidden state repeated k times (its gradient: a sum over k),
+    # then permuted by expert (a permutation: no two rows add into one).
+    width = hidden_states.shape[-1]
+    pairs = hidden_states[:, None, :].expand(tokens, top_k, width).reshape(tokens * top_k, width)
+    received = _exchange(pairs.index_select(0, order[:sent]), recv_splits, send_splits, group)
     local_expert = torch.repeat_interleave(torch.arange(per_rank, device=counts.device).repeat(ep),
                                            received_counts)
     computed = local_experts(module, received, local_expert, per_rank)
     returned = _exchange(computed, send_splits, recv_splits, group)
-    weights = top_k_weights.reshape(-1).index_select(0, order)
-    out = torch.zeros_like(hidden_states)
-    return out.index_add(0, token, (returned * weights[:, None]).to(out.dtype))
+    return combine(returned, top_k_weights, order, sent).to(hidden_states.dtype)
+
+
+def combine(returned: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor, sent: int) -> torch.Tensor:
+    """[tokens, H] the sum over each token's k slots of weight x expert output, without atomics: `returned`
+    holds the first `sent` pairs of `order` (the flattened [tokens * k] pairs sorted by expert), the rest
+    (HF's "no expert") add nothing. The rows go back to pair order through the inverse permutation (a gather)
+    into a [tokens, k, H] buffer, summed over k in a fixed order: the same bits run to run, on GPUs too (an
+    index_add over the tokens is atomic there). Its backward: a gather and a permutation, no accumulation."""
+    tokens, top_k = top_k_weights.shape
+    weights = top_k_weights.reshape(-1).index_select(0, order[:sent])
+    weighted = returned * weights[:, None].to(returned.dtype)
+    padded = torch.cat([weighted, weighted.new_zeros(tokens * top_k - sent, weighted.shape[-1])])
+    inverse = torch.argsort(order)  # pair p's row in `padded`
+    return padded.index_select(0, inverse).view(tokens, top_k, weighted.shape[-1]).sum(dim=1)
 
 
 def local_experts(module: nn.Module, rows: torch.Tensor, expert: torch.Tensor, count: int) -> torch.Tensor:
@@ -157,7 +172,7 @@ def local_experts(module: nn.Module, rows: torch.Tensor, expert: torch.Tensor, c
     for j, part in enumerate(torch.split(rows.index_select(0, order), sizes)):
         outputs.append(nn.functional.linear(_gate(module, nn.functional.linear(part, gate_up[j])), down[j]))
     by_expert = torch.cat(outputs)
-    return torch.empty_like(by_expert).index_copy(0, order, by_expert)
+    return by_expert.index_select(0, torch.argsort(order))  # back to the rows' order (a permutation)
 
 
 @torch.no_grad()
@@ -240,5 +255,5 @@ def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return wait_tensor(all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group))
 
 
-__all__ = ["EXPERT_PARAMETERS", "check_expert_parallel", "clip_grad_norm_over_meshes", "expert_modules",
+__all__ = ["EXPERT_PARAMETERS", "check_expert_parallel", "clip_grad_norm_over_meshes", "combine", "expert_modules",
            "expert_parallel_forward", "full_tensor_by_dim", "local_experts", "parallelize_experts", "shard_experts"]
