@@ -189,18 +189,20 @@ def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
                   error_log=Path(out) / f"vllm-error.rank{env.rank}.log" if out else None)
     if engine_spec(args.engine).own_weights:
         return build_engine(rollout, env, tokenizer, **common)
+    # A quantized checkpoint (fp8 block-wise, mxfp4) is dequantized into the plain model, said in one line
+    # (models/quantized.py).
+    said = (lambda m: print(f"flashdapo: {m}", flush=True)) if env.is_main else None
     if getattr(args, "fsdp", False):  # `flashdapo generate` has no --fsdp
         from ..models.loading import load_sharded_policy
 
         cfg = Config(model=ModelConfig(path=args.model, dtype=dtype, attn_implementation=attention),
                      trainer=TrainerConfig(device=args.device))
         # Never woken: the shards stay sharded and each forward gathers one block at a time.
-        return build_engine(rollout, env, tokenizer, model=load_sharded_policy(cfg, env),
+        return build_engine(rollout, env, tokenizer, model=load_sharded_policy(cfg, env, said),
                             shard_group=world_group(env), **common)
-    from transformers import AutoModelForCausalLM
+    from ..models.quantized import load_pretrained
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32,
-                                                 attn_implementation=attention)
+    model = load_pretrained(args.model, torch.bfloat16 if on_gpu else torch.float32, attention, said, "--model")
     # No process group: each rank holds a full replica and generates on its own, seeded per prompt only.
     return build_engine(rollout, env, tokenizer, model=model.to(env.device), **common)
 

@@ -5,7 +5,8 @@ architecture on the meta device (no memory). All ranks apply FSDP2, the meta ran
 shards, and rank 0's full state dict is broadcast into every rank's shards
 (`set_model_state_dict(..., broadcast_from_rank0=True)`). Buffers that are not in the state dict
 (rotary `inv_freq`) are broadcast from rank 0 as well. Host memory: one fp32 copy on rank 0 instead of
-one per rank.
+one per rank. A quantized checkpoint (fp8 block-wise, mxfp4) is dequantized on rank 0 into the plain model
+(quantized.py); every rank builds the model from its config without the quantization_config.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from ..distributed.mesh import DistEnv
 from .hf import resolved_attention
 from .parallelize import parallelize
 from .policy import PolicyModel
+from .quantized import load_pretrained, plain_config
 
 
-def load_sharded_policy(cfg: Config, env: DistEnv) -> PolicyModel:
-    """The policy of `cfg.model.path`, FSDP2-sharded over `env`, fp32 master weights."""
+def load_sharded_policy(cfg: Config, env: DistEnv, log=None) -> PolicyModel:
+    """The policy of `cfg.model.path`, FSDP2-sharded over `env`, fp32 master weights; `log` gets the line of a
+    dequantized checkpoint (rank 0)."""
     mc = cfg.model
-    config = AutoConfig.from_pretrained(mc.path)
+    config = plain_config(AutoConfig.from_pretrained(mc.path))
     attention = resolved_attention(mc.attn_implementation, config)
     if env.rank == 0:  # the side's rank 0 (split placement's rollout side reads its own copy)
-        hf = AutoModelForCausalLM.from_pretrained(mc.path, dtype=torch.float32, attn_implementation=attention)
+        hf = load_pretrained(mc.path, torch.float32, attention, log)
         full = {k: v for k, v in hf.state_dict().items()}
     else:
         with torch.device("meta"):

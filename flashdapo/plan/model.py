@@ -144,7 +144,8 @@ def build_meta_model(source: ModelSource, cfg: Config) -> torch.nn.Module:
 
             max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
             return build_toy_model(cfg.model, len(build_task_tokenizer(cfg.data)), max_positions, cfg.trainer.seed)
-        values = {k: v for k, v in source.config.items() if k not in ("architectures", "model_type")}
+        # A quantized checkpoint is trained dequantized (models/quantized.py): its plain model is counted.
+        values = {k: v for k, v in source.config.items() if k not in ("architectures", "model_type", "quantization_config")}
         config = AutoConfig.for_model(source.config["model_type"], **values)
         # Eager attention: every family has it (GPT-OSS has no SDPA path) and the shapes do not depend on it.
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")

@@ -1,7 +1,8 @@
 """The model (its config.json values) against what a rollout engine builds, refused in one line before any
 process group, weights or engine start: vLLM's device-bound refusals (models/hf.py vllm_refusal), layer windows
-its model classes cannot mix, an architecture outside its registry, and a model module whose third-party package
-is missing. Used by preflight.py (train), eval/ and plan/ (registry off: a GPU launch planned from any machine)."""
+its model classes cannot mix, an architecture outside its registry, a model module whose third-party package
+is missing, and a quantized checkpoint (models/quantized.py: an unsupported quant_method for every engine; vLLM for
+any). Used by preflight.py (train), eval/ and plan/ (registry off: a GPU launch planned from any machine)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from ..config import ConfigError, engine_spec
 from ..models.hf import vllm_refusal
+from ..models.quantized import quant_format
 
 
 def check_engine_model(engine: str, config: dict[str, Any], where: str, registry: bool = True) -> None:
@@ -18,6 +20,7 @@ def check_engine_model(engine: str, config: dict[str, Any], where: str, registry
     windows (`check_layer_windows`) and, with `registry`, its architecture (`check_architecture`: imports the
     engine's package, seconds for vLLM). A ConfigError naming rollout.engine and the alternative."""
     spec = engine_spec(engine)
+    check_quantized(spec, config, where)
     # A device-bound refusal (vLLM's CPU attention) only where the engine starts here: `flashdapo plan`
     # (registry=False) plans a GPU launch from any machine.
     refusal = vllm_refusal(config, on_gpu=torch.cuda.is_available() or not registry) if spec.model_registry else None
@@ -28,6 +31,21 @@ def check_engine_model(engine: str, config: dict[str, Any], where: str, registry
     check_layer_windows(spec, config, where)
     if registry and spec.model_registry is not None:
         check_architecture(spec, config, where)
+
+
+def check_quantized(spec: Any, config: dict[str, Any], where: str) -> None:
+    """A quantized checkpoint (config.json `quantization_config`): a quant_method flashdapo does not dequantize is
+    refused for every engine (`quant_format`, naming it and the supported ones); an engine with its own weights
+    (vLLM) is refused for a supported one: vLLM builds quantized layers from the directory's quantization_config
+    (fp8 weights and per-block scales), which the push of the dequantized policy's plain weights cannot fill, and
+    vLLM 0.32's CPU build refuses fp8 outright in float32, the dtype its CPU engine runs in ("torch.float32 is
+    not supported for quantization method fp8"). The torch engine samples the dequantized policy itself."""
+    fmt = quant_format(config, where)
+    if fmt is None or not spec.own_weights:
+        return
+    raise ConfigError(f"rollout.engine {spec.name}: {where} is an {fmt.describe()} checkpoint: {engine_named(spec)} "
+                      f"builds {fmt.method} layers from its quantization_config, which the push of the dequantized "
+                      "policy cannot fill (its CPU build also refuses fp8 in float32); use --rollout.engine torch")
 
 
 def engine_architectures(config: dict[str, Any]) -> list[str]:
@@ -156,4 +174,4 @@ def engine_named(spec) -> str:
 
 
 __all__ = ["check_architecture", "engine_named", "check_engine_model", "check_layer_windows", "check_model_module",
-           "engine_architectures", "installed_version"]
+           "check_quantized", "engine_architectures", "installed_version"]

@@ -39,7 +39,7 @@ def build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> P
     """The policy as trained: model.path's checkpoint loaded into FSDP2 shards, or the toy model built,
     warmed up (fresh runs) and parallelized."""
     if cfg.model.path:
-        policy = load_sharded_policy(cfg, env)
+        policy = load_sharded_policy(cfg, env, log)
         configure_threads(sum(p.numel() for p in policy.parameters()), env.device)
         return policy.with_route_replay(cfg.algorithm.routing_replay)
     max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
