@@ -20,6 +20,14 @@ ranks end with a line saying whose stop they follow (`rank 1 (rollout rank 0) st
 0), stopped by Ctrl-C`) and the signal's exit status, not a "failed". When the store itself stops answering,
 no rank can say which failed: if this process's parent changed meanwhile, the launcher (torchrun, whose agent
 hosts the store and started this rank) was killed, and the line says so; else it names the store's address.
+
+A rank killed without a word (SIGKILL, the OOM killer) writes nothing here. With `watch_peers` (split placement,
+whose sides wait by polling the store, not in a collective that would fail on the dead peer's socket) each
+rank also looks up its same-node peers' processes by pid at each poll (peers.py): the first rank to find one
+dead records the death here as that rank's failure, and every rank ends with one line naming it (`rank 0
+(trainer rank 0) stops: rank 1 (rollout rank 0) died ...`). torchrun's SIGTERM to the survivors comes first
+(within its 0.1 s monitor interval): a stop's signal handler asks `end_if_lost` before it promises a
+checkpoint, so the answer to a dead peer is that line, at once, never a stop that waits for torchrun's SIGKILL.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import datetime
 import os
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -35,8 +44,13 @@ import torch.distributed as dist
 
 from ..errors import FlashdapoError, debug_requested, user_error_line
 from .interrupt import Interrupted, interruption_of, signal_name
+from .peers import Peers
 
 _EXIT_STATUS = 1
+
+DIED = ("its process ended without a word: killed by a signal, e.g. SIGKILL or the out-of-memory killer); ending "
+        "without saving a checkpoint (the newest one stands; resume with --checkpoint.resume auto")
+"""What a death line says after naming the dead rank."""
 
 _EXIT_LOCK = threading.Lock()
 """Held by the thread that ends the process: one closing line per process, whichever watcher (the failure
@@ -59,18 +73,26 @@ class FailFast:
     """In split placement, how messages name this rank's side ('rollout rank 0'); empty when co-located."""
     parent_pid: int = field(default_factory=os.getppid)
     """The process that started this rank (torchrun's agent): another one later means the launcher is gone."""
+    peers: Peers | None = None
+    """With watch_peers: this rank's watch over the other ranks' processes (peers.py), else None."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     @classmethod
-    def connect(cls, rank: int, world_size: int, poll_s: float = 0.5, role: str = "") -> FailFast:
+    def connect(cls, rank: int, world_size: int, poll_s: float = 0.5, role: str = "",
+                watch_peers: bool = False) -> FailFast:
         """Connect to the rendezvous store (a client of its own); no store for one rank without peers.
-        `rank`, `world_size`: the whole launch's (in split placement too: one blackboard for both sides)."""
+        `rank`, `world_size`: the whole launch's (in split placement too: one blackboard for both sides).
+        `watch_peers`: publish this process's pid and look up the other ranks' at each poll (peers.py)."""
         if world_size == 1 or "MASTER_ADDR" not in os.environ:
             return cls(rank, None, poll_s, role)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-        return cls(rank, store, poll_s, role)
+        failfast = cls(rank, store, poll_s, role)
+        if watch_peers:
+            failfast.peers = Peers(store, rank, failfast._me, range(world_size))
+            failfast.peers.publish()
+        return failfast
 
     @property
     def _me(self) -> str:
@@ -83,8 +105,11 @@ class FailFast:
             self._thread.start()
 
     def close(self) -> None:
-        """Stop watching (a clean end: before the process group and its store go away)."""
+        """Stop watching (a clean end: before the process group and its store go away); with watch_peers, tell
+        the other ranks that this one's exit from now on is no death."""
         self._stop.set()
+        if self.peers is not None:
+            self.peers.leave()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -114,6 +139,11 @@ class FailFast:
         if self.store is None:
             return
         err = interruption_of(err) or err  # a second Ctrl-C that cut a save short: the stop, not the save's error
+        if not isinstance(err, Interrupted):  # an error after a peer's death (its closed socket) follows that death
+            try:
+                self._find_death(wait_s=2.0 if lost_peer_line(err) else 0.0)
+            except Exception:  # the store is gone: said below
+                pass
         first = self._count_in(err)
         with _EXIT_LOCK:  # the watcher thread may be exiting already: one message per process
             self._stop.set()
@@ -146,17 +176,39 @@ class FailFast:
         except Exception:  # the store is gone with its host: report this error in full (or the launcher's loss)
             return None
 
-    def _first(self) -> tuple[str, int | None]:
-        """Who failed (or stopped) first, as 'rank 0 (trainer rank 0)', and the signal of a stop (else None)."""
+    def _find_death(self, wait_s: float = 0.0) -> None:
+        """With watch_peers and no failure recorded yet: record a peer found dead (its process gone without a
+        word) as the job's first failure, for the ranks that cannot see its pid. `wait_s`: look for that long (a
+        collective fails on the dead peer's closed socket an instant before its process is seen gone)."""
+        if self.peers is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while self.failed_rank() is None:
+            dead = self.peers.dead()
+            if dead is not None:
+                if self.store.add(_key("count"), 1) == 1:  # else another rank's failure (or this death) came first
+                    self.store.set(_key("who"), dead.name.removeprefix("rank "))
+                    self.store.set(_key("died"), "1")
+                    self.store.set(_key("rank"), str(dead.rank))
+                return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def _first(self) -> tuple[str, int | None, bool]:
+        """Who failed (or stopped) first, as 'rank 0 (trainer rank 0)', the signal of a stop (else None), and
+        whether it died without a word (found by pid: peers.py)."""
         who = self.store.get(_key("who" if self.store.check([_key("who")]) else "rank")).decode()
         stop = int(self.store.get(_key("stop"))) if self.store.check([_key("stop")]) else None
-        return f"rank {who}", stop
+        return f"rank {who}", stop, self.store.check([_key("died")])
 
     def _first_words(self) -> str:
         try:
-            who, stop = self._first()
+            who, stop, died = self._first()
         except Exception:
             return "the job's store stopped answering"
+        if died:
+            return f"{who} died ({DIED})"
         return f"{who} failed (its error is above)" if stop is None else f"{who} was stopped by {signal_name(stop)}"
 
     def launcher_gone(self) -> bool:
@@ -175,24 +227,44 @@ class FailFast:
                    "gone; no rank reported an error before")
         return f"flashdapo: {self._me} stops: {why}; resume with --checkpoint.resume auto"
 
+    def verdict(self) -> tuple[str, int] | None:
+        """The line and exit status that end this process when another rank has failed, stopped on a second
+        signal or (watch_peers) died, or when the store is gone; None while the job goes on."""
+        try:
+            self._find_death()
+            if self.failed_rank() is None:
+                return None
+            who, stop, died = self._first()
+        except Exception:  # the store's host (the launcher) is gone: so is the job
+            return self.store_gone_line(), _EXIT_STATUS
+        if died:
+            return f"flashdapo: {self._me} stops: {who} died ({DIED})", _EXIT_STATUS
+        if stop is None:
+            return f"flashdapo: {self._me} stops: {who} failed (its error is above)", _EXIT_STATUS
+        return f"flashdapo: {self._me} stops with {who}, stopped by {signal_name(stop)}", 128 + stop
+
+    def end_if_lost(self) -> bool:
+        """For a stop's signal handler, before it promises a checkpoint: if the job is ending (another rank
+        failed or died: torchrun signals the survivors of a dead rank), end this process now with the poll's
+        line, and return True (also when another thread is ending it already): the stop's checkpoint needs
+        the other ranks and would never be written. False while the job goes on."""
+        if self.store is None or self._stop.is_set():
+            return False
+        found = self.verdict()
+        if found is None:
+            return False
+        exit_with_line(*found)
+        return True  # another thread holds the exit: its line is the one said
+
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_s):
-            try:
-                failed = self.failed_rank()
-                line, status = None, _EXIT_STATUS
-                if failed is not None:
-                    who, stop = self._first()
-                    line = f"flashdapo: {self._me} stops: {who} failed (its error is above)" if stop is None else \
-                        f"flashdapo: {self._me} stops with {who}, stopped by {signal_name(stop)}"
-                    status = _EXIT_STATUS if stop is None else 128 + stop
-            except Exception:  # the store's host (the launcher) is gone: so is the job
-                line, status = self.store_gone_line(), _EXIT_STATUS
-            if line is not None and _EXIT_LOCK.acquire(blocking=False):
+            found = self.verdict()
+            if found is not None and _EXIT_LOCK.acquire(blocking=False):
                 if self._stop.is_set():  # a clean close raced the poll
                     _EXIT_LOCK.release()
                     return
-                print(line, file=sys.stderr, flush=True)
-                _exit(status)
+                print(found[0], file=sys.stderr, flush=True)
+                _exit(found[1])
 
 
 _LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",

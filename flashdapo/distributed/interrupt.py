@@ -11,8 +11,10 @@ one.
 
 SIGTERM is what a scheduler sends before it ends a job (SLURM's scancel and preemption, Kubernetes) and what
 torchrun sends the other ranks when one rank died. In the first case every rank finishes its step and the
-checkpoint is saved; in the second the step's next collective fails at once on the dead peer, and that
-failure is the one line reported (failfast.py), not a launcher's bare kill.
+checkpoint is saved; in the second no checkpoint is promised: the handler first asks fail-fast (`lost`) whether
+another rank failed or died, and if one did this rank ends at once with the line naming it (failfast.py); where
+that cannot be seen yet, the step's next collective fails at once on the dead peer, and that failure is the one
+line reported, not a launcher's bare kill.
 
 Under torchrun the launcher forwards SIGINT to every worker; at each step's end the ranks agree on stopping
 (a max all-reduce of one flag), so every rank stops after the same step and the save is collective as usual.
@@ -76,6 +78,10 @@ class StopOnInterrupt:
         self.requested = False
         self.signum = signal.SIGINT
         """The first signal received (its name goes into the lines, its number into the exit status)."""
+        self.lost: Callable[[], bool] = lambda: False
+        """Asked first on a first signal: whether the job is ending on another rank's failure or death, this
+        process with it in its own line (failfast.FailFast.end_if_lost). torchrun signals the survivors of a dead
+        rank: a stop then would promise a checkpoint that needs the dead rank and is never written."""
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopOnInterrupt:
@@ -91,6 +97,8 @@ class StopOnInterrupt:
     def _handle(self, signum, frame) -> None:
         if not self.requested:
             self.requested, self.signum = True, signum
+            if self.lost():  # no stop to keep: this process ends on the other rank's failure or death
+                return
             if self.is_main:
                 step = self.phase.startswith("step")
                 then = f"after {self.phase} (its checkpoint is saved then)" if step else \

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import FlashdapoError
+from .peers import mark_left
 
 ROLES = ("colocated", "trainer", "rollout")
 
@@ -110,6 +111,7 @@ class Liveness:
 
     def __init__(self, store: dist.Store, global_rank: int, every_s: float = 1.0, stop_line: str | None = None):
         self.store, self.key, self.every_s = store, _key(f"alive/{global_rank}"), every_s
+        self.global_rank = global_rank
         self.stop_line = stop_line
         self._stop = threading.Event()
         self._exiting = threading.Lock()
@@ -137,6 +139,7 @@ class Liveness:
             except Exception:  # the store went with the job: fail-fast reports it
                 return
             if signum:
+                mark_left(self.store, self.global_rank)  # an end in order: the trainer side's watch sees no death
                 print(self.stop_line, file=sys.stderr, flush=True)
                 sys.stdout.flush()
                 os._exit(128 + signum)

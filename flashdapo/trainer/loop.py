@@ -55,6 +55,7 @@ def train(cfg) -> Run | None:
     with StopOnInterrupt(lambda: latest_checkpoint(Path(cfg.logging.run_dir))) as stop:
         run = setup_run(cfg, stop.check)  # a stop asked for during setup raises at its next stage
         stop.is_main = run.env.is_main
+        stop.lost = run.failfast.end_if_lost  # torchrun's SIGTERM after a rank died: no checkpoint promised
         try:
             stopped_at = train_steps(run, stop)
             if stopped_at is None and cfg.checkpoint.export_hf and run.needs_export():

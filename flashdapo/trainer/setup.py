@@ -166,7 +166,8 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
     split = cfg.rollout.placement == "split"
     env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, cfg.trainer.sequence_parallel,
                            cfg.rollout.rollout_ranks if split else 0)
-    failfast = (FailFast.connect(env.global_rank, env.global_world_size, role=f"trainer rank {env.rank}") if split
+    failfast = (FailFast.connect(env.global_rank, env.global_world_size, role=f"trainer rank {env.rank}",
+                                 watch_peers=True) if split  # a dead rollout rank fails no collective here
                 else FailFast.connect(env.rank, env.world_size))
     failfast.watch()
     liveness = Liveness(env.bridges.store, env.global_rank) if split else None

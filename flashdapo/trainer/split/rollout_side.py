@@ -75,8 +75,10 @@ def run_rollout_side(cfg: Config) -> None:
     signal.signal(signal.SIGTERM, _sigterm_notice)  # so is SIGTERM: this rank has no checkpoint of its own
     env = init_distributed(cfg.trainer.device, cfg.trainer.setup_timeout_s, 1, cfg.rollout.rollout_ranks)
     cfg = resolve_auto(cfg, env.device.type == "cuda")
-    failfast = FailFast.connect(env.global_rank, env.global_world_size, role=f"rollout rank {env.rank}")
+    failfast = FailFast.connect(env.global_rank, env.global_world_size, role=f"rollout rank {env.rank}",
+                                watch_peers=True)  # a dead trainer rank fails no collective here
     failfast.watch()
+    signal.signal(signal.SIGTERM, lambda signum, frame: failfast.end_if_lost() or _sigterm_notice(signum, frame))
     me = env.bridges.layout.describe(env.global_rank)
     live = Liveness(env.bridges.store, env.global_rank, stop_line=f"flashdapo: {me} stops with the trainer side")
     try:
@@ -92,7 +94,9 @@ def run_rollout_side(cfg: Config) -> None:
 def _sigterm_notice(signum, frame) -> None:
     """SIGTERM on a rollout rank: one notice, and generation goes on. The rollout side writes no checkpoint of its
     own (its parts are written at fixed boundaries): the run stops, with its checkpoint, when the trainer side is
-    signalled (a scheduler signals every rank), and this rank then ends with it."""
+    signalled (a scheduler signals every rank), and this rank then ends with it. Once fail-fast is up, a SIGTERM
+    that follows another rank's failure or death (torchrun's, to the survivors) ends this rank first, in the line
+    naming that rank (FailFast.end_if_lost): the trainer side will not stop in order."""
     line = (f"flashdapo: rank {os.environ.get('RANK', '?')} (a rollout rank) got {signal.Signals(signum).name}: "
             "the rollout side saves nothing and stops when the trainer side does; signal the trainer ranks (or "
             "Ctrl-C) to stop the run after its step, with a checkpoint\n")

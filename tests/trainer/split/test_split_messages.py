@@ -10,7 +10,9 @@ docs/failures.md), each in one line (gloo, torch engine, 1 trainer + 1 rollout r
   that stops between announcing a batch and sending it (the trainer's receive polls its liveness);
 - SIGTERM to a rollout rank is one notice; Ctrl-C stops the trainer side after its step and the rollout side with
   it; a second Ctrl-C still ends the rollout side in one line, with no half-written checkpoint;
-- a SIGKILLed torchrun agent (the launcher, host of the store) is named as such by every rank, not as 'rank ?'."""
+- a SIGKILLed torchrun agent (the launcher, host of the store) is named as such by every rank, not as 'rank ?';
+- a SIGKILLed rank of either side is named by the other within seconds ('... died'), found by its pid: no stop
+  answers torchrun's SIGTERM promising a checkpoint that is never written, nobody waits for torchrun's SIGKILL."""
 
 import os
 import re
@@ -69,6 +71,49 @@ def test_a_stopped_rollout_rank_is_named_before_any_collective_timeout(tmp_path)
         out[-4000:]
     assert "Timed out waiting" not in out and "killed by a signal" not in out, out[-4000:]
     assert took < 110, f"{took:.0f} s from the stop to the job's end:\n{out[-4000:]}"
+
+
+PROMISES = (re.compile(r"stopping after step (\d+) \(its checkpoint is saved then\)"),
+            re.compile(r"stopped at step (\d+) .*after saving its checkpoint"))
+"""The lines that promise (or report) a step's checkpoint."""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(("victim", "dead", "survivor"), [(1, "rank 1 (rollout rank 0)", "rank 0 (trainer rank 0)"),
+                                                          (0, "rank 0 (trainer rank 0)", "rank 1 (rollout rank 0)")])
+def test_a_sigkilled_rank_is_named_by_its_peer_within_seconds_with_no_checkpoint_promised(tmp_path, victim, dead,
+                                                                                          survivor):
+    """SIGKILL of one rank once step 2 is logged (as by the OOM killer: no word on the blackboard). torchrun SIGTERMs
+    the survivor within its 0.1 s monitor interval; the survivor, which waits by polling the store (no collective to
+    fail on the dead peer's socket), used to answer with a stop promising its step's checkpoint and wait until
+    torchrun's SIGKILL 30 s later, naming nobody. It now finds the peer's pid gone and ends at once, in one line
+    naming it; any checkpoint a line promises exists. The bound is generous: 1-3 s is usual on 2 cores."""
+    run_dir = tmp_path / "run"
+    job = launch(split_cmd(run_dir, *LONG), tag=run_dir)
+    survivor_pid = None
+    try:
+        wait_rows(job, run_dir, 2)
+        survivor_pid = rank_pid(run_dir, 1 - victim)
+        _kill(rank_pid(run_dir, victim))
+        killed_at = time.time()
+        out = job.communicate(timeout=60)[0]
+        took = time.time() - killed_at
+    finally:
+        _kill(survivor_pid)
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    ours = [line for line in out.splitlines() if line.startswith("flashdapo:")]
+    said = [line for line in ours if line.startswith(f"flashdapo: {survivor} stops: {dead} died (")]
+    assert len(said) == 1 and "ending without saving a checkpoint" in said[0], out[-4000:]
+    for line in ours:
+        for promise in PROMISES:
+            if found := promise.search(line):
+                step = int(found.group(1))
+                assert (run_dir / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file(), \
+                    f"promised, never written: {line}\n{out[-4000:]}"
+    assert took < 15, f"{took:.1f} s from the SIGKILL to the job's end:\n{out[-4000:]}"
 
 
 def _stop_in(run_dir: Path, stopped_rank: int, place: str) -> tuple[str, int]:
