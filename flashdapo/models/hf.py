@@ -4,7 +4,8 @@ One `Family` entry per config.json `model_type`. Every place that depends on a m
 the start-up check (which types are accepted), the policy wrapper (decoder blocks, LM head), FSDP2 and
 activation checkpointing (the blocks to wrap), the packed attention (whether the model takes per-layer-type
 masks), the vLLM push check (the parameter groups it hooks on both sides), resume (the config keys whose
-change makes a checkpoint's weights not fit) and the KV-cache keyword of sampling. What a path cannot honour
+change makes a checkpoint's weights not fit, and those whose change makes the same weights compute another
+function) and the KV-cache keyword of sampling. What a path cannot honour
 of a family is said here too, for the start-up checks to refuse in one line: multimodal checkpoints
 (`multimodal_refusal`), the installed vLLM (`vllm_refusal`), an attention implementation (`attention_refusal`).
 
@@ -72,6 +73,10 @@ class Family:
     vLLM's: the push check hooks them to name where the two forwards part."""
     config_keys: tuple[str, ...] = ()
     """Config fields beyond COMMON_CONFIG_KEYS that decide the parameters' shapes (resume compares them)."""
+    function_keys: tuple[str, ...] = ()
+    """Config fields beyond COMMON_FUNCTION_KEYS that change the function the same weights compute (caps, windows,
+    layer types, activation, routing; resume records and compares them, and checkpoint.allow_changes may accept a
+    change). Each is an attribute of the family's transformers config class (tests/models/test_families.py)."""
     routers: Callable[[nn.Module], list[nn.Module]] | None = None
     """Mixture-of-experts families: the HF model's top-k routers, one per sparse block in layer order (each with
     `num_experts` and `top_k`, its forward returning the router logits first; flashdapo/models/moe/); None: dense."""
@@ -92,46 +97,76 @@ GEMMA4_CONFIG_KEYS = ("layer_types", "hidden_size_per_layer_input", "vocab_size_
 models: the config's per_layer_config), and the per-layer inputs, K = V sharing, KV-shared layers, the
 double-wide MLP and the MoE block change the parameters too."""
 
+COMMON_FUNCTION_KEYS = ("rope_parameters", "rms_norm_eps", "max_position_embeddings")
+"""HF config fields that change the function of the same weights in every family: the rotary embedding
+(transformers 5 folds a config.json's `rope_theta`, `rope_scaling` and `partial_rotary_factor` into
+`rope_parameters`, per layer type where a family has two), the norms' epsilon, and the positions that dynamic,
+YaRN and LongRoPE scaling compute their frequencies from (only under those: POSITION_SCALED_ROPE). Dropout rates
+are not among them: the policy trains in eval mode (from_pretrained's), where transformers applies no dropout."""
+
+POSITION_SCALED_ROPE = ("dynamic", "yarn", "longrope")
+"""Rope types whose frequencies read `max_position_embeddings` (transformers' modeling_rope_utils); under any
+other it only bounds the positions (flashdapo's toy model sizes it to the run's lengths), so it is not recorded."""
+
+_ACT = ("hidden_act",)
+_GEMMA_ACT = ("hidden_activation",)
+_QWEN2_WINDOWS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+"""Qwen2-style windows: on or off, the width, and which layers (the first max_window_layers, as layer_types)."""
+_LAYER_WINDOWS = ("sliding_window", "layer_types")
+"""Sliding-window layers named per layer (Gemma, OLMo 3, GPT-OSS)."""
+_GEMMA_ATTENTION = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                    "use_bidirectional_attention")
+"""Gemma 2/3's attention scale, attention-logit and final-logit caps, and the bidirectional mask switch."""
+
 LINEAR_ATTENTION_CONFIG_KEYS = ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                 "linear_value_head_dim", "linear_conv_kernel_dim")
 """Gated DeltaNet families (Qwen3.5, Qwen3-Next): which layers are linear attention, and those layers' shapes."""
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
-    Family("qwen2"),
-    Family("qwen3"),
-    Family("llama"),
-    Family("mistral"),
+    Family("qwen2", function_keys=_ACT + _QWEN2_WINDOWS),
+    Family("qwen3", function_keys=_ACT + _QWEN2_WINDOWS),
+    Family("llama", function_keys=_ACT),
+    Family("mistral", function_keys=_ACT + ("sliding_window",)),
     # Gemma 2/3/4 (text): HF scales the embedding by sqrt(hidden) in the model's forward (Gemma 2) or inside
     # embed_tokens (3, 4), ties the head by default and caps the final logits (the LM-head kernels apply the
     # cap: final_logit_softcap); Gemma 2 caps attention scores too (the packed attention applies it).
-    Family("gemma2", groups=_scaled_embedding_groups),
-    Family("gemma3_text", groups=_scaled_embedding_groups),
-    Family("gemma4_text", groups=_scaled_embedding_groups, config_keys=GEMMA4_CONFIG_KEYS),
-    Family("phi3"),  # fused qkv_proj / gate_up_proj: their shapes follow from the common keys
-    Family("olmo2"),  # norms after attention and MLP only, q/k norms over all heads
-    Family("olmo3"),  # OLMo 2's layout with sliding-window layers
-    # GPT-OSS: attention sinks and sliding-window layers (the packed attention honours both); its experts are
-    # transformers' fused ones (gate_up_proj / down_proj tensors per layer, interleaved gate/up, with biases),
-    # trained in the HF forward. Its routers are softmax top-k ones (the softmax over the k picked logits is the
-    # full softmax renormalised over them): transformers balances them with the same load_balancing_loss_func.
-    Family("gpt_oss", groups=_gpt_oss_groups, routers=_gpt_oss_routers, config_keys=("num_local_experts",)),
+    Family("gemma2", groups=_scaled_embedding_groups, function_keys=_GEMMA_ACT + _LAYER_WINDOWS + _GEMMA_ATTENTION),
+    Family("gemma3_text", groups=_scaled_embedding_groups,
+           function_keys=_GEMMA_ACT + _LAYER_WINDOWS + _GEMMA_ATTENTION),
+    Family("gemma4_text", groups=_scaled_embedding_groups, config_keys=GEMMA4_CONFIG_KEYS,
+           function_keys=_GEMMA_ACT + ("sliding_window", "final_logit_softcapping", "use_bidirectional_attention",
+                                       "top_k_experts")),
+    Family("phi3", function_keys=_ACT + ("sliding_window",)),  # fused qkv_proj / gate_up_proj: shapes as common
+    Family("olmo2", function_keys=_ACT),  # norms after attention and MLP only, q/k norms over all heads
+    Family("olmo3", function_keys=_ACT + _LAYER_WINDOWS),  # OLMo 2's layout with sliding-window layers
+    # GPT-OSS: attention sinks (parameters: their shapes are recorded) and sliding-window layers (the packed
+    # attention honours both); its experts are transformers' fused ones (gate_up_proj / down_proj tensors per
+    # layer, interleaved gate/up, with biases, a clamped SwiGLU), trained in the HF forward. Its routers are
+    # softmax top-k ones (the softmax over the k picked logits is the full softmax renormalised over them):
+    # transformers balances them with the same load_balancing_loss_func.
+    Family("gpt_oss", groups=_gpt_oss_groups, routers=_gpt_oss_routers, config_keys=("num_local_experts",),
+           function_keys=_LAYER_WINDOWS + ("num_experts_per_tok", "swiglu_alpha", "swiglu_limit")),
     Family("qwen3_moe", routers=_sparse_block_routers,
            config_keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
-                        "mlp_only_layers")),
+                        "mlp_only_layers"),
+           function_keys=_ACT + ("use_sliding_window", "sliding_window", "norm_topk_prob")),
     # DeepSeek-V3: multi-head latent attention, a shared expert, routers picking by sigmoid score plus a
     # correction bias within groups. That bias is balanced without a loss (updated outside the gradient in
     # pre-training; transformers keeps it a fixed buffer, and so does training here); no router loss.
     Family("deepseek_v3", routers=_sparse_block_routers, router_loss=False,
            config_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                         "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
-                        "first_k_dense_replace")),
+                        "first_k_dense_replace"),
+           function_keys=_ACT + ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+                                 "rope_interleave")),
     # Qwen3.5: Gated DeltaNet (linear attention) layers between full-attention ones (models/linear_attention.py);
     # Qwen3-Next: the same layers, sparse MoE blocks with a shared expert.
-    Family("qwen3_5_text", config_keys=LINEAR_ATTENTION_CONFIG_KEYS),
+    Family("qwen3_5_text", config_keys=LINEAR_ATTENTION_CONFIG_KEYS, function_keys=_ACT),
     Family("qwen3_next", routers=_sparse_block_routers,
            config_keys=LINEAR_ATTENTION_CONFIG_KEYS + ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                        "shared_expert_intermediate_size", "decoder_sparse_step",
-                                                       "mlp_only_layers")),
+                                                       "mlp_only_layers"),
+           function_keys=_ACT + ("norm_topk_prob",)),
 )}
 """The accepted families, by config.json `model_type` (tests/models/ runs each)."""
 
@@ -228,6 +263,26 @@ def config_keys(config) -> tuple[str, ...]:
     return tuple(key for key in keys if _global_value(config, key))
 
 
+def function_keys(config) -> tuple[str, ...]:
+    """The HF config fields whose change makes this config's family compute another function of the same weights
+    (COMMON_FUNCTION_KEYS and the family's own; none for an unregistered type), less those transformers refuses
+    to read for the whole config (held per layer)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None:
+        return ()
+    keys = COMMON_FUNCTION_KEYS + family.function_keys
+    if not _rope_types(config) & set(POSITION_SCALED_ROPE):
+        keys = tuple(key for key in keys if key != "max_position_embeddings")
+    return tuple(key for key in keys if _global_value(config, key))
+
+
+def _rope_types(config) -> set[str]:
+    """The rope types of a config's rope_parameters (one, or one per layer type)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    per_layer = [value for value in params.values() if isinstance(value, dict)]
+    return {p.get("rope_type", "default") for p in per_layer or [params]}
+
+
 def _global_value(config, key: str) -> bool:
     """Whether reading `key` of `config` is not refused (a missing key is: the caller skips those)."""
     try:
@@ -288,7 +343,7 @@ def layer_configs(config) -> list:
     return list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else [config]
 
 
-__all__ = ["ATTENTION_REFUSED", "COMMON_CONFIG_KEYS", "FAMILIES", "Family", "MULTIMODAL_MODEL_TYPES",
-           "SUPPORTED_MODEL_TYPES", "VLLM_UNSUPPORTED", "attention_refusal", "cache_argument",
-           "config_keys", "decoder_layers", "family_of", "final_logit_softcap", "group_modules",
+__all__ = ["ATTENTION_REFUSED", "COMMON_CONFIG_KEYS", "COMMON_FUNCTION_KEYS", "FAMILIES", "Family",
+           "MULTIMODAL_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "VLLM_UNSUPPORTED", "attention_refusal", "cache_argument",
+           "config_keys", "decoder_layers", "family_of", "final_logit_softcap", "function_keys", "group_modules",
            "layer_configs", "multimodal_refusal", "resolved_attention", "vllm_refusal"]

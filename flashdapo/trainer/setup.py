@@ -33,13 +33,13 @@ from ..tasks import build_datasets
 from ..tools.warning_lines import attach_run
 from .builders import build_optimizer, build_policy, checked_tokenizer, parameter_counts, training_engine
 from .collect.collector import Collector, RoundsCollector, Sampling, StreamingCollector
-from .collect.streaming import StreamState
+from .collect.streaming import StreamState, dropped_streams_line
 from .observe.logprob_check import PushCheck
 from .observe.probe import ProbeSet, build_probe_set
 from .observe.sinks import MetricsLogger, WandbRun
 from .split.cut import cut_dir, require_part
 from .split.trainer_side import SplitTrainer
-from .state.checkpoint import TrainerState, load_rank_state
+from .state.checkpoint import RANK_STATE, TrainerState, load_rank_state
 from .state.export import exported_step
 from .state.resume import Resumed, apply_optim_config, describe_resume, load_resume, restore_sampler
 from .state.run_settings import run_settings
@@ -279,7 +279,21 @@ def build_collector(run: Run, log) -> Collector:
                         run.tokenizer, lambda: random if random is not None else run.verifier, cfg, env)
     if cfg.rollout.streaming:
         return StreamingCollector(sampling, _resumed_stream(run.resumed, cfg, env, log))
+    if run.resumed is not None and env.is_main and (line := dropped_streams_line(_stream_states(run.resumed.path))):
+        log(line)
     return RoundsCollector(sampling)
+
+
+def _stream_states(path: Path) -> list[dict[str, Any] | None]:
+    """Every rank's streaming state saved with the checkpoint at `path` (whatever world size wrote it; none for a
+    checkpoint without streaming). One that does not load is None: it could only be dropped anyway."""
+    states: list[dict[str, Any] | None] = []
+    for file in sorted(path.glob(f"{RANK_STATE}*.pt")):
+        try:
+            states.append(torch.load(file, map_location="cpu", weights_only=True))
+        except Exception:  # noqa: BLE001 - unpickling refusals, truncated zips, I/O errors: nothing to count
+            states.append(None)
+    return states
 
 
 def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:

@@ -24,10 +24,20 @@ import sys
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from flashdapo.config import engine_spec
 from flashdapo.errors import ConfigError
-from flashdapo.models.hf import FAMILIES, VLLM_UNSUPPORTED, config_keys, family_of, final_logit_softcap
+from flashdapo.models.hf import (
+    COMMON_CONFIG_KEYS,
+    COMMON_FUNCTION_KEYS,
+    FAMILIES,
+    VLLM_UNSUPPORTED,
+    config_keys,
+    family_of,
+    final_logit_softcap,
+    function_keys,
+)
 from flashdapo.models.model_dir import ModelDirError
 from flashdapo.models.packing import use_packed_attention
 from flashdapo.models.policy import PolicyModel, per_token_split
@@ -239,6 +249,35 @@ def test_the_shape_keys_a_resume_compares_read_and_serialize(model_type):
     assert json.loads(json.dumps(recorded)) == recorded
     assert set(FAMILIES[model_type].config_keys) <= set(config_keys(config))
     assert ("head_dim" in recorded) == (model_type != "gemma4_text" and hasattr(config, "head_dim"))
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_familys_function_keys_are_attributes_of_its_transformers_config(model_type):
+    """The config fields a resume records as model.function.* (models/hf.py: COMMON_FUNCTION_KEYS and the family's
+    function_keys) are each an attribute of the family's transformers config class, so a key transformers renames
+    or drops fails here instead of going unrecorded; none is also a shape key (one record per field); each reads
+    on the matrix's config and goes into JSON, as run settings record it."""
+    family = FAMILIES[model_type]
+    keys = COMMON_FUNCTION_KEYS + family.function_keys
+    config = CONFIG_MAPPING[model_type]()
+    assert not hasattr(config, "no_such_config_field")  # hasattr answers for the class's fields only
+    missing = [key for key in keys if not hasattr(config, key)]
+    assert not missing, f"{model_type}: {type(config).__name__} has no {missing} (renamed in transformers?)"
+    assert len(set(keys)) == len(keys) and not set(keys) & set(COMMON_CONFIG_KEYS + family.config_keys)
+    if model_type in MATRIX:
+        config = family_config(model_type)
+        recorded = {key: getattr(config, key) for key in function_keys(config)}
+        assert set(keys) - set(recorded) <= {"max_position_embeddings"}  # recorded under position-scaled rope
+        assert json.loads(json.dumps(recorded)) == recorded
+
+
+def test_max_position_embeddings_is_a_function_field_only_under_rope_scaling_that_reads_it():
+    """Under YaRN (GPT-OSS's) the positions set the rope frequencies: recorded; under the default rope they only
+    bound the positions (the toy model sizes them to the run's lengths): not recorded, so not compared."""
+    assert "max_position_embeddings" in function_keys(family_config("gpt_oss"))
+    assert "max_position_embeddings" not in function_keys(family_config("qwen2"))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+    assert "max_position_embeddings" in function_keys(family_config("qwen2", rope_parameters=yarn))
 
 
 @pytest.mark.parametrize("model_type, why", [

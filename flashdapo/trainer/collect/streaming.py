@@ -30,7 +30,9 @@ The choices, before the code:
   (`algorithm.resolved_rollout_correction` turns token_truncate on). Without partial rollouts aborted
   responses and their groups are dropped: training then sees the short responses first (a length bias).
 - **Nothing lost on resume**: the carried responses, waiting groups and the queue are this rank's
-  `StreamState`, saved with every checkpoint (`checkpoint.py`).
+  `StreamState`, saved with every checkpoint (`checkpoint.py`). A resume with streaming turned off
+  (`--rollout.streaming false --checkpoint.allow-changes rollout.streaming`) has no stream to put them in:
+  they are dropped, and one line says how many (`dropped_streams_line`).
 """
 
 from __future__ import annotations
@@ -114,6 +116,25 @@ class StreamState:
         ready = [Group.from_plain(g) for g in data["ready"]]
         return cls(pending=pending, ready=ready, queue=[(tuple(o), Prompt(**p)) for o, p in data["queue"]],
                    next_key=int(data["next_key"]), pulls=int(data["pulls"]))
+
+
+def dropped_streams_line(states: list[dict[str, Any] | None]) -> str | None:
+    """The one line of a resume with rollout.streaming off from a checkpoint whose streams (`StreamState.to_plain`
+    of every rank; None for a rank that saved none) hold work: how many pending and ready groups (and queued
+    prompts) are dropped, and why. None when they hold nothing."""
+    found = [s for s in states if s is not None]
+    pending, ready, queued = (sum(len(s.get(part) or ()) for s in found) for part in ("pending", "ready", "queue"))
+    if not (pending or ready or queued):
+        return None
+    queue = f", {_count(queued, 'queued prompt')}" if queued else ""
+    return (f"rollout.streaming is off (checkpoint.allow_changes): the checkpoint's streams are dropped, not trained: "
+            f"{_count(pending, 'pending group')}{' (their responses sampled so far)' if pending else ''}, "
+            f"{_count(ready, 'ready group')}"
+            f"{queue} (a rounds collector keeps no work between steps; their prompts are not drawn again this epoch)")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def _prompt_plain(p: Prompt) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from ...tasks import build_datasets
 from ..batch import Group
 from ..builders import build_policy, checked_tokenizer, training_engine
 from ..collect.rounds import Collected, collect_groups
-from ..collect.streaming import StreamState, StreamStats, stream_groups
+from ..collect.streaming import StreamState, StreamStats, dropped_streams_line, stream_groups
 from ..observe.logprob_check import PushCheck
 from .cut import parts_due, read_rank_state, write_part
 from .schedule import START_KEY, last_pushed_step, weights_step
@@ -180,6 +180,9 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
     if plan["resume"]:
         cut_from = Path(plan.get("cut_dir") or run_dir)  # the checkpoint's run dir (resume PATH into a new one)
         side.stream, side.carried = _restore(read_rank_state(cut_from, start, env.rank), sampler, cfg)
+        if env.rank == 0 and not cfg.rollout.streaming and (line := dropped_streams_line(
+                [read_rank_state(cut_from, start, r)["stream"] for r in range(env.world_size)])):
+            print(f"flashdapo: {line}", flush=True)  # a cut written with streaming on: its streams go nowhere
     sender = Sender(bridges) if env.rank == 0 else None
     recent: dict[int, bytes] = {}
     for b in range(first, total + 1):

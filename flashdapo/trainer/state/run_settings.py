@@ -4,7 +4,10 @@ A resumed run must continue the run that wrote the checkpoint, not splice a seco
 checkpoint records, as a flat `{field path: plain value}` dict (`trainer_state.pt`, key `settings`):
 
 - the model: its class (`model.architecture`), the shape fields of its HF config (`model.config.*`), the
-  names and shapes of its parameters (`model.parameters`, a hash: catches a dropped bias) and `model.dtype`;
+  names and shapes of its parameters (`model.parameters`, a hash: catches a dropped bias), the fields of its HF
+  config that change the function the same weights compute (`model.function.*`: rope, norm epsilon, windows and
+  layer types, softcaps, activation, routing; the family registry's `function_keys`, models/hf.py) and
+  `model.dtype`;
 - the tokenizer: a hash of its vocabulary (`tokenizer.vocab`), its special ids, a hash of its chat template;
 - the training data: each train file's content hash (`data.train_files`, sha256 of the bytes, in order; a
   file with the same rows in another order or with one answer changed differs), the prompt budget and
@@ -21,7 +24,9 @@ intervals, devices and world size, kernels and micro-batch sizes (numerics only)
 
 A resume whose settings differ is refused with one line naming each field `old -> new`, unless
 `checkpoint.allow_changes` lists it (a field path, or a section such as `optim` for all its fields); the
-model's architecture and shapes cannot be allowed (the weights would not fit the new model).
+model's architecture and shapes cannot be allowed (the weights would not fit the new model), its function fields
+can (`model.function.rope_parameters`, or `model.function` for all: a deliberate change of rope scaling, say). A
+setting the checkpoint does not record (one written before flashdapo recorded it) is unknown, not changed.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 
 from ...config import Config
 from ...errors import FlashdapoError
-from ...models.hf import config_keys
+from ...models.hf import config_keys, function_keys
 from ...tokenizer import eos_token_ids
 
 FIXED_PREFIXES = ("model.architecture", "model.config.", "model.parameters")
@@ -72,11 +77,12 @@ def _plain(value: Any) -> Any:
 
 
 def model_settings(hf_model, dtype: str) -> dict[str, Any]:
-    """The model's class, shape fields and parameter names/shapes (global shapes under FSDP2)."""
+    """The model's class, shape fields, parameter names/shapes (global shapes under FSDP2) and function fields."""
     config = hf_model.config
     shapes = [[name, list(p.shape)] for name, p in hf_model.named_parameters()]
     found = {f"model.config.{key}": getattr(config, key) for key in config_keys(config) if hasattr(config, key)}
-    return {"model.architecture": type(hf_model).__name__, **found, "model.parameters": _sha(shapes),
+    function = {f"model.function.{key}": getattr(config, key) for key in function_keys(config) if hasattr(config, key)}
+    return {"model.architecture": type(hf_model).__name__, **found, "model.parameters": _sha(shapes), **function,
             "model.dtype": dtype}
 
 

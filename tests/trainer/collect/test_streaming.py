@@ -1,8 +1,9 @@
 """Streaming dynamic sampling (trainer/streaming.py) over a scripted streaming engine: carried responses keep
 the version and log-prob of every token, nothing is lost or trained twice, the state survives a checkpoint
 round trip, and the length bias of stopping early without carrying over; then the training command: streaming
-without an early stop is the rounds run bitwise, a fixed-seed streaming run repeats bitwise, and it resumes
-bitwise from a checkpoint holding carried responses."""
+without an early stop is the rounds run bitwise, a fixed-seed streaming run repeats bitwise, it resumes
+bitwise from a checkpoint holding carried responses, and a resume with streaming turned off says in one line
+what of the checkpoint's streams it drops."""
 
 import json
 import subprocess
@@ -14,9 +15,19 @@ import torch
 from flashdapo.config import merge
 from flashdapo.profiling import StageTimer
 from flashdapo.reward import Verdict
-from flashdapo.trainer.collect.streaming import StreamState, stream_groups
+from flashdapo.trainer.collect.streaming import StreamState, dropped_streams_line, stream_groups
+from flashdapo.trainer.loop import train
 from tests.helpers.collecting import ENV, N, long_tail, stream_config, stream_sampler
-from tests.helpers.runs import ROOT, TINY, TRAINER_SCRIPTS, subprocess_env, torchrun
+from tests.helpers.runs import (
+    ROOT,
+    TINY,
+    TRAINER_SCRIPTS,
+    quick_config,
+    resume_config,
+    run_metrics,
+    subprocess_env,
+    torchrun,
+)
 from tests.trainer.scripted import PlainTokenizer, ScriptedStream
 
 
@@ -127,6 +138,25 @@ def test_stream_state_round_trips_through_a_checkpoint_file(tmp_path):
                                                                            for g in cb.groups]
 
 
+def test_the_line_of_dropped_streams_counts_every_ranks_pending_and_ready_groups():
+    """What a resume with streaming off drops, summed over the ranks' saved streams (None: a rank that saved
+    none); nothing to drop, no line."""
+    cfg = stream_config(carry=True)
+    _, state, _ = _steps(cfg, 2, ScriptedStream(long_tail, N))
+    plain = state.to_plain()
+    pending, ready, queued = len(state.pending), len(state.ready), len(state.queue)
+    assert pending
+    line = dropped_streams_line([plain, None, plain])
+    assert "\n" not in line and line.startswith("rollout.streaming is off (checkpoint.allow_changes): the checkpoint's "
+                                                "streams are dropped, not trained: ")
+    assert f"{2 * pending} pending groups (their responses sampled so far), {2 * ready} ready group" in line, line
+    assert ("queued prompt" in line) == bool(queued) and "a rounds collector keeps no work between steps" in line
+    four = {"pending": {k: plain["pending"][k] for k in list(plain["pending"])[:1]}, "ready": ["a ready group"], "queue": []}
+    assert "4 pending groups (their responses sampled so far), 4 ready groups (a rounds" in dropped_streams_line(
+        [four] * 4)
+    assert dropped_streams_line([StreamState().to_plain(), None]) is None and dropped_streams_line([]) is None
+
+
 # ---------------------------------------------------------------------------------------------------
 # The training command
 
@@ -179,3 +209,27 @@ def test_streaming_repeats_and_resumes_bitwise_with_carried_responses(tmp_path, 
     # The 2-step run validated at its last step; the straight one did not.
     strip = lambda rows: [{k: v for k, v in row.items() if not k.startswith("val/")} for row in rows]
     assert strip(r) == strip(a)
+
+
+def test_a_resume_with_streaming_turned_off_says_how_many_groups_it_drops(tmp_path, capsys):
+    """A streaming checkpoint holding pending and ready groups, resumed with --rollout.streaming false
+    --checkpoint.allow-changes rollout.streaming: its streams have no collector to go to; one line says how many
+    groups are dropped and why (in-process, the tiny toy run: seconds)."""
+    stream = {"rollout": {"streaming": True, "max_response_length": 16, "agree_every": 4},
+              "algorithm": {"dynamic_sampling": True, "max_gen_batches": 0, "verifier": "random"},
+              "model": {"toy": {"sft_steps": 60}}, "trainer": {"gen_batch": 8, "total_steps": 1}}
+    run_dir = tmp_path / "run"
+    train(quick_config(run_dir, **stream))
+    saved = torch.load(run_dir / "checkpoints" / "step_00000001" / "stream_rank0.pt", weights_only=True)
+    pending, ready = len(saved["pending"]), len(saved["ready"])
+    assert pending and ready, (pending, ready)  # the checkpoint holds both (7 and 4 here)
+    queued = f", {len(saved['queue'])} queued prompts" if saved["queue"] else ""
+    capsys.readouterr()
+    run = train(merge(resume_config(run_dir, **stream), {"rollout": {"streaming": False}, "trainer": {"total_steps": 2},
+                                                         "checkpoint": {"allow_changes": ["rollout.streaming"]}}))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "streams are dropped" in line]
+    assert lines == [f"flashdapo: rollout.streaming is off (checkpoint.allow_changes): the checkpoint's streams are "
+                     f"dropped, not trained: {pending} pending groups (their responses sampled so far), {ready} ready "
+                     f"groups{queued} (a rounds collector keeps no work between steps; their prompts are not drawn "
+                     "again this epoch)"]
+    assert run.start_step == 1 and [r["step"] for r in run_metrics(run_dir)] == [1, 2]

@@ -1,7 +1,9 @@
 """Honest resume: a resume with settings that would splice two runs is refused naming each field old -> new,
 an accepted change (checkpoint.allow_changes) really applies (the learning rate), an unchanged resume
 reproduces the uninterrupted run bit for bit, another run's checkpoints are never adopted while a damaged one
-is skipped for the one before it, and each start keeps its own config file. Single process, the tiny toy run (seconds)."""
+is skipped for the one before it, and each start keeps its own config file; a model config that computes
+another function with the same weights (Gemma 3's final-logit softcap) is refused unless allowed, and a checkpoint
+that predates those records resumes. Single process, the tiny toy run (seconds)."""
 
 import dataclasses
 import itertools
@@ -15,10 +17,12 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from flashdapo.config import ToyTaskConfig
+from flashdapo.models.hf import final_logit_softcap
 from flashdapo.tasks.toy import build_toy_tokenizer, toy_records
 from flashdapo.trainer.loop import train
 from flashdapo.trainer.state.run_settings import ResumeRefused, file_sha256
 from tests.helpers.data_files import write_aime_style_parquet
+from tests.helpers.model_dirs import model_dir
 from tests.helpers.runs import quick_config, resume_config, run_metrics
 
 
@@ -183,6 +187,54 @@ def test_a_resume_with_another_architecture_is_refused(tmp_path):
     with pytest.raises(ResumeRefused, match="'model.architecture' cannot be allowed"):
         train(resume_config(run_dir, model={"path": str(llama)}, data=files,
                       checkpoint={"allow_changes": ["model.architecture"]}))
+
+
+def _gemma3_run(tmp_path, cap: float):
+    """A 1-step run on a tiny Gemma 3 (text) directory whose final logits are capped at `cap` (the released
+    models' 30), checkpointed; then its config.json's cap set to 5, as the user probe did. (run dir, its
+    model.path and data overrides)."""
+    model = model_dir(tmp_path / "gemma", "gemma3_text", positions=128, final_logit_softcapping=cap)
+    data = tmp_path / "train.parquet"
+    write_aime_style_parquet(data, toy_records(ToyTaskConfig(num_train=24), "train"))
+    given = {"model": {"path": str(model)}, "data": {"train_files": [str(data)], "max_prompt_length": 64}}
+    run_dir = tmp_path / "run"
+    train(quick_config(run_dir, **given, trainer={"total_steps": 1}))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 5.0}))
+    return run_dir, given
+
+
+def test_a_changed_softcap_is_refused_in_one_line_and_resumes_once_allowed(tmp_path, capsys):
+    """Gemma 3's final-logit cap 30 -> 5 keeps every shape (the weights load) but changes every log-prob: refused
+    naming it old -> new with the allowance that accepts it; accepted, the resumed run computes with the new cap."""
+    run_dir, given = _gemma3_run(tmp_path, 30.0)
+    with pytest.raises(ResumeRefused) as info:
+        train(resume_config(run_dir, **given))
+    message = str(info.value)
+    assert "\n" not in message and "step_00000001" in message, message
+    assert "model.function.final_logit_softcapping 30.0 -> 5.0" in message, message
+    assert message.endswith("--checkpoint.allow-changes model.function.final_logit_softcapping"), message
+    run = train(resume_config(run_dir, **given, checkpoint={"allow_changes": ["model.function.final_logit_softcapping"]}))
+    out = capsys.readouterr().out
+    assert "settings changed from the checkpoint's (checkpoint.allow_changes=model.function.final_logit_softcapping): " \
+           "model.function.final_logit_softcapping 30.0 -> 5.0" in out, out
+    assert run.start_step == 1 and [r["step"] for r in run_metrics(run_dir)] == [1, 2]
+    assert final_logit_softcap(run.policy.config) == 5.0
+
+
+def test_a_checkpoint_recording_no_function_fields_resumes_with_them_unknown(tmp_path):
+    """A checkpoint written before the model.function.* records (here: the records taken out of it) compares
+    none of them: a changed cap is unknown to it, not a change; every other setting is still compared."""
+    run_dir, given = _gemma3_run(tmp_path, 30.0)
+    state_file = run_dir / "checkpoints" / "step_00000001" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    assert state["settings"]["model.function.final_logit_softcapping"] == 30.0
+    state["settings"] = {k: v for k, v in state["settings"].items() if not k.startswith("model.function.")}
+    torch.save(state, state_file)
+    with pytest.raises(ResumeRefused, match=r"optim.lr 0.0005 -> 0.002"):
+        train(resume_config(run_dir, **given, optim={"lr": 2e-3}))
+    run = train(resume_config(run_dir, **given))
+    assert run.start_step == 1 and [r["step"] for r in run_metrics(run_dir)] == [1, 2]
 
 
 @pytest.mark.parametrize("with_run_json", [True, False], ids=["run-json", "no-run-json"])
