@@ -202,7 +202,8 @@ def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
                             shard_group=world_group(env), **common)
     from ..models.quantized import load_pretrained
 
-    model = load_pretrained(args.model, torch.bfloat16 if on_gpu else torch.float32, attention, said, "--model")
+    model = load_pretrained(args.model, torch.bfloat16 if on_gpu else torch.float32, attention, said, "--model",
+                            "sampling")
     # No process group: each rank holds a full replica and generates on its own, seeded per prompt only.
     return build_engine(rollout, env, tokenizer, model=model.to(env.device), **common)
 
@@ -239,7 +240,7 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
                           "--max-prompt-length + --max-new-tokens")
     # What the engine builds of this model (vLLM: its architectures, per-layer windows), before it starts.
-    check_engine_model(args.engine, checked.config, f"--model={args.model}")
+    check_engine_model(args.engine, checked.config, f"--model={args.model}", pushed=False)  # vLLM loads from disk
     env = init_distributed(args.device)
     failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
     failfast.watch()

@@ -126,7 +126,7 @@ def run_generate(args: Any) -> list[PromptResult]:
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
                           "--max-prompt-length + --max-new-tokens", "error" if engine_spec(args.engine).refuses_long_context else "note")
     # What the engine builds of this model (vLLM: its architectures, per-layer windows), before it starts.
-    check_engine_model(args.engine, checked.config, f"--model={args.model}")
+    check_engine_model(args.engine, checked.config, f"--model={args.model}", pushed=False)  # vLLM loads from disk
     env = init_distributed(args.device)
     try:
         tokenizer = checked.tokenizer

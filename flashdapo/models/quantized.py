@@ -195,8 +195,9 @@ class Loaded:
 
 
 def load_dequantized(path: str | Path, fmt: QuantFormat, dtype: torch.dtype, attention: str,
-                     where: str = "model.path") -> Loaded:
-    """The model of the quantized checkpoint in `path` built plain and loaded with its dequantized tensors."""
+                     where: str = "model.path", purpose: str = "training") -> Loaded:
+    """The model of the quantized checkpoint in `path` built plain and loaded with its dequantized tensors; its
+    line says `purpose` (training, sampling)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -214,7 +215,7 @@ def load_dequantized(path: str | Path, fmt: QuantFormat, dtype: torch.dtype, att
     model.config._name_or_path = str(path)  # the export's source (its expert layout)
     size = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values())
     line = (f"{where} {path}: {fmt.describe()} checkpoint, dequantized to {str(dtype).removeprefix('torch.')} for "
-            f"training: {gib(size)} GiB of weights instead of {gib(disk)} GiB")
+            f"{purpose}: {gib(size)} GiB of weights instead of {gib(disk)} GiB")
     return Loaded(model, line)
 
 
@@ -226,7 +227,7 @@ def _tied_names(model) -> set[str]:
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype, attention: str, log=None,
-                    where: str = "model.path") -> torch.nn.Module:
+                    where: str = "model.path", purpose: str = "training") -> torch.nn.Module:
     """`AutoModelForCausalLM.from_pretrained(path)` for a plain checkpoint; a quantized one dequantized into a
     plain model (`load_dequantized`), its line given to `log`."""
     fmt = dir_format(path, where)
@@ -234,7 +235,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype, attention: str, log=No
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attention)
-    loaded = load_dequantized(path, fmt, dtype, attention, where)
+    loaded = load_dequantized(path, fmt, dtype, attention, where, purpose)
     if log is not None:
         log(loaded.line)
     return loaded.model

@@ -15,15 +15,19 @@ from ..models.hf import vllm_refusal
 from ..models.quantized import quant_format
 
 
-def check_engine_model(engine: str, config: dict[str, Any], where: str, registry: bool = True) -> None:
+def check_engine_model(engine: str, config: dict[str, Any], where: str, registry: bool = True,
+                       pushed: bool = True) -> None:
     """The model (config.json values, of `where`) against what engine `engine` builds: its attention-layer
     windows (`check_layer_windows`) and, with `registry`, its architecture (`check_architecture`: imports the
-    engine's package, seconds for vLLM). A ConfigError naming rollout.engine and the alternative."""
+    engine's package, seconds for vLLM) and a quantized checkpoint (`check_quantized`; `pushed`: the engine gets
+    the policy's weights by the push, as in training, not from disk as in eval). A ConfigError naming
+    rollout.engine and the alternative."""
     spec = engine_spec(engine)
-    check_quantized(spec, config, where)
     # A device-bound refusal (vLLM's CPU attention) only where the engine starts here: `flashdapo plan`
     # (registry=False) plans a GPU launch from any machine.
-    refusal = vllm_refusal(config, on_gpu=torch.cuda.is_available() or not registry) if spec.model_registry else None
+    on_gpu = torch.cuda.is_available() or not registry
+    check_quantized(spec, config, where, on_gpu, pushed)
+    refusal = vllm_refusal(config, on_gpu=on_gpu) if spec.model_registry else None
     if refusal is not None:
         raise ConfigError(f"rollout.engine {spec.name}: {config.get('model_type')} is not supported by the installed "
                           f"{engine_named(spec)}: {refusal} ({where}); use --rollout.engine "
@@ -33,19 +37,24 @@ def check_engine_model(engine: str, config: dict[str, Any], where: str, registry
         check_architecture(spec, config, where)
 
 
-def check_quantized(spec: Any, config: dict[str, Any], where: str) -> None:
+def check_quantized(spec: Any, config: dict[str, Any], where: str, on_gpu: bool, pushed: bool = True) -> None:
     """A quantized checkpoint (config.json `quantization_config`): a quant_method flashdapo does not dequantize is
-    refused for every engine (`quant_format`, naming it and the supported ones); an engine with its own weights
-    (vLLM) is refused for a supported one: vLLM builds quantized layers from the directory's quantization_config
-    (fp8 weights and per-block scales), which the push of the dequantized policy's plain weights cannot fill, and
-    vLLM 0.32's CPU build refuses fp8 outright in float32, the dtype its CPU engine runs in ("torch.float32 is
-    not supported for quantization method fp8"). The torch engine samples the dequantized policy itself."""
+    refused for every engine (`quant_format`, naming it and the supported ones). An engine with its own weights
+    (vLLM) builds quantized layers from the directory's quantization_config: refused where it gets the policy by
+    the push (training), whose dequantized plain weights those layers cannot take; and on a machine without CUDA,
+    where vLLM's CPU build cannot load the checkpoint: it refuses fp8 in float32, the dtype flashdapo runs it in on
+    CPU (measured, vLLM 0.32: "torch.float32 is not supported for quantization method fp8"), and has no mxfp4
+    layers (model_executor/layers/quantization/mxfp4.py: CUDA capability 8.0, no CPU path). Loading from disk on
+    a GPU (eval, generate) is left to vLLM. The torch engine samples the dequantized model itself."""
     fmt = quant_format(config, where)
-    if fmt is None or not spec.own_weights:
+    if fmt is None or not spec.own_weights or (on_gpu and not pushed):
         return
+    cpu = ("its CPU build refuses fp8 in float32, the dtype flashdapo runs it in on CPU" if fmt.method == "fp8"
+           else "its CPU build has no mxfp4 layers")
+    reason = (f"builds {fmt.method} layers from its quantization_config, which the push of the dequantized policy "
+              f"cannot fill{'' if on_gpu else ', and ' + cpu}") if pushed else f"cannot load it: {cpu}"
     raise ConfigError(f"rollout.engine {spec.name}: {where} is an {fmt.describe()} checkpoint: {engine_named(spec)} "
-                      f"builds {fmt.method} layers from its quantization_config, which the push of the dequantized "
-                      "policy cannot fill (its CPU build also refuses fp8 in float32); use --rollout.engine torch")
+                      f"{reason}; use --rollout.engine torch")
 
 
 def engine_architectures(config: dict[str, Any]) -> list[str]:

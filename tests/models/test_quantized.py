@@ -9,7 +9,8 @@ each beside its dequantized twin (a plain directory of the same values).
   ranks under torchrun (slow, distributed);
 - `flashdapo plan` counts the plain model; vLLM and an unsupported quant_method are refused in one line.
 
-Wall time here (2 shared cores): about 40 s without the slow tests, the 3 torchrun launches 20-30 s each."""
+Wall time here (2 cores shared with other test runs, 2026-12-07): 37-71 s for the 11 tests without the slow ones, by
+the load; the 3 torchrun launches (slow) 61-79 s each under the heavier load."""
 
 from __future__ import annotations
 
@@ -195,7 +196,8 @@ def test_plan_counts_the_dequantized_model(dirs, fmt, capsys):
 
 
 def test_vllm_is_refused_for_a_quantized_checkpoint_in_one_line(dirs):
-    """rollout.engine vllm with either format: one line naming the format, the reason and --rollout.engine torch;
+    """rollout.engine vllm with either format: one line naming the format, the reason and --rollout.engine torch
+    (training: the push; on this machine without CUDA also vLLM's CPU build, which eval's load from disk meets too);
     the torch engine passes."""
     for fmt, (path, _twin) in dirs.items():
         config = json.loads((path / "config.json").read_text())
@@ -205,6 +207,10 @@ def test_vllm_is_refused_for_a_quantized_checkpoint_in_one_line(dirs):
         message = str(err.value)
         assert "\n" not in message and f"model.path={path} is an {fmt}" in message, message
         assert "quantization_config" in message and message.endswith("use --rollout.engine torch")
+        cpu = "refuses fp8 in float32" if fmt == "fp8" else "has no mxfp4 layers"
+        assert cpu in message, message
+        with pytest.raises(ConfigError, match=f"--model={path} is an {fmt}.*cannot load it: its CPU build {cpu}"):
+            check_engine_model("vllm", config, f"--model={path}", pushed=False)  # eval, generate: from disk
 
 
 def test_an_unsupported_quantization_is_refused_naming_its_method_and_the_supported_ones(dirs, tmp_path, capsys):
