@@ -55,6 +55,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import ConfigError
+from .attention_limits import check_flash_attention
 from .linear_attention import use_document_linear_attention
 from .ulysses import expand_kv_heads, heads_to_sequence, local_heads, sequence_to_heads
 
@@ -277,6 +278,7 @@ def use_packed_attention(hf_model: nn.Module) -> None:
     sinks = has_attention_sinks(hf_model)
     if inner == "flash_attention_2" and sinks:
         raise ConfigError(_FLASH_SINKS.format(model=config.model_type))
+    check_flash_attention(config, inner, "this model")  # heads wider than flash-attn's (refused at start-up too)
     if inner == "sdpa" and (sinks or attention_logit_softcap(config) is not None):
         inner = "eager"
     config._attn_implementation = packed_implementation(inner)

@@ -19,6 +19,7 @@ from pathlib import Path
 from torch import nn
 
 from ..config import Config, ConfigError, engine_spec
+from ..models.attention_limits import check_flash_attention
 from ..models.linear_attention import check_sequence_parallel
 from ..models.model_dir import check_model_dir
 from ..models.moe.expert_parallel import check_expert_parallel
@@ -61,6 +62,8 @@ def launch_checks(cfg: Config, world: int, source: ModelSource, shape: ModelShap
     if not source.toy:  # the engine's attention-window limits; its architecture registry is checked at launch
         check_model_settings(cfg, source.config, f"model.path={cfg.model.path}" if cfg.model.path else source.origin)
         report.passed.append("model settings against the family (preflight.check_model_settings)")
+        check_flash_attention(source.config, cfg.model.attn_implementation,
+                              f"model.path={cfg.model.path}" if cfg.model.path else source.origin)
         check_engine_model(cfg.rollout.engine, source.config, source.origin, registry=False)
     if cfg.trainer.sequence_parallel > 1:
         check_sequence_parallel(source.config, cfg.trainer.sequence_parallel)  # refused with linear attention

@@ -3,12 +3,14 @@ policy (loaded or built, warmed up, parallelized), the optimizer and the rollout
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from ..config import Config, engine_spec
 from ..distributed.mesh import DistEnv
+from ..models.attention_limits import check_flash_attention
 from ..models.loading import load_sharded_policy
 from ..models.model_dir import check_model_dir
 from ..models.parallelize import parallelize
@@ -28,6 +30,9 @@ def checked_tokenizer(cfg: Config, log):
     if not cfg.model.path:
         return build_task_tokenizer(cfg.data)
     check_model_dir(cfg.model.path)
+    # flash-attn's head-dim limit (Gemma 4's global layers), from config.json before any weights load
+    config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
+    check_flash_attention(config, cfg.model.attn_implementation, f"model.path={cfg.model.path}")
     check = check_model(cfg.model.path, "model.path", cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         "data.max_prompt_length + rollout.max_response_length")
     for note in check.notes:
