@@ -198,7 +198,7 @@ def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
         cfg = Config(model=ModelConfig(path=args.model, dtype=dtype, attn_implementation=attention),
                      trainer=TrainerConfig(device=args.device))
         # Never woken: the shards stay sharded and each forward gathers one block at a time.
-        return build_engine(rollout, env, tokenizer, model=load_sharded_policy(cfg, env, said),
+        return build_engine(rollout, env, tokenizer, model=load_sharded_policy(cfg, env, said, "sampling"),
                             shard_group=world_group(env), **common)
     from ..models.quantized import load_pretrained
 

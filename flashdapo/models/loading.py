@@ -24,14 +24,14 @@ from .policy import PolicyModel
 from .quantized import load_pretrained, plain_config
 
 
-def load_sharded_policy(cfg: Config, env: DistEnv, log=None) -> PolicyModel:
+def load_sharded_policy(cfg: Config, env: DistEnv, log=None, purpose: str = "training") -> PolicyModel:
     """The policy of `cfg.model.path`, FSDP2-sharded over `env`, fp32 master weights; `log` gets the line of a
-    dequantized checkpoint (rank 0)."""
+    dequantized checkpoint (rank 0), saying what it is loaded for (`purpose`: training, sampling)."""
     mc = cfg.model
     config = plain_config(AutoConfig.from_pretrained(mc.path))
     attention = resolved_attention(mc.attn_implementation, config)
     if env.rank == 0:  # the side's rank 0 (split placement's rollout side reads its own copy)
-        hf = load_pretrained(mc.path, torch.float32, attention, log)
+        hf = load_pretrained(mc.path, torch.float32, attention, log, purpose=purpose)
         full = {k: v for k, v in hf.state_dict().items()}
     else:
         with torch.device("meta"):
