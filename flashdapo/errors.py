@@ -49,6 +49,8 @@ def debug_requested() -> bool:
 def user_error_line(err: BaseException) -> str | None:
     """`flashdapo: error: ...` on one line for an error the user can fix, else None (a bug: show the
     traceback). Disk errors name the file and the system's reason."""
+    if isinstance(err, ConfigError):  # a setting found wrong after the launch (an engine's own condition)
+        return "flashdapo: config error: " + " ".join(str(err).split())
     if isinstance(err, FlashdapoError):
         message = str(err)
         if not err.label:

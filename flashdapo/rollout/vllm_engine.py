@@ -115,9 +115,9 @@ from .vllm_platform import (
     platform_of,
 )
 from .vllm_process import (
+    engine_ranks_on_node,
     gpu_memory,
     keep_trainer_state,
-    local_world_size,
     set_launcher_env,
     torch_threads,
 )
@@ -258,7 +258,7 @@ class VLLMEngine:
         if platform.is_cpu():
             check_head_dim(model_path, self._vllm)
         notes = bound_engine(kwargs, config, model_path, dtype, max_model_len, platform.is_cpu(),
-                             local_world_size(world_size))  # KV cache, token budget: vllm_bounds.py
+                             engine_ranks_on_node(world_size))  # KV cache, token budget: vllm_bounds.py
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if dummy_weights:

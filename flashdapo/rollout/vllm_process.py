@@ -116,6 +116,19 @@ def local_world_size(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
+def engine_ranks_on_node(engine_ranks: int) -> int:
+    """Ranks on this node that hold an engine, of a launch whose last `engine_ranks` ranks do (co-located: every
+    rank; split placement: its rollout ranks, the launch's last), from torchrun's RANK, WORLD_SIZE and
+    LOCAL_WORLD_SIZE (nodes of LOCAL_WORLD_SIZE consecutive ranks); `engine_ranks` without torchrun. The host
+    memory a node's KV caches share is divided among these, not among the trainer ranks beside them."""
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return engine_ranks
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    world, rank = int(os.environ.get("WORLD_SIZE", engine_ranks)), int(os.environ.get("RANK", 0))
+    first_engine, node_start = world - engine_ranks, rank // local * local
+    return max(min(node_start + local, world) - max(node_start, first_engine), 1)
+
+
 def available_host_memory() -> int:
     """Bytes of host memory available now (MemAvailable)."""
     with open("/proc/meminfo") as meminfo:
@@ -157,4 +170,4 @@ def library_versions() -> str:
 
 
 __all__ = ["KeptState", "available_host_memory", "cpu_kv_cache_bytes", "gpu_memory", "keep_trainer_state",
-           "library_versions", "local_world_size", "set_launcher_env", "torch_threads"]
+           "engine_ranks_on_node", "library_versions", "local_world_size", "set_launcher_env", "torch_threads"]

@@ -245,7 +245,11 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
         log(f"dropped {dropped} metrics records after step {max(start_step, 0)}: they are recomputed from "
             f"{'the checkpoint' if resumed is not None else 'the start (no checkpoint to resume from)'}")
     checkpoint()
-    engine = training_engine(cfg, env, policy, tokenizer, run_dir / f"vllm-error.rank{env.rank}.log", log)
+    # Split placement's trainer side samples only to validate, with the torch engine on the policy itself (the
+    # rollout side holds the run's engine: docs/split.md); co-located, the run's engine samples everything.
+    sampler_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="torch")) \
+        if cfg.rollout.placement == "split" else cfg
+    engine = training_engine(sampler_cfg, env, policy, tokenizer, run_dir / f"vllm-error.rank{env.rank}.log", log)
     log(f"world size {env.world_size} on {env.device}; {parameter_counts(policy)}; run dir {run_dir}; "
         f"{library_versions()}")
     run = Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,

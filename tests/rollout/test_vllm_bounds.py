@@ -139,3 +139,26 @@ def test_vllms_option_names_become_flashdapos_fields():
         "Decrease rollout.kv_cache_gib, VLLM_CPU_KVCACHE_SPACE, or reduce ..."
     assert with_flashdapo_names("max_num_batched_tokens (64) is smaller than max_model_len (300)") == \
         "rollout.max_num_batched_tokens (64) is smaller than data.max_prompt_length + rollout.max_response_length (300)"
+
+
+@pytest.mark.parametrize(("env", "engine_ranks", "expected"), [
+    ({}, 4, 4),  # no torchrun: the engine's own ranks
+    ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "1"}, 1, 1),  # split 1 + 1: the trainer rank holds none
+    ({"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16", "RANK": "3"}, 16, 8),  # co-located: every rank of the node
+    ({"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16", "RANK": "9"}, 8, 8),  # split 8 + 8: the second node's
+    ({"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16", "RANK": "6"}, 12, 4),  # split 4 + 12: the first node's last 4
+    ({"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "128", "RANK": "127"}, 32, 8),  # 128 H20s, 32 rollout ranks
+])
+def test_the_kv_cache_share_counts_the_nodes_engine_ranks_not_its_trainer_ranks(env, engine_ranks, expected,
+                                                                                 monkeypatch):
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert vllm_process.engine_ranks_on_node(engine_ranks) == expected
+
+
+def test_a_config_error_after_the_launch_is_one_line():
+    """An engine's own condition found on a rank after the launch (not a FlashdapoError) is still one line."""
+    line = user_error_line(ConfigError("rollout.kv_cache_gib=1000: the node's 1 rank(s) would hold ..."))
+    assert line == "flashdapo: config error: rollout.kv_cache_gib=1000: the node's 1 rank(s) would hold ..."
