@@ -7,7 +7,7 @@ step per call, the routers' load-balancing loss on), same weights and batch in b
 s/step over the timed steps (after one warm-up step), the peak resident set size of each rank beyond its RSS
 before the model was built (/proc/self/status VmHWM, reset through /proc/self/clear_refs; the larger of the two
 ranks), the pg_loss of every step, and the expert all-to-all bytes this rank sent to the other rank per step,
-counted at the collective (forward: the rows `expert_parallel_forward` hands to `all_to_all_single_autograd`
+counted at the collective (forward: the rows `expert_parallel_forward` hands to `all_to_all_rows`
 for other ranks; backward: the gradient rows going back, counted by a hook on the exchanged tensor) against
 the formula  layers x tokens x top_k x hidden x 4 bytes x (E-1)/E x 2 (dispatch + combine) x 2 (forward +
 backward), which assumes routing spread evenly over the ranks. The per-layer count exchange (num_experts int64
@@ -89,7 +89,7 @@ class AllToAllCounter:
     def install(self) -> None:
         from flashdapo.models.moe import expert_parallel
 
-        original = expert_parallel.all_to_all_single_autograd
+        original = expert_parallel.all_to_all_rows
 
         def counted(rows, output_split_sizes, input_split_sizes, group, *args, **kwargs):
             import torch.distributed as dist
@@ -106,7 +106,7 @@ class AllToAllCounter:
                 out.register_hook(lambda grad: self._add_backward(back))
             return out
 
-        expert_parallel.all_to_all_single_autograd = counted
+        expert_parallel.all_to_all_rows = counted
 
     def _add_backward(self, nbytes: int) -> None:
         self.backward_bytes += nbytes

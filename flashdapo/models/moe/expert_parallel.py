@@ -16,9 +16,11 @@ The choices, before the code:
   registered before its decoder block's, which then leaves those parameters alone: expert weights are
   all-gathered over "efsdp" only, never across "ep". As torchtitan does, the experts' dim 0 is sharded when
   each "efsdp" rank gets at least one expert of the local ones, else their dim 1.
-- **Gradients.** The all-to-all's backward is the reverse exchange, so rank i's expert gradients sum the
-  contributions of every token of its "ep" group routed to them; FSDP2 then sums them over "efsdp". Together:
-  the sum over every rank's tokens, as for every other parameter (flashdapo sums, never averages).
+- **Gradients.** The all-to-all's backward is the reverse exchange (`_AllToAll`: an autograd Function around
+  `dist.all_to_all_single`, as torchtitan's; torch's functional all_to_all_single_autograd grew memory step on
+  step under activation checkpointing there), so rank i's expert gradients sum the contributions of every token
+  of its "ep" group routed to them; FSDP2 then sums them over "efsdp". Together: the sum over every rank's
+  tokens, as for every other parameter (flashdapo sums, never averages).
 - **Collectives in step.** Every rank of an "ep" group must run each MoE layer as often as the others: the
   same rule FSDP2's all-gathers already impose (the update's and the torch engine's padding micro-batches and
   one-token steps). A rank whose experts receive no token still runs them on zero rows, so its expert
@@ -37,7 +39,6 @@ import types
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -252,8 +253,41 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
               group: dist.ProcessGroup) -> torch.Tensor:
     """Rows in_splits[j] to rank j, out_splits[i] from rank i; the backward sends the gradients back."""
-    return wait_tensor(all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group))
+    return all_to_all_rows(rows, out_splits, in_splits, group)
 
 
-__all__ = ["EXPERT_PARAMETERS", "check_expert_parallel", "clip_grad_norm_over_meshes", "combine", "expert_modules",
-           "expert_parallel_forward", "full_tensor_by_dim", "local_experts", "parallelize_experts", "shard_experts"]
+def all_to_all_rows(rows: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """The experts' all-to-all (`_AllToAll`), differentiable: looked up here by name at each call, so that a
+    wrapper installed in this module sees every exchange (bench/bench_moe.py counts the bytes)."""
+    return _AllToAll.apply(rows, output_split_sizes, input_split_sizes, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`dist.all_to_all_single` with the given splits; its backward the all-to-all of the gradient with the
+    splits swapped. Not torch's functional `all_to_all_single_autograd`: under activation checkpointing its
+    memory grew step on step in torchtitan (pytorch/torchtitan#1467), which replaced it with this Function."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
+        return _all_to_all(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                           group=group)
+    return out
+
+
+__all__ = ["EXPERT_PARAMETERS", "all_to_all_rows", "check_expert_parallel", "clip_grad_norm_over_meshes", "combine",
+           "expert_modules", "expert_parallel_forward", "full_tensor_by_dim", "local_experts", "parallelize_experts",
+           "shard_experts"]

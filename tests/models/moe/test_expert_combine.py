@@ -85,3 +85,37 @@ def test_a_rank_without_tokens_runs_the_exchange(one_rank):
     out = experts(hidden, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
     out.sum().backward()
     assert out.shape == (0, 16) and experts.gate_up_proj.grad is not None
+
+
+def test_the_exchange_is_an_autograd_function_around_all_to_all_single(one_rank, monkeypatch):
+    """Not torch's functional all_to_all_single_autograd (its memory grew step on step under activation
+    checkpointing in torchtitan, #1467); forward and backward through non-reentrant checkpointing equal the
+    plain ones bit for bit. EP = 2 against EP = 1, with gradient checkpointing on: test_expert_parallel.py."""
+    import torch.distributed._functional_collectives as functional
+    from torch.utils.checkpoint import checkpoint
+
+    from flashdapo.models.moe import expert_parallel
+
+    monkeypatch.setattr(functional, "all_to_all_single_autograd", _refuse)
+    monkeypatch.setattr(expert_parallel, "all_to_all_single_autograd", _refuse, raising=False)
+    torch.manual_seed(3)
+    experts = Qwen3MoeExperts(tiny_moe_config()).double()
+    with torch.no_grad():
+        for p in experts.parameters():  # the module alone leaves them uninitialised
+            p.normal_(0, 0.3)
+    shard_experts(experts, one_rank)
+    g = torch.Generator().manual_seed(4)
+    index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, dtype=torch.float64, generator=g)
+    results = []
+    for checkpointed in (False, True):
+        hidden = torch.randn(9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5),
+                             requires_grad=True)
+        out = checkpoint(experts, hidden, index, weights, use_reentrant=False) if checkpointed else \
+            experts(hidden, index, weights)
+        out.square().sum().backward()
+        results.append((out.detach(), hidden.grad, experts.gate_up_proj.grad.to_local().clone()))
+        experts.zero_grad()
+    for plain, checkpointed in zip(*results):
+        assert plain.isfinite().all() and plain.abs().sum() > 0
+        assert torch.equal(plain, checkpointed)
