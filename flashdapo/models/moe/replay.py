@@ -5,7 +5,8 @@ The choices, before the code:
 
 - **What is recorded.** Per response, the engine's top-k expert indices at every position the trainer feeds:
   the prompt and the response but its last token (whose output predicts nothing), an int tensor
-  [prompt + response - 1, sparse layers, top_k] (`route_dtype`: uint8 up to 256 experts). Prompt positions are
+  [prompt + response - 1, layers, top_k] (one row per sparse layer from the torch engine, one per decoder layer,
+  dense ones included, from vLLM's routed_experts: `RouteReplay.load` takes either) (`route_dtype`: uint8 up to 256 experts). Prompt positions are
   replayed too: a response token's log-prob depends on every earlier position's hidden state through attention,
   so replaying only the response positions would leave the prompt's routes, and through them the response's,
   free to differ. vLLM returns exactly those positions (`CompletionOutput.routed_experts`, prompt included);
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ..hf import decoder_layers
 from .router import family_entry, loss_routers, routers
 
 NO_ROUTE = -1
@@ -93,12 +95,23 @@ def lay_out_routes(records: Sequence[torch.Tensor | None], row_lengths: Sequence
 
 
 class RouteReplay:
-    """Replays laid-out routes through the routers of one HF MoE model (see the module docstring)."""
+    """Replays laid-out routes through the routers of one HF MoE model (see the module docstring).
 
-    def __init__(self, model_routers: list[nn.Module]):
+    `sparse_layers`: each router's decoder-layer index, and `decoder_layers` the model's count of them, so that
+    records with a row per decoder layer (vLLM's routed_experts: dense layers included, e.g. Qwen3-MoE's
+    mlp_only_layers, DeepSeek-V3's first_k_dense_replace) load as well as records with one per sparse layer
+    (the torch engine's, vLLM's captured ones); None: the routers are the decoder layers, in order."""
+
+    def __init__(self, model_routers: list[nn.Module], sparse_layers: Sequence[int] | None = None,
+                 decoder_layers: int | None = None):
         if not model_routers:
             raise ValueError("routing replay needs a mixture-of-experts model (no router found)")
+        if sparse_layers is not None and len(sparse_layers) != len(model_routers):
+            raise ValueError(f"routing replay: {len(sparse_layers)} sparse-layer indices for {len(model_routers)} "
+                             "routers")
         self.routers = model_routers
+        self.sparse_layers = list(range(len(model_routers)) if sparse_layers is None else sparse_layers)
+        self.decoder_layers = len(model_routers) if decoder_layers is None else decoder_layers
         self.layout: torch.Tensor | None = None
         self.chosen: dict[int, torch.Tensor] = {}
         """Per sparse layer, the experts the last forward's router handed on ([tokens, k], recorded where there was
@@ -111,10 +124,13 @@ class RouteReplay:
                          for layer, router in enumerate(model_routers)]
 
     def load(self, layout: torch.Tensor | None) -> None:
-        """Replay `layout` ([positions, layers, k], `lay_out_routes`) in the next forwards; None: route freely."""
+        """Replay `layout` ([positions, layers, k], `lay_out_routes`) in the next forwards; None: route freely.
+        Its layers: one per sparse layer, or one per decoder layer (the sparse layers' rows are replayed)."""
         if layout is not None and layout.shape[1] != len(self.routers):
-            raise ValueError(f"routing replay: the records hold {layout.shape[1]} sparse layers, the model has "
-                             f"{len(self.routers)}")
+            if layout.shape[1] != self.decoder_layers:
+                raise ValueError(f"routing replay: the records hold {layout.shape[1]} layers, the model has "
+                                 f"{len(self.routers)} sparse layers of {self.decoder_layers} decoder layers")
+            layout = layout[:, self.sparse_layers]
         self.layout = layout
         self.chosen = {}
         self._counted = set()
@@ -193,7 +209,9 @@ def install_route_replay(hf_model: nn.Module, mode: str) -> RouteReplay | None:
     if not found:
         raise ConfigError(f"algorithm.routing_replay={mode}: the routers of {model_type} are not softmax top-k "
                           "routers, whose gate weights the replay recomputes; use off")
-    return RouteReplay(found)
+    layers = decoder_layers(hf_model)
+    index = {id(module): i for i, layer in enumerate(layers) for module in layer.modules()}
+    return RouteReplay(found, [index[id(router)] for router in found], len(layers))
 
 
 def engine_routes(captured: Sequence[torch.Tensor], batch: int, width: int, num_experts: int) -> torch.Tensor:

@@ -159,3 +159,38 @@ def test_r3_on_a_dense_model_is_refused_in_one_line():
         install_route_replay(dense, "r3")
     assert "\n" not in str(err.value)
     assert install_route_replay(dense, "off") is None
+
+
+def test_records_with_a_row_per_decoder_layer_replay_the_sparse_layers_rows():
+    """vLLM's routed_experts has a row per decoder layer, dense ones included (Qwen3-MoE's mlp_only_layers,
+    DeepSeek-V3's first_k_dense_replace; DeepSeek-V3 itself takes no R3: its routers are not softmax top-k):
+    a Qwen3-MoE whose layer 0 is dense loads them, replaying rows 1 and 2 on its two routers, as it loads the
+    torch engine's one row per sparse layer; any other count is refused in one line."""
+    ids = torch.randint(3, 50, (1, 10), generator=torch.Generator().manual_seed(4))
+    plain, replayed = (tiny_moe(seed=5, num_hidden_layers=3, mlp_only_layers=[0]) for _ in range(2))
+    replay = install_route_replay(replayed, "r3")
+    assert len(replay.routers) == 2 and replay.sparse_layers == [1, 2] and replay.decoder_layers == 3
+    own = _own_routes(plain, ids)  # [10, 2 sparse layers, 2]
+    dense_row = torch.full((10, 1, 2), 3)  # whatever vLLM puts in a dense layer's row: not replayed
+    per_decoder_layer = torch.cat([dense_row, own], dim=1)
+    expected = plain(ids).logits
+    for records in (per_decoder_layer, own):
+        layout = lay_out_routes([records], [10], packed=True, width=10)
+        replay.load(layout)
+        assert torch.equal(replayed(ids).logits, expected)
+        assert replay.take_agreement() == (20, 20)
+    other = own.clone()
+    other[:, :, 0] = (own[:, :, 1] + 1) % 4
+    other[:, :, 1] = (other[:, :, 0] + 1) % 4
+    replay.load(torch.cat([dense_row, other], dim=1))
+    seen, handles = _chosen(replayed)
+    replayed(ids)
+    for h in handles:
+        h.remove()
+    assert [layer for layer, *_ in seen] == [0, 1]
+    for layer, _logits, _weights, indices in seen:
+        assert torch.equal(indices, other[:, layer])
+    with pytest.raises(ValueError) as err:
+        replay.load(torch.zeros(10, 4, 2, dtype=torch.long))
+    assert str(err.value) == ("routing replay: the records hold 4 layers, the model has 2 sparse layers of 3 "
+                              "decoder layers")
