@@ -227,3 +227,74 @@ def test_a_planted_private_import_is_caught(tmp_path):
     package = _plant(tmp_path, {"__init__.py": "", "eval/__init__.py": "", "eval/a.py": "_X = 1\n",
                                 "eval/b.py": "from .a import _X\n"})
     assert private_imports(package) == ["flashdapo.eval.b imports a._X"]
+
+
+def layout_entries(text: str) -> dict[str, str]:
+    """{path under the package ('trainer/', 'trainer/loop.py'): its text} from the module tree of "The package
+    layout": an entry is a name at the tree's indentation (2 spaces a level), its text the rest of its line and
+    the description lines under it."""
+    block = text.split("## The package layout", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    parents: list[tuple[int, str]] = []
+    current = None
+    for line in block.splitlines():
+        match = re.match(r"^( +)(\S+)(.*)$", line)
+        if not match:
+            continue
+        indent, name, rest = len(match.group(1)), match.group(2), match.group(3)
+        if indent < 10 and (name.endswith("/") or name.endswith(".py")):
+            while parents and parents[-1][0] >= indent:
+                parents.pop()
+            current = (parents[-1][1] if parents else "") + name
+            entries[current] = rest
+            if name.endswith("/"):
+                parents.append((indent, current))
+        elif current is not None:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def _named(module: Path, entries: dict[str, str]) -> bool:
+    """Whether the tree names `module` (a path under the package): as an entry of its own, or by its file name (or
+    its path below the entry) in the text of an entry for a folder above it."""
+    rel = module.relative_to(PACKAGE).as_posix()
+    if rel in entries:
+        return True
+    parts = rel.split("/")
+    for depth in range(len(parts) - 1, 0, -1):
+        folder = "/".join(parts[:depth]) + "/"
+        below = "/".join(parts[depth:])
+        if folder in entries and re.search(rf"(?<![\w/.]){re.escape(below)}\b", entries[folder]):
+            return True
+        if folder in entries and depth == len(parts) - 1 and re.search(rf"(?<![\w/.]){re.escape(parts[-1])}\b",
+                                                                    entries[folder]):
+            return True
+    return False
+
+
+def test_the_module_tree_names_every_module():
+    """docs/architecture.md's tree is the map a reader navigates by: every module of the package is in it (an
+    `__init__.py` is its folder's entry)."""
+    entries = layout_entries(TABLE.read_text())
+    modules = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"]
+    assert [p.relative_to(PACKAGE).as_posix() for p in modules if not _named(p, entries)] == []
+
+
+def test_every_module_the_tree_names_exists():
+    """A module renamed or removed leaves no stale name in the map: every `x.py` an entry names exists in that
+    entry's folder or below it."""
+    stale = []
+    for path, text in layout_entries(TABLE.read_text()).items():
+        base = PACKAGE / path if path.endswith("/") else (PACKAGE / path).parent
+        if not path.endswith("/") and not (PACKAGE / path).is_file():
+            stale.append(path)
+        for name in re.findall(r"(?<![\w/.])([\w/]+\.py)\b", text):
+            if not (base / name).is_file() and not any(base.rglob(name)) and not (PACKAGE / name).is_file():
+                stale.append(f"{path}: {name}")
+    assert stale == []
+
+
+def test_a_module_missing_from_the_tree_is_caught():
+    text = "## The package layout\n\n```\nflashdapo/\n  models/  policy.py, hf.py\n```\n"
+    entries = layout_entries(text)
+    assert _named(PACKAGE / "models" / "hf.py", entries) and not _named(PACKAGE / "models" / "packing.py", entries)

@@ -2,9 +2,9 @@
 resolved, and the test venv lying inside the ranges pyproject.toml declares (what a plain install resolves)."""
 
 import json
-import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 from flashdapo.tools import environment
@@ -34,6 +34,7 @@ def test_compare_fails_on_a_moved_version_and_passes_on_its_own_snapshot(tmp_pat
 
 def test_the_venv_the_suite_runs_on_lies_in_pyprojects_ranges():
     """The libraries the suite runs on satisfy the ranges a plain `pip install .` resolves within."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     installed = installed_versions()
     outside = []
