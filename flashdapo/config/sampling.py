@@ -95,9 +95,9 @@ class RolloutConfig(Section):
     a loaded CPU cost as much as the steps themselves (docs/algorithm.md, "Streaming"). The same at every
     world size, so a run's stop rule does not depend on it."""
     placement: Literal["colocated", "split"] = "colocated"
-    """Where generation runs (docs/split.md). colocated: every rank generates and trains, in turn. split: the
-    last rollout_ranks ranks of the launch only generate, the others only train; the two sides overlap,
-    the rollout side sampling with weights max_lag steps old."""
+    """Where generation runs (docs/split.md). colocated: every rank generates and trains, in turn. split
+    (experimental: run on CPU ranks, not yet on GPUs): the last rollout_ranks ranks of the launch only generate,
+    the others only train; the two sides overlap, the rollout side sampling with weights max_lag steps old."""
     rollout_ranks: NonNegative = 0
     """Split placement: R, the ranks (the last R of the launch) that run the engines; a multiple of
     tensor_parallel_size, leaving at least one trainer rank. Ignored when co-located."""
