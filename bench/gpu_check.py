@@ -13,13 +13,15 @@ that would start past it is reported as skipped; one that fails is reported and 
    5 and spread), peak extra memory and workspace (peak minus the gradients dh and dW);
 4. a torch.profiler breakdown of one 7B step of generic and of fused: GEMM vs Triton vs other;
 5. the toy training run (the README's demo, torch engine) for 40 steps on the GPU: s/step, validation;
-6. `pytest -m cuda` in a subprocess with a timeout (no plugin the GPU image lacks), one row per test module:
-   passed, failed, or not collected (and why: a module needing vLLM on an image without it).
+6. `pytest -m cuda` on the test modules with CUDA cases only (not all of tests/ collected), run first (right
+   after the environment) in a subprocess under their own budget (`--tests-budget-s`; no plugin the GPU image
+   lacks), one row per test module: passed, failed, or not collected (and why: a module needing vLLM on an
+   image without it); on a timeout, the module cut off and those never started are named (left out).
 
 This file and everything it imports need only torch, triton, transformers, numpy, safetensors and pytest
 (the GPU image has no tyro, vLLM, flash-attn or Liger); the toy run's subprocess also needs pyarrow and pyyaml.
 
-  python bench/gpu_check.py [--out DIR] [--budget-s 290]
+  python bench/gpu_check.py [--out DIR] [--budget-s 290] [--tests-budget-s 120]
   python bench/gpu_check.py --dry-run   # CPU, tiny shapes, impl="torch": the same plumbing (in the tests)
 """
 
@@ -420,32 +422,80 @@ def toy_training(report: Report, device: str, dry: bool) -> None:
 
 
 # ------------------------------------------------------------------------------ 6. tests
-def cuda_tests(report: Report, dry: bool) -> None:
-    """`pytest -m cuda`, one row per test module: passed / failed / skipped counts, or not collected and why
-    (a module needing vLLM fails to collect on an image without it: that is said, not counted as a failure)."""
+CUDA_MARK = "mark.cuda"
+"""How a test module marks its own CUDA cases (a decorator, `pytestmark`, or a parametrize case's `marks=`)."""
+MARKED_ON_A_GPU = ("from kernel_accuracy import", ("TRITON", "impl_params"))
+"""The helper whose triton parameter carries the `cuda` mark on a GPU (tests/kernels/kernel_accuracy.py): the
+kernel suite's modules that import it and its marked parameter (TRITON, TRITON_MARKS, impl_params) have CUDA
+cases there."""
+
+
+def cuda_test_modules(root: Path, gpu: bool = True) -> list[Path]:
+    """The test modules under `root` (test_*.py) with `cuda`-marked cases: first those that mark cases
+    themselves, then, on a GPU (`gpu`), those whose cases get the mark from the kernel suite's helper (on a CPU
+    they carry none), each group in path order. What the tests section runs, instead of collecting all of
+    tests/ only to deselect the rest."""
+    texts = {path: path.read_text(errors="replace") for path in sorted(root.rglob("test_*.py"))}
+    own = [path for path, text in texts.items() if CUDA_MARK in text]
+    if not gpu:
+        return own
+    helper, names = MARKED_ON_A_GPU
+    return own + [path for path, text in texts.items()
+                  if path not in own and helper in text and any(name in text for name in names)]
+
+
+def cuda_tests(report: Report, dry: bool, budget_s: float) -> None:
+    """`pytest -m cuda` on the modules with CUDA cases (`cuda_test_modules`), under the section's own budget
+    (`--tests-budget-s`), one row per module: passed / failed / skipped counts, or not collected and why (a
+    module needing vLLM fails to collect on an image without it: that is said, not counted as a failure). On a
+    timeout the log says which modules ran: the one cut off and those never started are named (left out)."""
     report.section("pytest -m cuda", ["module", "status", "passed", "failed", "skipped", "summary"])
-    timeout = max(10, int(report.left() - 10))
-    xml = report.out / "pytest_cuda.xml"
-    args = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
-            "--continue-on-collection-errors", f"--junitxml={xml}", "tests/kernels" if dry else "tests"]
-    log = report.out / "pytest_cuda.log"  # dry run: tests/kernels alone, whose CUDA cases skip without a GPU
+    timeout = max(10, int(min(budget_s, report.left() - 10)))
+    # dry run: tests/kernels alone, whose CUDA cases skip without a GPU
+    modules = [str(m.relative_to(REPO)) for m in cuda_test_modules(REPO / "tests" / "kernels" if dry else
+                                                                    REPO / "tests", gpu=not dry)]
+    xml, log = report.out / "pytest_cuda.xml", report.out / "pytest_cuda.log"
+    # Not -q: each module's line names it as it starts (unbuffered), which is what a timeout leaves to read.
+    args = [sys.executable, "-m", "pytest", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
+            "--continue-on-collection-errors", f"--junitxml={xml}", *modules]
     t0 = time.monotonic()
     try:
         with log.open("w") as f:
-            rc = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     except subprocess.TimeoutExpired:
-        report.row("tests", module="(all)", status=f"timeout ({timeout} s)", summary="see pytest_cuda.log")
+        started = started_modules(log.read_text(errors="replace") if log.exists() else "", modules)
+        for module in modules:
+            status = "ran" if module in started[:-1] else "cut off by the tests budget" if started and \
+                module == started[-1] else "left out: the tests budget was spent first"
+            report.row("tests", module=_dotted(module), status=status, summary="see pytest_cuda.log")
+        left_out = [m for m in modules if m not in started[:-1]]
+        report.row("tests", module="(all)", status=f"timeout ({timeout} s, --tests-budget-s)",
+                   seconds=round(time.monotonic() - t0),
+                   summary=f"left out (tests budget spent): {', '.join(left_out)}")
         return
     lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
-    summary = next((ln for ln in reversed(lines) if any(k in ln for k in ("passed", "failed", "error", "selected",
-                                                                          "no tests"))), "see pytest_cuda.log")
-    modules = per_module(xml) if xml.exists() else {}
-    for module, counts in sorted(modules.items()):
+    summary = next((ln for ln in reversed(lines) if any(k in ln for k in ("passed", "failed", "error", "skipped",
+                                                                          "selected", "no tests"))),
+                   "see pytest_cuda.log")
+    found = per_module(xml) if xml.exists() else {}
+    for module, counts in sorted(found.items()):
         report.row("tests", module=module, **counts)
-    failed = [m for m, c in modules.items() if c["status"] == "failed"]
+    failed = [m for m, c in found.items() if c["status"] == "failed"]
     status = "ok" if not failed and rc in (0, 1, 5) else f"failed (rc {rc})" if not failed else "failed"
     report.row("tests", module="(all)", status=status, seconds=round(time.monotonic() - t0),
-               summary=summary.strip("= "))
+               summary=f"{summary.strip('= ')}; modules: {len(modules)}, left out: none")
+
+
+def started_modules(log: str, modules: list[str]) -> list[str]:
+    """The modules of `modules` whose progress line (`path ...`) pytest has written to `log`, in order."""
+    heads = {line.split(" ", 1)[0] for line in log.splitlines()}
+    return [m for m in modules if m in heads]
+
+
+def _dotted(module: str) -> str:
+    """tests/kernels/test_x.py -> tests.kernels.test_x, as the JUnit rows name modules."""
+    return module.removesuffix(".py").replace("/", ".")
 
 
 def per_module(xml: Path) -> dict[str, dict]:
@@ -483,6 +533,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results" /
                                                                       f"gpu-check-{datetime.date.today()}"))
     parser.add_argument("--budget-s", type=float, default=290.0, help="the whole run's time budget")
+    parser.add_argument("--tests-budget-s", type=float, default=120.0,
+                        help="the CUDA test modules' own budget, out of the whole; they run first")
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -492,12 +544,13 @@ def main(argv=None) -> int:
     shapes = DRY_SHAPES if args.dry_run else GPU_SHAPES
     rates = {}
     run_section(report, "environment", 0, lambda: environment(report, device))
+    # The CUDA tests first, under their own budget: last, they got what the benchmarks left (under a minute).
+    run_section(report, "tests", 30, lambda: cuda_tests(report, args.dry_run, args.tests_budget_s))
     run_section(report, "gemm", 20, lambda: rates.update(gemm_ceilings(report, device, shapes)))
     run_section(report, "model", 0, lambda: model_with_rates(report, rates, shapes))
     run_section(report, "providers", 40, lambda: providers(report, device, shapes))
     run_section(report, "profile", 20, lambda: profile_step(report, device, shapes[0]))
     run_section(report, "train", 60, lambda: toy_training(report, device, args.dry_run))
-    run_section(report, "tests", 30, lambda: cuda_tests(report, args.dry_run))
     print(f"\nrows: {report.jsonl}\ntables: {report.md}", flush=True)
     return 0
 
