@@ -58,7 +58,9 @@ def test_the_coefficient_the_override_then_the_model_configs_switch():
     assert router_aux_coef(None, on) == 0.01 and router_aux_coef(None, off) == 0.0
     assert router_aux_coef(0.0, on) == 0.0 and router_aux_coef(0.3, off) == 0.3
     dense = type("Config", (), {"model_type": "qwen3"})()
-    assert not is_moe(dense) and router_aux_coef(0.3, dense) == 0.0
+    assert not is_moe(dense) and router_aux_coef(None, dense) == 0.0 and router_aux_coef(0.0, dense) == 0.0
+    with pytest.raises(ConfigError, match=r"^model.router_aux_loss_coef=0.3: qwen3 is a dense model"):
+        router_aux_coef(0.3, dense)  # was accepted and ignored
     assert router_logits_kwargs(on) == {"output_router_logits": False} and router_logits_kwargs(dense) == {}
 
 
