@@ -150,9 +150,9 @@ def test_perturbed_sampler_gets_weights_and_trains(tmp_path, mode, cap):
     run.engine.generate = lambda prompts, sampling: generate(prompts, type(sampling)(
         **{**sampling.__dict__, "temperature": sampling.temperature * 1.5}))
     try:
-        before = {n: t.clone() for n, t in run.full_state_dict()}
+        before = {n: t.clone() for n, t in run.weights.export()}
         metrics = train_step(run, 1)
-        after = {n: t.clone() for n, t in run.full_state_dict()}
+        after = {n: t.clone() for n, t in run.weights.export()}
     finally:
         shutdown()
     assert metrics["rollout_corr/k3_kl"] > 1e-3

@@ -83,6 +83,11 @@ class Family:
     router_loss: bool = True
     """MoE: softmax top-k routers balanced by transformers' load_balancing_loss_func (the router loss and expert
     load of models/moe/); False: routers balanced otherwise (no router loss, no expert-load metrics)."""
+    engine_experts: str | None = None
+    """MoE: how an engine that loads checkpoint names (vLLM, sync/vllm.py) takes the routed experts the HF model
+    holds fused: "per_expert" (`...experts.<e>.{gate,up,down}_proj.weight`, the inverse of transformers' qwen2_moe
+    conversion: models/moe/expert_layout.py), "gpt_oss" (vLLM's own names, one expert at a time, the attention
+    sinks apart: models/moe/gpt_oss_layout.py); None: every tensor as held (dense families)."""
 
 
 COMMON_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -145,15 +150,15 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     # softmax top-k ones (the softmax over the k picked logits is the full softmax renormalised over them):
     # transformers balances them with the same load_balancing_loss_func.
     Family("gpt_oss", groups=_gpt_oss_groups, routers=_gpt_oss_routers, config_keys=("num_local_experts",),
-           function_keys=_LAYER_WINDOWS + ("num_experts_per_tok", "swiglu_alpha", "swiglu_limit")),
-    Family("qwen3_moe", routers=_sparse_block_routers,
+           engine_experts="gpt_oss", function_keys=_LAYER_WINDOWS + ("num_experts_per_tok", "swiglu_alpha", "swiglu_limit")),
+    Family("qwen3_moe", routers=_sparse_block_routers, engine_experts="per_expert",
            config_keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
                         "mlp_only_layers"),
            function_keys=_ACT + ("use_sliding_window", "sliding_window", "norm_topk_prob")),
     # DeepSeek-V3: multi-head latent attention, a shared expert, routers picking by sigmoid score plus a
     # correction bias within groups. That bias is balanced without a loss (updated outside the gradient in
     # pre-training; transformers keeps it a fixed buffer, and so does training here); no router loss.
-    Family("deepseek_v3", routers=_sparse_block_routers, router_loss=False,
+    Family("deepseek_v3", routers=_sparse_block_routers, router_loss=False, engine_experts="per_expert",
            config_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                         "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
                         "first_k_dense_replace"),
@@ -162,7 +167,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     # Qwen3.5: Gated DeltaNet (linear attention) layers between full-attention ones (models/linear_attention.py);
     # Qwen3-Next: the same layers, sparse MoE blocks with a shared expert.
     Family("qwen3_5_text", config_keys=LINEAR_ATTENTION_CONFIG_KEYS, function_keys=_ACT),
-    Family("qwen3_next", routers=_sparse_block_routers,
+    Family("qwen3_next", routers=_sparse_block_routers, engine_experts="per_expert",
            config_keys=LINEAR_ATTENTION_CONFIG_KEYS + ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                        "shared_expert_intermediate_size", "decoder_sparse_step",
                                                        "mlp_only_layers"),

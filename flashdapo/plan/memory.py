@@ -26,7 +26,7 @@ Transients (modelled), b = bytes of the compute dtype, T = tokens of this rank's
 The peak is the resident state plus the largest of these phases (phases that never coexist are not added).
 
 Split placement's staged weights (exact, host memory): each rollout rank stages at most k + 1 versions of the
-whole model (rollout.max_lag = k; trainer/split/weights.py) in the dtype it loads, the compute dtype; a node
+whole model (rollout.max_lag = k; sync/broadcast.py) in the dtype it loads, the compute dtype; a node
 holds that for each of its rollout ranks.
 """
 

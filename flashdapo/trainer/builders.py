@@ -18,11 +18,11 @@ from ..models.policy import PolicyModel
 from ..preflight import check_model
 from ..rollout import RolloutEngine
 from ..rollout.factory import build_engine, world_group
+from ..sync.check import PushCheck
 from ..tasks import build_task_tokenizer
 from ..tasks.toy import build_toy_model
 from ..tasks.warmup import warm_up_built_in
 from ..tools.threads import configure_threads
-from .observe.logprob_check import PushCheck
 
 
 def checked_tokenizer(cfg: Config, log):

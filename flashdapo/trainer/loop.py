@@ -60,7 +60,7 @@ def train(cfg) -> Run | None:
             stopped_at = train_steps(run, stop)
             if stopped_at is None and cfg.checkpoint.export_hf and run.needs_export():
                 stop.phase = "the export"
-                export_hf(run.full_state_dict(), run.export_config(), run.tokenizer, run.run_dir / "export",
+                export_hf(run.weights.export(), run.export_config(), run.tokenizer, run.run_dir / "export",
                           run.env.is_main, step=run.final_step)
                 run.log(f"exported the final policy to {run.run_dir / 'export'}")
             if stopped_at is None:
@@ -137,7 +137,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
             if update.taken:  # the LR schedule counts training steps that took an optimizer step
                 run.scheduler.step()
-                run.policy_version += 1
+                run.weights.advance()
         stop_after_skips(run, step, update)
         run.collector.after_update(step, timer)  # split placement: the weight push
     if dump:
@@ -187,7 +187,7 @@ def validate(run: Run, step: int, keep_awake: bool = False) -> dict[str, float]:
         return {}
     rc, env = run.cfg.rollout, run.env
     start = time.perf_counter()
-    run.engine.wake(run.policy_weights, run.policy_version)
+    run.weights.wake(run.engine)
     # Round 0 of the step: training's generation rounds count from 1, so the streams never coincide.
     sampling = EvalSampling(k=rc.val_n, temperature=rc.val_temperature, top_p=rc.val_top_p,
                             max_new_tokens=rc.max_response_length, seed=derive_seed(run.cfg.trainer.seed, step, 0),

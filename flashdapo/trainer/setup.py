@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ from ..distributed.failfast import FailFast
 from ..distributed.mesh import DistEnv, init_distributed
 from ..distributed.roles import Liveness
 from ..models.policy import PolicyModel
-from ..models.weights import iter_full_state_dict
 from ..plan.launch import check_launch_memory
 from ..preflight import check_launch, resolve_auto
 from ..profiling import StepProfiler
@@ -29,12 +28,13 @@ from ..profiling.step import check_profile_dir
 from ..reward import RANDOM_VERIFIER, RandomReward, Verifier, get_verifier, judging_verifier
 from ..rollout import RolloutEngine
 from ..rollout.vllm_process import library_versions
+from ..sync import WeightSource, policy_weights
+from ..sync.check import PushCheck
 from ..tasks import build_datasets
 from ..tools.warning_lines import attach_run
 from .builders import build_optimizer, build_policy, checked_tokenizer, parameter_counts, training_engine
 from .collect.collector import Collector, RoundsCollector, Sampling, StreamingCollector
 from .collect.streaming import StreamState, dropped_streams_line
-from .observe.logprob_check import PushCheck
 from .observe.probe import ProbeSet, build_probe_set
 from .observe.sinks import MetricsLogger, WandbRun
 from .split.cut import cut_dir, require_part
@@ -70,6 +70,8 @@ class Run:
     run_dir: Path
     tokenizer: Any
     policy: PolicyModel
+    weights: WeightSource
+    """The policy's weights as engines wake on them and the export writes them, with their version (sync/)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     engine: RolloutEngine
@@ -87,8 +89,6 @@ class Run:
     """Rank 0's lock on the run directory, released when the run ends."""
     skipped_in_a_row: int = 0
     """Optimizer steps skipped in a row for a non-finite loss or gradient norm (loop.stop_after_skips)."""
-    policy_version: int = 0
-    """Optimizer updates so far in this process: the version the rollout engine's `wake` is given."""
     settings: dict[str, Any] = field(default_factory=dict)
     """The settings that shape this run, recorded in its checkpoints (run_settings.py)."""
     resumed: Resumed | None = None
@@ -140,21 +140,11 @@ class Run:
         return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict(),
                             run_id=self.run_id, settings=self.settings, totals=dataclasses.asdict(self.totals))
 
-    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (bf16 when model.dtype is bfloat16), gathered from the FSDP2 shards one at a
-        time."""
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None  # export in the compute dtype
-        return iter_full_state_dict(self.policy.hf, dtype=dtype)
-
     def export_config(self):
-        """The policy's HF config, saying the dtype `full_state_dict` exports in (config.json matches the tensors)."""
+        """The policy's HF config, saying the dtype `weights.export()` writes (config.json matches the tensors)."""
         config = copy.deepcopy(self.policy.config)
         config.dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
         return config
-
-    def policy_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's HF-named full tensors, cast to `dtype`, for a rollout engine's `wake` (a WeightSource)."""
-        return iter_full_state_dict(self.policy.hf, dtype=dtype)
 
 
 def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run:
@@ -252,7 +242,8 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     engine = training_engine(sampler_cfg, env, policy, tokenizer, run_dir / f"vllm-error.rank{env.rank}.log", log)
     log(f"world size {env.world_size} on {env.device}; {parameter_counts(policy)}; run dir {run_dir}; "
         f"{library_versions()}")
-    run = Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
+    run = Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy,
+              weights=policy_weights(policy.hf, cfg.model.dtype), optimizer=optimizer,
                scheduler=scheduler, engine=engine, verifier=get_verifier(judging_verifier(cfg.algorithm.verifier)),
                sampler=sampler,
                val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
@@ -279,7 +270,7 @@ def build_collector(run: Run, log) -> Collector:
         return split
     algo = cfg.algorithm
     random = RandomReward(algo.random_reward_p, cfg.trainer.seed) if algo.verifier == RANDOM_VERIFIER else None
-    sampling = Sampling(run.engine, lambda: run.engine.wake(run.policy_weights, run.policy_version), run.sampler,
+    sampling = Sampling(run.engine, run.weights, run.sampler,
                         run.tokenizer, lambda: random if random is not None else run.verifier, cfg, env)
     if cfg.rollout.streaming:
         return StreamingCollector(sampling, _resumed_stream(run.resumed, cfg, env, log))

@@ -1,5 +1,6 @@
 """An engine double for the push check's bf16 tests: what a push leaves in vLLM, as far as the check sees it
-(`score`, `llm.apply_model` for the localisation's hooks, `weight_dtype`), on a bf16 copy of the policy."""
+(`score`, `group_outputs` for the localisation, through vLLM's recorder, `weight_dtype`), on a bf16 copy of the
+policy."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ class BF16ScoringEngine:
 
     def apply_model(self, fn):
         return [fn(self.model)]
+
+    def group_outputs(self, sequence, model_type):
+        from flashdapo.sync.vllm import vllm_group_outputs
+
+        return vllm_group_outputs(self, lambda: self.score([sequence]), model_type)
 
     @torch.no_grad()
     def score(self, sequences):

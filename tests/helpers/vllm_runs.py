@@ -47,7 +47,7 @@ def push_cases(engine, check, cases: list[tuple[str, Callable[[], Iterable]]],
                after: Callable[[str], None] | None = None) -> list[dict]:
     """Each case's stream pushed into `engine` in turn: {case, result ('pass' or the error's type), max (the push
     check's last max |delta log-prob|), message}. `after(case)`: called after each push (to read the engine)."""
-    from flashdapo.trainer.observe.logprob_check import PushMismatchError
+    from flashdapo.sync.check import PushMismatchError
 
     pushes = []
     for name, stream in cases:

@@ -47,7 +47,7 @@ def test_end_to_end_run_writes_metrics_plot_and_loadable_export(tmp_path):
         x = torch.randint(3, len(run.tokenizer), (2, 9))
         with torch.no_grad():
             expected = run.policy(input_ids=x).logits
-        export_hf(run.full_state_dict(), run.policy.config, run.tokenizer, run_dir / "export", True)
+        export_hf(run.weights.export(), run.policy.config, run.tokenizer, run_dir / "export", True)
     finally:
         shutdown()
     loaded = AutoModelForCausalLM.from_pretrained(run_dir / "export")
@@ -191,17 +191,17 @@ def test_step_without_informative_groups_leaves_weights_alone(tmp_path):
     run = setup_run(cfg)
     run.verifier = lambda text, truth: Verdict(-1.0, False, "")
     try:
-        before = {n: t.clone() for n, t in run.full_state_dict()}
+        before = {n: t.clone() for n, t in run.weights.export()}
         with pytest.warns(UserWarning, match="found 0 informative groups"):
             metrics = train_step(run, 1)
-        after = {n: t.clone() for n, t in run.full_state_dict()}
+        after = {n: t.clone() for n, t in run.weights.export()}
     finally:
         shutdown()
     assert metrics["train/kept_groups"] == 0 and metrics["actor/skipped_steps"] == 0
     assert metrics["train/mini_batches"] == 1  # one empty mini-batch, skipped
     assert all(torch.equal(before[n], after[n]) for n in before)
     # No optimizer step: the LR schedule stays, and nothing is reported as a score or a loss (no fake 0).
-    assert run.scheduler.last_epoch == 0 and run.policy_version == 0
+    assert run.scheduler.last_epoch == 0 and run.weights.version == 0
     assert not [k for k in metrics if k.startswith(("critic/", "response_length/")) or k == "actor/grad_norm"]
     line = format_line(metrics, 2)
     assert "no group kept, acc 0.000 | no update |" in line and "score" not in line

@@ -17,7 +17,7 @@ from tests.helpers.runs import tiny_config
 
 
 def _finite(run) -> bool:
-    return all(bool(torch.isfinite(t).all()) for _, t in run.full_state_dict())
+    return all(bool(torch.isfinite(t).all()) for _, t in run.weights.export())
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the log-prob check reports the NaN as well
@@ -26,12 +26,12 @@ def test_a_tiny_temperature_stops_the_run_with_its_weights_finite(tmp_path):
     cfg = tiny_config(tmp_path / "run", rollout={"temperature": 1e-40}, trainer={"max_skipped_steps": 2})
     run = setup_run(cfg)
     try:
-        before = {n: t.clone() for n, t in run.full_state_dict()}
+        before = {n: t.clone() for n, t in run.weights.export()}
         with pytest.raises(NonFiniteError, match=r"step 1: 2 optimizer steps in a row had a non-finite loss or "
                                                  r"gradient norm .* Newest good checkpoint: none"):
             train_step(run, 1)
-        assert _finite(run) and all(torch.equal(before[n], t) for n, t in run.full_state_dict())
-        assert run.scheduler.last_epoch == 0 and run.policy_version == 0
+        assert _finite(run) and all(torch.equal(before[n], t) for n, t in run.weights.export())
+        assert run.scheduler.last_epoch == 0 and run.weights.version == 0
     finally:
         shutdown()
 
@@ -47,10 +47,10 @@ def test_an_injected_nan_skips_that_step_only_then_a_nan_reward_stops(tmp_path, 
 
     monkeypatch.setattr(update_module, "token_loss", nan_on_first_call)
     try:
-        before = {n: t.clone() for n, t in run.full_state_dict()}
+        before = {n: t.clone() for n, t in run.weights.export()}
         metrics = train_step(run, 1)
         assert metrics["actor/skipped_steps"] == 1 and math.isfinite(metrics["actor/grad_norm"])
-        assert _finite(run) and any(not torch.equal(before[n], t) for n, t in run.full_state_dict())
+        assert _finite(run) and any(not torch.equal(before[n], t) for n, t in run.weights.export())
         assert run.scheduler.last_epoch == 1 and run.skipped_in_a_row == 0  # the second step was taken
         run.verifier = lambda text, truth: Verdict(math.nan, False, "")
         with pytest.raises(RewardError, match=r"reward nan for prompt toy:train:\d+ \(response ending"):

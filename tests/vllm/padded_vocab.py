@@ -92,7 +92,7 @@ def run_family(root: Path, family: str, tied: bool, hidden: int, layers: int, vo
     from flashdapo.models.policy import PolicyModel
     from flashdapo.models.weights import iter_full_state_dict
     from flashdapo.rollout.vllm_engine import VLLMEngine
-    from flashdapo.trainer.observe.logprob_check import PushCheck, PushMismatchError
+    from flashdapo.sync.check import PushCheck, PushMismatchError
     from tests.vllm.toy import KV_GIB
 
     config = family_config(family, hidden=hidden, layers=layers, vocab=vocab, tied=tied)

@@ -122,10 +122,10 @@ def test_a_rank_failing_in_generation_ends_every_rank(exports, tmp_path):
 
 
 def test_a_stale_tied_head_stops_the_run_naming_it(exports, tmp_path):
-    """Without re-processing the tied head after the reload (vllm_weights.py), vLLM's CPU build keeps its
+    """Without re-processing the tied head after the reload (sync/vllm.py), vLLM's CPU build keeps its
     packed copy of the dummy weights: the first push's check stops the run with one line naming lm_head."""
     script = tmp_path / "stale_head.py"
-    script.write_text("import sys\nimport flashdapo.rollout.vllm_weights as w\nfrom flashdapo.__main__ import main\n"
+    script.write_text("import sys\nimport flashdapo.sync.vllm as w\nfrom flashdapo.__main__ import main\n"
                       "w._reprocess_tied_head = lambda model: False\nsys.exit(main(['train', *sys.argv[1:]]))\n")
     proc = train(1, exports["tied"], tmp_path / "run", "--trainer.total-steps", "1", script=[str(script)],
                  expect_rc=None)

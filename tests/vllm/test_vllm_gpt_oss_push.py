@@ -1,7 +1,7 @@
 """Real vLLM (its CPU build here) on a tiny GPT-OSS (the family matrix's vLLM size: sinks, a sliding layer, 4
 experts with biases), one engine for every case, in a process of its own: the weight push of the policy's
 transformers-named tensors (renamed, experts streamed one at a time, sinks copied after the reload:
-flashdapo/models/moe/gpt_oss_layout.py, rollout/vllm_weights.py) leaves vLLM's sinks, expert biases, router and
+flashdapo/models/moe/gpt_oss_layout.py, sync/vllm.py) leaves vLLM's sinks, expert biases, router and
 embedding exactly the pushed values and passes the fp32 push check; a push with only layer 0's sinks changed,
 or only layer 1's expert biases, fails it naming that layer (so sinks and biases reach vLLM's forward, not only
 its parameters); an intact push passes again; a stream short of one expert's w2 bias, or of the sinks, is
@@ -66,8 +66,8 @@ def run(out_path: str) -> None:
     from flashdapo.models.policy import PolicyModel
     from flashdapo.models.weights import iter_full_state_dict
     from flashdapo.rollout.vllm_engine import VLLMEngine
+    from flashdapo.sync.check import PushCheck
     from flashdapo.tasks.toy import build_toy_tokenizer
-    from flashdapo.trainer.observe.logprob_check import PushCheck
     from tests.helpers.family_configs import VOCAB, family_config
     from tests.vllm.toy import KV_GIB
 

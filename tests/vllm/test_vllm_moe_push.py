@@ -1,6 +1,6 @@
 """Real vLLM (its CPU build here) on a tiny Qwen3-MoE, one engine for every case (in a process of its own: vLLM's
 shutdown destroys the process group): the weight push loads every expert (transformers' fused tensors split
-per expert, flashdapo/rollout/vllm_weights.py), the fp32 push check passes it, fails a push with one expert
+per expert, flashdapo/sync/vllm.py), the fp32 push check passes it, fails a push with one expert
 changed and names that expert's layer, passes an intact push again, and a stream short of one expert's tensor
 is refused naming the expert parameter it left short.
 
@@ -76,7 +76,7 @@ def run(out_path: str) -> None:
     from flashdapo.models.policy import PolicyModel
     from flashdapo.models.weights import iter_full_state_dict
     from flashdapo.rollout.vllm_engine import VLLMEngine
-    from flashdapo.trainer.observe.logprob_check import PushCheck
+    from flashdapo.sync.check import PushCheck
     from tests.vllm.padded_vocab import word_tokenizer
     from tests.vllm.toy import KV_GIB
 

@@ -19,8 +19,8 @@ or on a stream of (name, tensor) such as `models.weights.iter_full_state_dict` y
 
 Not every family's fused tensors are these: GPT-OSS's `mlp.experts.gate_up_proj` is [E, H, 2I] with gate and up
 interleaved, and its checkpoints are fused too. So splitting is for the families whose transformers conversion
-is the one above (`SPLIT_FAMILIES`, `splits_experts`); their fused tensors are never on disk in the Hub's
-checkpoints, and vLLM's loaders for them all take per-expert names.
+is the one above (the registry says which: `Family.engine_experts` "per_expert", models/hf.py); their fused
+tensors are never on disk in the Hub's checkpoints, and vLLM's loaders for them all take per-expert names.
 
 Shared experts (Qwen2-MoE's `mlp.shared_expert`, DeepSeek-V3's `mlp.shared_experts`) are plain MLPs, not
 fused, and pass through unchanged; so do the router (`mlp.gate`) and every other tensor.
@@ -36,27 +36,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FUSED", "PER_EXPERT", "SPLIT_FAMILIES", "checkpoint_expert_layout", "checkpoint_tensor_names",
-           "fuse_experts", "fused_expert_name", "per_expert_name", "split_experts", "split_fused", "splits_experts"]
+__all__ = ["FUSED", "PER_EXPERT", "checkpoint_expert_layout", "checkpoint_tensor_names", "fuse_experts",
+           "fused_expert_name", "per_expert_name", "split_experts", "split_fused"]
 
 FUSED, PER_EXPERT = "fused", "per_expert"
 """The two layouts of a checkpoint's routed experts (`checkpoint_expert_layout`)."""
-
-SPLIT_FAMILIES = frozenset({"qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3", "olmoe",
-                            "glm4_moe", "flex_olmo", "hunyuan_v1_moe", "ernie4_5_moe", "dots1"})
-"""config.json model types whose transformers conversion is `qwen2_moe`'s (per-expert checkpoint tensors merged
-into gate_up_proj [E, 2I, H] / down_proj [E, H, I]; transformers/conversion_mapping.py) and whose vLLM models
-map per-expert names."""
 
 _FUSED_NAME = re.compile(r"^(?P<experts>(?:.*\.)?mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _PER_EXPERT_NAME = re.compile(r"^(?P<experts>(?:.*\.)?mlp\.experts)\.(?P<index>\d+)\."
                               r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_OF = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
-
-
-def splits_experts(model_type: str | None) -> bool:
-    """Whether a model of this config.json type holds its experts fused as `split_experts` reads them."""
-    return model_type in SPLIT_FAMILIES
 
 
 def per_expert_name(name: str) -> tuple[str, int, str] | None:

@@ -13,11 +13,11 @@ the experts two ways:
   `.<e>.w2_bias` [H]: each expert's slice of transformers' tensors, same interleaved order), through the experts'
   weight loader (`GptOssRoutedExperts.weight_loader`, which transposes and slices for tensor parallelism).
 
-The in-place reload (rollout/vllm_weights.py) only sees loads that go through a parameter's weight loader (it
+The in-place reload (sync/vllm.py) only sees loads that go through a parameter's weight loader (it
 buffers them while the layer sits on the meta device), so the fused copies and the sinks' copy are lost in it
 (vLLM logs "OAIAttention: Failed to load weights" and keeps the old values). So the push streams the experts
 one at a time (views of the fused tensors, no copy) and sets the sinks after the reload (`is_sinks`;
-rollout/vllm_weights.py copies them). Every tensor name here is vLLM's own, which its name mapper leaves unchanged.
+sync/vllm.py copies them). Every tensor name here is vLLM's own, which its name mapper leaves unchanged.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from ...distributed.mesh import DistEnv
 from ...profiling import StageTimer
 from ...reward import RandomReward, Verifier
 from ...rollout import RolloutEngine
+from ...sync import WeightSource
 from ..batch import TrainBatch
 from .rounds import Collected, collect_groups
 from .streaming import StreamState, StreamStats, stream_groups, stream_metrics
@@ -59,8 +60,8 @@ class Sampling:
     prompts, and the reward."""
 
     engine: RolloutEngine
-    wake: Callable[[], None]
-    """Makes the engine sample the policy's current weights (vLLM: the push; torch engine: the gather)."""
+    weights: WeightSource
+    """The policy's current weights, which the engine is woken on before it samples (sync/)."""
     sampler: PromptSampler
     tokenizer: Any
     reward: Callable[[], Verifier | RandomReward]
@@ -82,7 +83,7 @@ class RoundsCollector:
     def collect(self, step: int, timer: StageTimer, keep_generated: bool = False) -> Collected:
         s = self.sampling
         with timer("weight_sync"):
-            s.wake()
+            s.weights.wake(s.engine)
         collected = collect_groups(step, s.sampler, s.engine, s.tokenizer, s.reward(), s.cfg, s.env, timer,
                                    keep_generated=keep_generated)
         s.engine.sleep()
@@ -114,7 +115,7 @@ class StreamingCollector:
     def collect(self, step: int, timer: StageTimer, keep_generated: bool = False) -> Collected:
         s = self.sampling
         with timer("weight_sync"):
-            s.wake()
+            s.weights.wake(s.engine)
         # The policy version sampling this step is the step itself: tokens' lags count from it.
         collected, self.stats = stream_groups(step, self.state, s.sampler, s.engine, s.tokenizer, s.reward(), s.cfg,
                                               s.env, timer, version=step, keep_generated=keep_generated)

@@ -34,19 +34,19 @@ from ...distributed.collectives import all_gather_objects, all_reduce
 from ...distributed.failfast import FailFast
 from ...distributed.mesh import DistEnv, init_distributed
 from ...distributed.roles import Liveness
-from ...models.weights import iter_full_state_dict
 from ...preflight import check_launch, resolve_auto
 from ...profiling import StageTimer
 from ...reward import training_reward
+from ...sync import WeightSource
+from ...sync.broadcast import Stage, check_loaded, load_weights
+from ...sync.check import PushCheck
 from ...tasks import build_datasets
 from ..batch import Group
 from ..builders import build_policy, checked_tokenizer, training_engine
 from ..collect.rounds import Collected, collect_groups
 from ..collect.streaming import StreamState, StreamStats, dropped_streams_line, stream_groups
-from ..observe.logprob_check import PushCheck
 from .cut import parts_due, read_rank_state, write_part
 from .schedule import START_KEY, last_pushed_step, weights_step
-from .weights import Stage, check_loaded, load_weights
 from .wire import BatchMessage, RolloutFigures, Sender, pack
 
 
@@ -144,7 +144,7 @@ class RolloutSide:
         cfg, env, version = self.cfg, self.env, w + 1  # streaming's numbering: θ_w is version w + 1
         # vLLM loads θ_w from the policy copy (its own push check against that copy); the torch engine samples
         # from the copy itself.
-        self.engine.wake(lambda dtype=None: iter_full_state_dict(self.policy.hf, dtype=dtype), w)
+        self.engine.wake(WeightSource(self.policy.hf), w)
         args = (self.sampler, self.engine, self.tokenizer, self.verifier, cfg, env, timer)
         if cfg.rollout.streaming:
             collected, stats = stream_groups(b, self.stream, *args, version=version, deal=self.cut)

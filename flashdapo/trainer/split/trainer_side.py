@@ -22,14 +22,14 @@ from ...config import Config
 from ...distributed.collectives import all_reduce, broadcast_object
 from ...distributed.mesh import DistEnv
 from ...profiling import StageTimer
+from ...sync.broadcast import PushStats, push_weights
+from ...sync.check import PushCheck
 from ..batch import TrainBatch
 from ..collect.dealing import deal_to_slots
 from ..collect.rounds import Collected
 from ..collect.streaming import StreamStats, per_lag_metrics, stream_metrics
-from ..observe.logprob_check import PushCheck
 from .cut import read_boundary, read_queue
 from .schedule import START_KEY, last_pushed_step
-from .weights import PushStats, push_weights
 from .wire import BatchMessage, ready_key, unpack
 
 LAG_BINS = 4

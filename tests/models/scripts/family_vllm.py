@@ -2,7 +2,7 @@
 process-wide state; its shutdown destroys the process group): `python tests/models/scripts/family_vllm.py
 MODEL_TYPE ROOT OUT_JSON [CONFIG_OVERRIDES_JSON]`. A tiny model of the family (tests/helpers/family_configs.py, vLLM's size: head size
 32) is saved under ROOT with the toy tokenizer; vLLM starts on it in fp32, then takes two pushes from the
-policy, each checked by the trainer's push check (trainer/observe/logprob_check.py): the policy's weights
+policy, each checked by the trainer's push check (sync/check.py): the policy's weights
 (perturbed from the saved ones, so that a push that loads nothing fails), and the same with decoder layer 1
 holding another initialization (must fail, naming layers.1: the family's push-check groups exist on both
 sides). Writes {"started", "pushes": [{"case", "result", "max", "message"}], "error"}."""
@@ -23,8 +23,8 @@ from flashdapo.config import RolloutConfig, ToyTaskConfig
 from flashdapo.models.policy import PolicyModel
 from flashdapo.models.weights import iter_full_state_dict
 from flashdapo.rollout.vllm_engine import VLLMEngine
+from flashdapo.sync.check import PushCheck, PushMismatchError
 from flashdapo.tasks.toy import build_toy_tokenizer
-from flashdapo.trainer.observe.logprob_check import PushCheck, PushMismatchError
 from tests.helpers.family_configs import ATTENTION, VOCAB, family_config
 
 KV_GIB = 0.03125

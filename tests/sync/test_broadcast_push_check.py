@@ -1,4 +1,4 @@
-"""Split placement's rollout-side push check (flashdapo/trainer/split/weights.py `check_loaded`) takes the
+"""Split placement's rollout-side push check (flashdapo/sync/broadcast.py `check_loaded`) takes the
 co-located check's tolerance (observe/logprob_check.py): fp32's 1e-3 when the pushed dtype (the one the rollout
 side computes in) is fp32, else the bf16 tolerance `PushCheck.calibrate` measures once, at the first bf16
 version. Fakes for the policy forwards; one process, no group."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from flashdapo.trainer.observe.logprob_check import Calibration, PushMismatchError
-from flashdapo.trainer.split.weights import StagedVersion, _checksum, check_loaded
+from flashdapo.sync.broadcast import StagedVersion, _checksum, check_loaded
+from flashdapo.sync.check import Calibration, PushMismatchError
 
 
 class FakeCheck:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from flashdapo.distributed.mesh import init_distributed
-from flashdapo.trainer.split.weights import Stage, push_weights
+from flashdapo.sync.broadcast import Stage, push_weights
 
 out, mode, bucket_bytes = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 

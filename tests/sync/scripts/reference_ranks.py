@@ -17,7 +17,7 @@ from flashdapo.config import ModelConfig, TrainerConfig
 from flashdapo.distributed.mesh import init_distributed, shutdown
 from flashdapo.models.parallelize import parallelize
 from flashdapo.models.policy import PolicyModel
-from flashdapo.trainer.observe.logprob_check import reference_logprobs
+from flashdapo.sync.check import reference_logprobs
 from tests.helpers.family_configs import family_config
 from tests.helpers.moe import tiny_deepseek
 

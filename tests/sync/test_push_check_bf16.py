@@ -1,4 +1,4 @@
-"""The push check with bf16 weights (trainer/observe/logprob_check.py): the probe draws only the tokenizer's
+"""The push check with bf16 weights (sync/check.py): the probe draws only the tokenizer's
 ids, the fp32 reference is the model's own forward, and the measured tolerance passes a correct push while
 failing a push that left a decoder layer scaled by 1.01, a layer or a tied head holding other values.
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashdapo.models.policy import PolicyModel
-from flashdapo.trainer.observe.logprob_check import (
+from flashdapo.sync.check import (
     MEAN_FACTOR,
     PROBE_LENGTH,
     PROBE_SEQUENCES,

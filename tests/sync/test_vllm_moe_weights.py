@@ -1,4 +1,4 @@
-"""vllm_weights.push_weights on a mixture-of-experts model, against a stand-in for vLLM's engine (no vLLM): the
+"""sync/vllm.py push_weights on a mixture-of-experts model, against a stand-in for vLLM's engine (no vLLM): the
 fused expert tensors reach the loader split per expert (views, gate then up), completeness asks every expert's
 w1, w3 and w2, and families whose fused tensors are not transformers' qwen2_moe layout pass through fused.
 Real vLLM: tests/vllm/test_vllm_moe_push.py. Wall budget: 5 s."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from flashdapo.rollout.vllm_weights import push_weights
+from flashdapo.sync.vllm import push_weights
 
 EXPERTS, INTER, HIDDEN = 3, 4, 5
 

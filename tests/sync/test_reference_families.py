@@ -1,4 +1,4 @@
-"""The push check's fp32 reference (trainer/observe/logprob_check.py `reference_logprobs`) for every registered
+"""The push check's fp32 reference (sync/check.py `reference_logprobs`) for every registered
 family (models/hf.py FAMILIES): it equals transformers' own fp32 forward on a copy of the policy's weights rounded
 to bf16 (what the engine computes, ideally), over sequences longer than the sliding windows, so that Gemma's
 embedding scale and caps, per-layer-type RoPE and masks, Gemma 4's per-layer inputs, GPT-OSS's sinks, linear
@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM
 from flashdapo.models.hf import FAMILIES
 from flashdapo.models.policy import PolicyModel
 from flashdapo.models.weights import iter_full_state_dict
-from flashdapo.trainer.observe import logprob_check
-from flashdapo.trainer.observe.logprob_check import PushCheck, PushMismatchError, reference_logprobs
+from flashdapo.sync import check
+from flashdapo.sync.check import PushCheck, PushMismatchError, reference_logprobs
 from tests.helpers.family_configs import VLLM_ARCHITECTURES, WINDOW, family_config
 from tests.helpers.moe import tiny_deepseek, tiny_moe
 from tests.helpers.push_doubles import BF16ScoringEngine
@@ -113,7 +113,7 @@ def test_the_weight_stream_is_read_one_group_at_a_time(monkeypatch):
             seen.append((len(yielded), yielded[-1]))
 
     seen: list[tuple[int, str]] = []
-    monkeypatch.setattr(logprob_check, "iter_full_state_dict", recording)
+    monkeypatch.setattr(check, "iter_full_state_dict", recording)
     handle = torch.nn.modules.module.register_module_forward_hook(after)
     try:
         reference_logprobs(model, _sequences(model), CPU, torch.bfloat16)
@@ -170,9 +170,9 @@ def test_a_bf16_push_check_of_a_capped_or_sliding_family_passes_right_and_fails_
 @pytest.mark.distributed
 def test_two_fsdp2_ranks_compute_the_one_process_reference(tmp_path):
     """Gemma 4 and DeepSeek-V3 sharded over 2 FSDP2 ranks (activation checkpointing on): each rank's reference
-    equals the one each computed alone on its unsharded copy (tests/trainer/observe/scripts/reference_ranks.py):
+    equals the one each computed alone on its unsharded copy (tests/sync/scripts/reference_ranks.py):
     the DTensors gathered in step, Gemma 4's per-layer inputs up front, buffers under checkpoint wrappers' names."""
-    torchrun(2, str(ROOT / "tests" / "trainer" / "observe" / "scripts" / "reference_ranks.py"), str(tmp_path))
+    torchrun(2, str(ROOT / "tests" / "sync" / "scripts" / "reference_ranks.py"), str(tmp_path))
     results = torch.load(tmp_path / "results.pt", weights_only=False)
     assert set(results) == {"gemma4_text", "deepseek_v3"}
     for model_type, result in results.items():

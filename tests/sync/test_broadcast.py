@@ -1,4 +1,4 @@
-"""Split placement's weight push over real gloo ranks, through the real code (scripts/weight_push.py):
+"""Split placement's weight push over real gloo ranks, through the real code (scripts/broadcast_push.py):
 
 - on a weights bridge declared NCCL (CUDA stood in for on this CPU) the trainer side sends and the rollout
   side receives tensors on the rank's own device only, the receiver thread having made it its current
@@ -18,7 +18,7 @@ import torch
 
 from tests.helpers.runs import ROOT, subprocess_env
 
-SCRIPT = ROOT / "tests" / "trainer" / "split" / "scripts" / "weight_push.py"
+SCRIPT = ROOT / "tests" / "sync" / "scripts" / "broadcast_push.py"
 MIB = 1 << 20
 
 

@@ -43,11 +43,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ...distributed.collectives import all_reduce
-from ...distributed.mesh import DistEnv
-from ...distributed.roles import Bridges
-from ...models.weights import hf_name, iter_full_state_dict, named_tensors
-from ..observe.logprob_check import PUSH_TOLERANCE, PushCheck, PushMismatchError
+from ..distributed.collectives import all_reduce
+from ..distributed.mesh import DistEnv
+from ..distributed.roles import Bridges
+from ..models.weights import hf_name, iter_full_state_dict, named_tensors
+from .check import PUSH_TOLERANCE, PushCheck, PushMismatchError
 
 BUCKET_BYTES = 512 << 20
 """Default bytes per broadcast bucket (`push_weights`' bucket_bytes): what trainer rank 0 packs and each rollout

@@ -1,4 +1,4 @@
-"""vllm_weights.push_weights on DeepSeek-V3's multi-head latent attention, against a stand-in for vLLM's engine (no
+"""sync/vllm.py push_weights on DeepSeek-V3's multi-head latent attention, against a stand-in for vLLM's engine (no
 vLLM; the parameter names are those vLLM 0.32 builds for the family's tiny model): q_a_proj and kv_a_proj_with_mqa
 complete vLLM's stacked `fused_qkv_a_proj`, and `W_UV` / `W_UK_T`, which vLLM derives from kv_b_proj when the reload
 finishes, count as written exactly when kv_b_proj was. Real vLLM: tests/models/test_families.py (refused on the CPU
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from flashdapo.rollout.vllm_weights import push_weights
+from flashdapo.sync.vllm import push_weights
 
 ATTENTION = "model.layers.0.self_attn"
 VLLM_NAMES = [f"{ATTENTION}.{name}" for name in (

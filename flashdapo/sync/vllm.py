@@ -1,5 +1,6 @@
 """Pushing the trainer's weights into a running vLLM engine, in place (vLLM 0.32 CPU build, 0.33 and 0.34, whose
-reload API is the same; paths inside the wheel).
+reload API is the same; paths inside the wheel), and recording where its forward parts from the trainer's
+(`vllm_group_outputs`, for the push check's message).
 
 The choices, before the code:
 
@@ -32,7 +33,7 @@ The choices, before the code:
   [E, 2I, H], `...mlp.experts.down_proj` [E, H, I]); vLLM's MoE families load per-expert checkpoint names
   (`...mlp.experts.<e>.{gate,up,down}_proj.weight`, mapped by `RoutedExperts.build_expert_params_mapping` into
   `...mlp.experts[.routed_experts].w13_weight` shards w1/w3 and `w2_weight`), and only some also take the
-  fused ones (Qwen3-MoE does, DeepSeek-V3 does not). So for those families (`expert_layout.SPLIT_FAMILIES`)
+  fused ones (Qwen3-MoE does, DeepSeek-V3 does not). So for those families (`Family.engine_experts` "per_expert")
   the stream is split into per-expert tensors first (`models/moe/expert_layout.py`: views, no copy), and
   completeness asks every expert's w1, w3 and w2 of every layer (a fused tensor left fused counts for all;
   the global expert count: with expert parallelism each rank still reads every expert and keeps its own).
@@ -70,11 +71,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..models.moe.expert_layout import fused_expert_name, per_expert_name, split_experts, splits_experts
-from ..models.moe.gpt_oss_layout import GPT_OSS, is_sinks, to_vllm_gpt_oss
+from ..models.hf import FAMILIES, group_modules
+from ..models.moe.expert_layout import fused_expert_name, per_expert_name, split_experts
+from ..models.moe.gpt_oss_layout import is_sinks, to_vllm_gpt_oss
+from .check import stream_of
 
-__all__ = ["STACKED", "expert_target", "push_weights", "vllm_target"]
+__all__ = ["STACKED", "expert_target", "push_weights", "vllm_group_outputs", "vllm_target"]
 
 STACKED: tuple[tuple[str, str, str | int | tuple[int, ...]], ...] = (
     (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
@@ -129,6 +133,18 @@ def expert_target(name: str) -> tuple[tuple[str, str], tuple[int, str]] | None:
     if match is None:
         return None
     return (match["experts"], match["kind"]), (int(match["index"]), match["kind"].split("_")[0])
+
+
+ENGINE_EXPERTS: dict[str | None, Callable[[Iterable[tuple[str, torch.Tensor]]],
+                                          tuple[Iterable[tuple[str, torch.Tensor]], Callable[[str], bool] | None]]] = {
+    None: lambda stream: (stream, None),
+    # per-expert names, which vLLM's MoE loaders map
+    "per_expert": lambda stream: (split_experts(stream), None),
+    # vLLM's GPT-OSS names, experts one by one, the sinks held out and copied after the reload
+    "gpt_oss": lambda stream: (to_vllm_gpt_oss(stream), is_sinks),
+}
+"""The stream of a family's tensors as vLLM loads them, by `Family.engine_experts` (models/hf.py), and the names
+held out of the reload (loaded after it)."""
 
 
 class _Tracked:
@@ -257,11 +273,8 @@ def push_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     """Load full HF-named tensors into the running engine through vLLM's layerwise reload; raise if the
     stream left a parameter (or a shard of a stacked one) unloaded."""
     expected, num_experts, model_type = llm.apply_model(_model_facts)[0]
-    hold = None
-    if splits_experts(model_type):  # per-expert names, which these vLLM MoE loaders map
-        named_tensors = split_experts(named_tensors)
-    elif model_type == GPT_OSS:  # vLLM's names, experts one by one, the sinks after the reload
-        named_tensors, hold = to_vllm_gpt_oss(named_tensors), is_sinks
+    family = FAMILIES.get(model_type)
+    named_tensors, hold = ENGINE_EXPERTS[family.engine_experts if family is not None else None](named_tensors)
     tracked = _Tracked(named_tensors, hold)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tracked), "is_checkpoint_format": True})
     llm.apply_model(_reprocess_tied_head)
@@ -273,3 +286,33 @@ def push_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     if missing or partial:
         raise RuntimeError(f"weight push left vLLM parameters unloaded: {missing[:8]} (of {len(missing)}); "
                            f"stacked parameters missing shards: {partial[:8]}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where the forwards part (after a failed push check)
+#
+# Forward hooks on the family's parameter groups (models/hf.py; Qwen2-style: `model.embed_tokens`,
+# `model.layers[i]`, `model.norm`) record their outputs while the engine scores one sequence (one request: its
+# tokens are the rows of vLLM's flattened batch, in order). Under tensor parallelism these outputs are already
+# all-reduced (full on every rank). Hooks do not fire inside captured CUDA graphs or compiled regions: then
+# nothing is recorded and the push check says so.
+
+
+def vllm_group_outputs(llm: Any, score: Callable[[], Any], model_type: str) -> dict[str, torch.Tensor]:
+    """Run `score()` (one sequence through the engine) with hooks on vLLM's groups; their outputs by name
+    (the last call of each, i.e. the sequence's prefill), empty where no hook fired."""
+    captured: dict[str, torch.Tensor] = {}
+    handles: list[Any] = []
+
+    def attach(model: nn.Module) -> None:
+        for name, module in group_modules(model, model_type):
+            handles.append(module.register_forward_hook(
+                lambda _m, _inputs, out, name=name: captured.__setitem__(name, stream_of(name, out))))
+
+    llm.apply_model(attach)
+    try:
+        score()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
