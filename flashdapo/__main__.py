@@ -24,14 +24,17 @@ USAGE = """usage: flashdapo {train,config,plan,eval,generate,ablate} [options]  
 
   train    run DAPO            flashdapo train [--preset NAME] [--config FILE] [--SECTION.FIELD VALUE ...]
   config   print the resolved config (YAML; reusable with --config)
-  plan     will a launch start and fit: flashdapo plan [--preset NAME] [--nodes N] [--gpus-per-node G] [--gpu h20] [train options]
-  eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32] [--config FILE]
-  generate a saved model's answers: flashdapo generate --model DIR (--prompt TEXT ... | --data FILE [--limit N] | --examples) [--n 4] [--out FILE]
+  plan     will a launch start and fit: flashdapo plan [--preset NAME] [--nodes N] [--gpus-per-node G]
+           [--gpu h20] [train options]
+  eval     evaluate a saved model: flashdapo eval --model DIR --data FILE [FILE ...] --out OUT [--k 32]
+           [--config FILE]
+  generate a saved model's answers: flashdapo generate --model DIR (--prompt TEXT ... | --data FILE
+           [--limit N] | --examples) [--n 4] [--out FILE]
   ablate   the mechanism panels: flashdapo ablate [--out DIR] [--quick] [--panels NAME ...] [--seeds 5]
            [train options]; the paper's ladder: flashdapo ablate --ladder [--arms NAME ...]
 
-presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists every field; " \
-    "--debug (or FLASHDAPO_DEBUG=1) shows the traceback of an error."
+presets: """ + ", ".join(PRESETS) + f" (default: {DEFAULT_PRESET})\n`flashdapo train --help` lists " \
+    "every field; --debug (or FLASHDAPO_DEBUG=1) shows the traceback of an error."
 
 
 def main(argv: list[str] | None = None) -> int:

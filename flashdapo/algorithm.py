@@ -9,9 +9,9 @@ derivations). The choices, as the paper and the released recipe make them:
 - Advantage = (R - group mean) / (group std + eps) with the UNBIASED std (n - 1), shared by every
   token of the response. A group of one response has mean 0 and std 1, so A = R (`group_advantages`).
 - Dynamic sampling keeps a group iff the std of its `acc` (correct/incorrect, not the shaped score;
-  `algorithm.filter_metric=score` for non-binary rewards) is > 0; all-correct and all-wrong groups carry no gradient. A group of one response is kept
-  (`informative_groups`). Overlong filtering (an ablation, off by default) masks truncated
-  responses out of the loss (`response_loss_mask`).
+  `algorithm.filter_metric=score` for non-binary rewards) is > 0; all-correct and all-wrong groups carry no
+  gradient. A group of one response is kept (`informative_groups`). Overlong filtering (an ablation, off by
+  default) masks truncated responses out of the loss (`response_loss_mask`).
 - Token-level loss (`token_loss`): the per-token clipped surrogate
 
       r = exp(logp - old)                     (log-ratio clamped to +-20 as in verl, to keep r finite)
@@ -43,7 +43,8 @@ from .config import AlgorithmConfig, engine_spec
 LOG_RATIO_CLAMP = 20.0
 
 
-def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int,
+                     factor: float = 1.0) -> torch.Tensor:
     """Soft overlong punishment per response, in [-factor, 0] (fp32).
 
     0 if L <= max_len - buffer_len; ((max_len - buffer_len) - L) / buffer_len * factor within the
@@ -64,7 +65,8 @@ def shaped_scores(correctness: torch.Tensor, lengths: torch.Tensor, max_len: int
     """The reward per response (fp32): the verifier's score plus, when enabled, the overlong penalty."""
     scores = correctness.to(torch.float32)
     if algo.overlong_buffer:
-        scores = scores + overlong_penalty(lengths, max_len, algo.overlong_buffer_len, algo.overlong_penalty_factor)
+        scores = scores + overlong_penalty(lengths, max_len, algo.overlong_buffer_len,
+                                           algo.overlong_penalty_factor)
     return scores
 
 
@@ -74,7 +76,8 @@ def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return dense, int(dense.max()) + 1 if dense.numel() else 0
 
 
-def group_mean_std(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_mean_std(values: torch.Tensor,
+                   group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-response group mean, unbiased group std, and group size (broadcast back to responses)."""
     dense, num_groups = _group_index(group_ids)
     values = values.to(torch.float64)
@@ -139,10 +142,11 @@ def loss_normalizers(valid_tokens: torch.Tensor, mode: str, micro_batch: int) ->
 
 
 def resolved_rollout_correction(algo: AlgorithmConfig, off_policy: bool) -> str:
-    """algorithm.rollout_correction with `auto` resolved: token_truncate when the trained tokens may be sampled
-    off the trainer's policy (`off_policy`: an engine with its own numerics, such as vLLM, or tokens sampled by
-    older weights), else none; none when pi_old is the engine's own log-probs (algorithm.old_logprobs=rollout:
-    every ratio is 1). `rollout_correction(cfg)` resolves it for a whole config."""
+    """algorithm.rollout_correction with `auto` resolved: token_truncate when the trained tokens may be
+    sampled off the trainer's policy (`off_policy`: an engine with its own numerics, such as vLLM, or tokens
+    sampled by older weights), else none; none when pi_old is the engine's own log-probs
+    (algorithm.old_logprobs=rollout: every ratio is 1). `rollout_correction(cfg)` resolves it for a whole
+    config."""
     if algo.rollout_correction != "auto":
         return algo.rollout_correction
     return "token_truncate" if off_policy and algo.old_logprobs == "recompute" else "none"
@@ -305,10 +309,10 @@ def token_loss(
     the global number of valid tokens of the mini-batch (all micro-batches, all ranks), or per token [N]
     what `loss_normalizers` gives the token's response; None uses this call's own count. `weights` is the
     detached rollout-correction factor (None: 1). `entropy` and `correct` (per token, whether its response
-    was judged correct; None: unknown, no split) only feed the statistics (DAPO has no entropy bonus). A fully masked input gives loss 0 and zero gradient, never NaN. Computes in fp32, or fp64 for
-    fp64 log-probs. `old_logprobs=None` is the on-policy
-    loss: pi_old is pi_theta detached (ratio 1, nothing clipped, gradient -A dlogp / normalizer), exact when
-    the batch was sampled from the current weights.
+    was judged correct; None: unknown, no split) only feed the statistics (DAPO has no entropy bonus). A fully
+    masked input gives loss 0 and zero gradient, never NaN. Computes in fp32, or fp64 for fp64 log-probs.
+    `old_logprobs=None` is the on-policy loss: pi_old is pi_theta detached (ratio 1, nothing clipped, gradient
+    -A dlogp / normalizer), exact when the batch was sampled from the current weights.
     """
     dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
     logp = logp.to(dtype)
@@ -324,7 +328,8 @@ def token_loss(
     loss = torch.where(valid > 0, per_token * scale, torch.zeros_like(per_token)).sum()
 
     with torch.no_grad():
-        stats = _loss_stats(logp.detach(), old, adv, valid, ratio.detach(), (clipped, dual_clipped), entropy, correct)
+        stats = _loss_stats(logp.detach(), old, adv, valid, ratio.detach(), (clipped, dual_clipped), entropy,
+                            correct)
     return loss, stats
 
 
@@ -366,9 +371,9 @@ def _loss_stats(new, old, adv, valid, ratio, clips, entropy, correct) -> LossSta
 def stale_tokens(cfg) -> bool:
     """Whether trained tokens may come from older weights than those the step starts from: streaming's carried
     responses, and in split placement any lag k >= 1 (with dynamic sampling its groups past a batch's target
-    also open the next one). `algorithm.rollout_correction=auto` then resolves to token_truncate. At k = 0 split
-    placement trains what co-located training trains (rounds drop the surplus, as co-located rounds do): auto
-    resolves as co-located."""
+    also open the next one). `algorithm.rollout_correction=auto` then resolves to token_truncate. At k = 0
+    split placement trains what co-located training trains (rounds drop the surplus, as co-located rounds do):
+    auto resolves as co-located."""
     rc = cfg.rollout
     carried = rc.streaming and rc.partial_rollouts
     return carried or (rc.placement == "split" and rc.max_lag > 0)
@@ -377,7 +382,8 @@ def stale_tokens(cfg) -> bool:
 def rollout_correction(cfg) -> str:
     """The run's rollout correction with `auto` resolved: on when the engine samples with its own numerics
     (config/engines.py) or tokens may be stale (`stale_tokens`)."""
-    return resolved_rollout_correction(cfg.algorithm, engine_spec(cfg.rollout.engine).off_policy or stale_tokens(cfg))
+    return resolved_rollout_correction(cfg.algorithm,
+                                       engine_spec(cfg.rollout.engine).off_policy or stale_tokens(cfg))
 
 
 def on_policy(cfg) -> bool:

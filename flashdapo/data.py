@@ -7,9 +7,10 @@ Choices, stated first:
 - Bad input stops with a `DataError` naming the file, the 0-based row and what was expected; no row is
   ever skipped silently. Rows that load but look wrong (an empty user message, a role other than system,
   user or assistant, a conversation ending in an assistant turn, a prompt seen with two different ground
-  truths) are counted into warnings, one per file and kind, naming the first row (`record_warnings`). Prompts over the budget are left-truncated (DAPO), dropped or refused, and
-  counted; exact-duplicate prompts (same messages) are counted and optionally removed (the public
-  DAPO-Math-17k file holds each problem ~100 times). Duplicates are tokenized once and share ids.
+  truths) are counted into warnings, one per file and kind, naming the first row (`record_warnings`). Prompts
+  over the budget are left-truncated (DAPO), dropped or refused, and counted; exact-duplicate prompts (same
+  messages) are counted and optionally removed (the public DAPO-Math-17k file holds each problem ~100 times).
+  Duplicates are tokenized once and share ids.
 - `PromptSampler` walks a deterministic permutation per epoch; every rank computes the same global
   batch and takes its contiguous slice, so the state (epoch, global position) resumes at any world size.
 """
@@ -77,10 +78,12 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
     ok = isinstance(value, (list, tuple)) and len(value) > 0
     if ok:
         for m in value:
-            ok = ok and isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            ok = ok and isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(
+                m.get("content"), str)
     if not ok:
-        raise DataError(f"{where}: 'prompt' must be a non-empty list of {{role, content}} messages with string "
-                        f"values, got {str(value)[:120]!r}")
+        raise DataError(
+            f"{where}: 'prompt' must be a non-empty list of {{role, content}} messages with string "
+            f"values, got {str(value)[:120]!r}")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -153,8 +156,9 @@ def _read_parquet(path: Path) -> list[Record]:
     names = file.schema_arrow.names
     for column in ("prompt", "reward_model"):
         if column not in names:
-            raise DataError(f"{path}: column {column!r} is missing (DAPO-Math-17k schema: prompt, reward_model"
-                            f"; the file has {names})")
+            raise DataError(
+                f"{path}: column {column!r} is missing (DAPO-Math-17k schema: prompt, reward_model"
+                f"; the file has {names})")
     columns = ["prompt", "reward_model"] + (["data_source"] if "data_source" in names else [])
     records: list[Record] = []
     shared: dict[tuple, list[dict[str, str]]] = {}  # the public 17k file repeats each prompt ~100x
@@ -204,7 +208,8 @@ class DatasetReport:
     """Prompts dropped for exceeding max_prompt_length (truncation='drop')."""
     files: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    """Rows that loaded but look wrong, one line per file and kind (`record_warnings`); the caller logs them."""
+    """Rows that loaded but look wrong, one line per file and kind (`record_warnings`); the caller logs
+    them."""
 
     def summary(self) -> str:
         """One line for the console."""
@@ -233,14 +238,16 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]], where: str = "") ->
     prompt. A template that fails on them (jinja2's errors: transformers' sandbox refusing it, a
     raise_exception) is a DataError naming the prompt and the tokenizer."""
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
     except Exception as err:
         if not type(err).__module__.startswith("jinja2"):
             raise
         owner = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
-        raise DataError(f"{where or 'a prompt'}: the chat template of {owner} fails on it ({type(err).__name__}: "
-                        f"{' '.join(str(err).split())}); use the model's original tokenizer files, fix the template, "
-                        "or drop the row") from err
+        raise DataError(
+            f"{where or 'a prompt'}: the chat template of {owner} fails on it ({type(err).__name__}: "
+            f"{' '.join(str(err).split())}); use the model's original tokenizer files, fix the template, "
+            "or drop the row") from err
     if hasattr(out, "keys") and "input_ids" in out:  # BatchEncoding / dict (transformers 5 default)
         out = out["input_ids"]
     if hasattr(out, "tolist"):
@@ -276,7 +283,9 @@ def record_warnings(records: list[Record]) -> list[str]:
                           f", {record.ground_truth!r} here, {earlier.ground_truth!r} at {earlier.source}"))
         for kind, detail in kinds:
             found.setdefault((file, kind), []).append(f"row {row}{detail}")
-    return [f"{file}: {len(rows)} row(s) with {kind} (first: {rows[0]})" for (file, kind), rows in found.items()]
+    return [
+        f"{file}: {len(rows)} row(s) with {kind} (first: {rows[0]})" for (file, kind), rows in found.items()
+    ]
 
 
 def _fit(ids: list[int], record: Record, cfg: DataConfig) -> tuple[list[int] | None, bool]:
@@ -366,7 +375,8 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._order is None or self._order[0] != epoch:
             n = len(self.dataset)
-            perm = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n))
+            perm = (np.random.default_rng([self.seed, epoch]).permutation(n)
+                    if self.shuffle else np.arange(n))
             self._order = (epoch, perm)
         return self._order[1]
 

@@ -6,7 +6,8 @@ do. The CLI prints it as one line, `flashdapo: error: <message>`, and exits with
 `ConfigError`, with 2); `--debug` or `FLASHDAPO_DEBUG=1` shows the traceback instead. A full or read-only
 disk, or a file the user may not access (OSError with a file name), is reported the same way, a denied
 permission named as such, and so is a warning raised as an error (`python -W error`, or flashdapo's own
-under logging.warnings_as_errors: flashdapo/tools/warning_lines.py). Anything else is a bug: its traceback is shown.
+under logging.warnings_as_errors: flashdapo/tools/warning_lines.py). Anything else is a bug: its traceback is
+shown.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def user_error_line(err: BaseException) -> str | None:
         message = (f"{err.filename}: permission denied ({err.strerror}): the user running flashdapo may not "
                    "access it; fix its permissions or ownership, or choose another path")
     elif isinstance(err, OSError) and err.errno in _DISK_ERRORS and err.filename:
-        message = f"{err.filename}: {err.strerror}; free disk space or fix the permissions, then resume with " \
-                  "--checkpoint.resume auto"
+        message = (f"{err.filename}: {err.strerror}; free disk space or fix the permissions, then resume "
+                   "with --checkpoint.resume auto")
     else:
         return None
     return "flashdapo: error: " + " ".join(message.split())
@@ -79,9 +80,9 @@ def file_in_the_way(path: os.PathLike | str) -> str:
 
 
 def refused_pickle(err: BaseException) -> str | None:
-    """For torch.load(weights_only=True) refusing a pickled object: the object's name, as torch gives it ('' if
-    none); None for any other error. torch's message then suggests weights_only=False, which would run it: never
-    a hint to pass on (flashdapo's files, and model weights, hold only tensors and plain data)."""
+    """For torch.load(weights_only=True) refusing a pickled object: the object's name, as torch gives it (''
+    if none); None for any other error. torch's message then suggests weights_only=False, which would run it:
+    never a hint to pass on (flashdapo's files, and model weights, hold only tensors and plain data)."""
     text = str(err)
     if not isinstance(err, pickle.UnpicklingError) or "weights_only" not in text:
         return None

@@ -246,8 +246,9 @@ def normalize_ground_truth(ground_truth: str) -> str:
     """`normalize_final_answer` of a ground truth, computed once per distinct answer (every response of a
     prompt shares it); rejects absurd lengths."""
     if len(ground_truth) > MAX_GROUND_TRUTH_CHARS:
-        raise ValueError(f"ground truth of {len(ground_truth):,} characters (starting {ground_truth[:40]!r}) "
-                         f"exceeds {MAX_GROUND_TRUTH_CHARS:,}: not an answer; check the dataset's answer column")
+        raise ValueError(
+            f"ground truth of {len(ground_truth):,} characters (starting {ground_truth[:40]!r}) "
+            f"exceeds {MAX_GROUND_TRUTH_CHARS:,}: not an answer; check the dataset's answer column")
     return normalize_final_answer(ground_truth)
 
 
@@ -414,8 +415,9 @@ def check_reward(score: float, prompt: str, response: str) -> None:
     reward turns every advantage of its group, and then the weights, into NaN."""
     if not math.isfinite(score):
         tail = response[-120:]
-        raise RewardError(f"reward {score} for prompt {prompt} (response ending {tail!r}): a reward must be a "
-                          "finite number; check the verifier and algorithm.overlong_penalty_factor")
+        raise RewardError(
+            f"reward {score} for prompt {prompt} (response ending {tail!r}): a reward must be a "
+            "finite number; check the verifier and algorithm.overlong_penalty_factor")
 
 
 def verify_responses(response_ids: Sequence[Sequence[int]], ground_truths: Sequence[str], tokenizer,

@@ -19,8 +19,8 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
-# End-of-turn tokens of known chat formats (Llama-3, ChatML, Gemma, Phi-3): a stop token when the vocabulary has
-# it and the chat template emits it.
+# End-of-turn tokens of known chat formats (Llama-3, ChatML, Gemma, Phi-3): a stop token when the vocabulary
+# has it and the chat template emits it.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>")
 _MARKER = "FLASHDAPO_STOP_MARKER"
 
@@ -68,7 +68,8 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path | No
             add(vocab[token])
     specials = _special_ids(tokenizer)
     for token_id in generation_config_eos_ids(model_dir if model_dir is not None else loaded_from(tokenizer)):
-        if token_id in specials:  # a model config's default eos (e.g. LlamaConfig's 2) may be an ordinary token
+        # a model config's default eos (e.g. LlamaConfig's 2) may be an ordinary token
+        if token_id in specials:
             add(token_id)
     for token_id in chat_end_of_turn_ids(tokenizer):
         add(token_id)
@@ -76,7 +77,8 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path | No
 
 
 def generation_config_eos_ids(model_dir: str | Path | None) -> list[int]:
-    """`eos_token_id` of `model_dir`/generation_config.json as a list ([] when the file or the key is absent)."""
+    """`eos_token_id` of `model_dir`/generation_config.json as a list ([] when the file or the key is
+    absent)."""
     if model_dir is None:
         return []
     path = Path(model_dir) / "generation_config.json"
@@ -119,7 +121,8 @@ def chat_end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def describe_stop_ids(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
-    """`ids` with their tokens, for the start-up line and warnings: `128001 '<|end_of_text|>', 128009 '<|eot_id|>'`."""
+    """`ids` with their tokens, for the start-up line and warnings: `128001 '<|end_of_text|>', 128009
+    '<|eot_id|>'`."""
     return ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!r}" for i in ids) or "none"
 
 
@@ -131,6 +134,7 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
 
 
 def loaded_from(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """The local directory the tokenizer was loaded from, if any (None for one built in memory, the toy task's)."""
+    """The local directory the tokenizer was loaded from, if any (None for one built in memory, the toy
+    task's)."""
     name = getattr(tokenizer, "name_or_path", None)
     return name if name and Path(name).is_dir() else None

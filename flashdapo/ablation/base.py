@@ -61,8 +61,8 @@ def write_task_files(cfg: Config, out: Path) -> tuple[Path, Path]:
 
 
 def build_base(cfg: Config, out: Path, log: Callable[[str], None] = print) -> bool:
-    """Warm the built-in model up on cfg's task and save it (model and tokenizer) to `out`; reuse `out` when it
-    already holds a base built with the same settings. Returns True when it trained one."""
+    """Warm the built-in model up on cfg's task and save it (model and tokenizer) to `out`; reuse `out` when
+    it already holds a base built with the same settings. Returns True when it trained one."""
     settings = base_settings(cfg)
     marker = out / BASE_MARKER
     if marker.is_file() and json.loads(marker.read_text()) == settings:
@@ -72,7 +72,8 @@ def build_base(cfg: Config, out: Path, log: Callable[[str], None] = print) -> bo
     max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
     hf_model = build_toy_model(cfg.model, len(tokenizer), max_positions, cfg.trainer.seed)
     configure_threads(sum(p.numel() for p in hf_model.parameters()), torch.device("cpu"))
-    policy = PolicyModel(hf_model, resolved_attention(cfg.model.attn_implementation, None), cfg.trainer.kernel_impl, cfg.rollout.temperature)
+    policy = PolicyModel(hf_model, resolved_attention(cfg.model.attn_implementation, None),
+                         cfg.trainer.kernel_impl, cfg.rollout.temperature)
     warm_up_built_in(policy, cfg, tokenizer, log=log)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -101,8 +102,9 @@ def provenance(model_paths: Iterable[str]) -> str:
     weights digest, and the machine, with why both matter."""
     base_dirs = [Path(p) for p in dict.fromkeys(p for p in model_paths if p)]
     bases = ", ".join(f"`{d.name}` (weights sha256 {weights_digest(d)})" for d in base_dirs)
-    return (f"Base model(s): {bases}. Machine: {machine_summary()}. The warm-up is deterministic on one machine, "
-            "but another CPU's floating-point kernels give another base (another digest) and other numbers.")
+    return (
+        f"Base model(s): {bases}. Machine: {machine_summary()}. The warm-up is deterministic on one machine, "
+        "but another CPU's floating-point kernels give another base (another digest) and other numbers.")
 
 
 @dataclass(frozen=True)
@@ -123,30 +125,34 @@ class BaseStatistics:
     mean_length: float
 
     def summary(self) -> str:
-        return (f"{self.prompts} prompts x {self.n}: accuracy {self.accuracy:.3f}, truncated {self.truncated:.3f}, "
-                f"groups all right {self.all_right:.3f} / all wrong {self.all_wrong:.3f} / one right "
-                f"{self.rare_right:.3f}, mean length {self.mean_length:.1f} tokens")
+        return (
+            f"{self.prompts} prompts x {self.n}: accuracy {self.accuracy:.3f}, truncated "
+            f"{self.truncated:.3f}, "
+            f"groups all right {self.all_right:.3f} / all wrong {self.all_wrong:.3f} / one right "
+            f"{self.rare_right:.3f}, mean length {self.mean_length:.1f} tokens")
 
 
 def cpu_engine(model_dir: Path, max_batch: int) -> tuple[Any, RolloutEngine]:
-    """The tokenizer and a CPU torch engine over the HF model saved in `model_dir` (a base or a run's export)."""
+    """The tokenizer and a CPU torch engine over the HF model saved in `model_dir` (a base or a run's
+    export)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return tokenizer, build_engine(RolloutConfig(engine="torch", max_num_seqs=max_batch), cpu_env(), tokenizer,
-                                   model=model)
+    return tokenizer, build_engine(RolloutConfig(engine="torch", max_num_seqs=max_batch), cpu_env(),
+                                   tokenizer, model=model)
 
 
 def base_statistics(cfg: Config, base_dir: Path, prompts: int = 64, seed: int = 0) -> BaseStatistics:
-    """Sample the first `prompts` training prompts of cfg's task with the base in `base_dir`, rollout.n responses
-    each at the training temperature and top_p, and count truncation and all-equal groups."""
+    """Sample the first `prompts` training prompts of cfg's task with the base in `base_dir`, rollout.n
+    responses each at the training temperature and top_p, and count truncation and all-equal groups."""
     tokenizer, engine = cpu_engine(base_dir, cfg.rollout.max_num_seqs)
     train, _ = build_datasets(cfg.data, tokenizer)
     rc = cfg.rollout
     sampling = EvalSampling(k=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                             max_new_tokens=rc.max_response_length, seed=seed, prompts_per_call=prompts)
-    results = sample_prompts(engine, list(train.prompts)[:prompts], tokenizer, get_verifier(cfg.algorithm.verifier),
+    results = sample_prompts(engine,
+                             list(train.prompts)[:prompts], tokenizer, get_verifier(cfg.algorithm.verifier),
                              sampling)
     right = [sum(s.acc for s in r.samples) for r in results]
     samples = [s for r in results for s in r.samples]

@@ -1,6 +1,6 @@
-"""A panel run's final evaluation: its exported policy on every validation problem, k samples each at top_p 1.0
-and at the validation's top_p (0.7, as DAPO evaluates: where the right token is a minority, top_p 0.7 can cut
-it), written to RUN_DIR/final_eval.json and reused while the run and k are the same."""
+"""A panel run's final evaluation: its exported policy on every validation problem, k samples each at top_p
+1.0 and at the validation's top_p (0.7, as DAPO evaluates: where the right token is a minority, top_p 0.7 can
+cut it), written to RUN_DIR/final_eval.json and reused while the run and k are the same."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The panels' report: OUT/ablation.md (per panel: the pre-registered metric's paired differences, 95% t interval,
-p-value, Holm-corrected p across every comparison of the report, separated or not; the secondary metrics; the
-final evaluation) and OUT/panel-NAME.png (the metric's logged quantity over steps, seeds thin, their mean thick)."""
+"""The panels' report: OUT/ablation.md (per panel: the pre-registered metric's paired differences, 95% t
+interval, p-value, Holm-corrected p across every comparison of the report, separated or not; the secondary
+metrics; the final evaluation) and OUT/panel-NAME.png (the metric's logged quantity over steps, seeds thin,
+their mean thick)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _arm_runs(runs: list[PanelRun], panel: Panel, arm: PanelArm) -> dict[int, Pa
 
 
 def compare(runs: list[PanelRun], panel: Panel, treatment: PanelArm) -> Comparison:
-    """The paired test of treatment - control on the panel's metric, over the seeds both arms have a value for."""
+    """The paired test of treatment - control on the panel's metric, over the seeds both arms have a value
+    for."""
     control, treated = _arm_runs(runs, panel, panel.control), _arm_runs(runs, panel, treatment)
     pairs = []
     for seed in sorted(set(control) & set(treated)):
@@ -72,25 +74,31 @@ def _spread(values: list[float]) -> str:
 
 
 def comparison_rows(comparisons: list[Comparison], holm_p: dict[int, float]) -> list[str]:
-    rows = ["| comparison | control (mean ± sd) | treatment (mean ± sd) | paired differences (seed 0, 1, ...) | "
-            "mean difference | 95% CI | p | Holm p | separated |", "|" + "---|" * 9]
+    rows = [
+        "| comparison | control (mean ± sd) | treatment (mean ± sd) | paired differences (seed 0, 1, ...) | "
+        "mean difference | 95% CI | p | Holm p | separated |", "|" + "---|" * 9
+    ]
     for c in comparisons:
         name = f"{c.treatment.label} vs {c.panel.control.label}"
         if c.test is None:
-            rows.append(f"| {name} | {_spread(list(c.control_values))} | {_spread(list(c.treatment_values))} | "
-                        f"{c.why_not} | | | | | no |")
+            rows.append(
+                f"| {name} | {_spread(list(c.control_values))} | {_spread(list(c.treatment_values))} | "
+                f"{c.why_not} | | | | | no |")
             continue
         t = c.test
         diffs = ", ".join(f"{d:+.3g}" for d in t.differences)
-        rows.append(f"| {name} | {_spread(list(c.control_values))} | {_spread(list(c.treatment_values))} | {diffs} | "
-                    f"{t.mean:+.4g} | [{t.ci_low:+.4g}, {t.ci_high:+.4g}] | {t.p:.3g} | "
-                    f"{holm_p[id(c)]:.3g} | {'yes' if t.separated else 'no'} |")
+        rows.append(
+            f"| {name} | {_spread(list(c.control_values))} | {_spread(list(c.treatment_values))} | {diffs} | "
+            f"{t.mean:+.4g} | [{t.ci_low:+.4g}, {t.ci_high:+.4g}] | {t.p:.3g} | "
+            f"{holm_p[id(c)]:.3g} | {'yes' if t.separated else 'no'} |")
     return rows
 
 
 def secondary_rows(runs: list[PanelRun], panel: Panel) -> list[str]:
     arms = [a for a in panel.arms if _arm_runs(runs, panel, a)]
-    rows = ["| secondary metric | " + " | ".join(a.label for a in arms) + " |", "|" + "---|" * (len(arms) + 1)]
+    rows = [
+        "| secondary metric | " + " | ".join(a.label for a in arms) + " |", "|" + "---|" * (len(arms) + 1)
+    ]
     for measure in panel.secondary:
         cells = []
         for arm in arms:
@@ -107,7 +115,9 @@ def final_rows(runs: list[PanelRun], panel: Panel) -> list[str]:
         return []
     first = next(r.final for r in runs if r.panel.name == panel.name and r.final)
     head = " | ".join(f"mean@{s.k} top_p {s.top_p:g} | pass@{s.k} top_p {s.top_p:g}" for s in first)
-    rows = [f"| final evaluation ({first[0].problems} problems) | {head} |", "|" + "---|" * (1 + 2 * len(first))]
+    rows = [
+        f"| final evaluation ({first[0].problems} problems) | {head} |", "|" + "---|" * (1 + 2 * len(first))
+    ]
     for arm in arms:
         scored = [r.final for r in _arm_runs(runs, panel, arm).values() if r.final]
         cells = [_spread([f[i].mean for f in scored]) + " | " + _spread([f[i].pass_at_k for f in scored])
@@ -127,14 +137,15 @@ def panel_section(runs: list[PanelRun], panel: Panel, comparisons: list[Comparis
     cfg = mine[0].config
     updates = cfg.trainer.train_batch // cfg.trainer.mini_batch * cfg.trainer.ppo_epochs
     changes = "; ".join(f"{a.label}: `{k}` = {v}" for a in panel.arms[1:] for k, v in a.change.items())
-    lines = [f"## {panel.title} (`{panel.name}`)", "",
-             f"Mirrors the paper's {panel.figure}. Control: {panel.control.label}; {changes}. {seeds} seed(s), "
-             f"{_count(cfg.trainer.total_steps, 'step')} of {cfg.trainer.train_batch} prompts x {cfg.rollout.n}, "
-             f"{_count(updates, 'optimizer step')} per batch, lr {cfg.optim.lr:g}, temperature "
-             f"{cfg.rollout.temperature:g}.", "",
-             f"Metric, fixed before any run: **{panel.metric.name}** (`{panel.metric.key}`). "
-             f"Expected: {panel.expected}.", "",
-             *comparison_rows(comparisons, holm_p), ""]
+    lines = [
+        f"## {panel.title} (`{panel.name}`)", "",
+        f"Mirrors the paper's {panel.figure}. Control: {panel.control.label}; {changes}. {seeds} seed(s), "
+        f"{_count(cfg.trainer.total_steps, 'step')} of {cfg.trainer.train_batch} prompts x {cfg.rollout.n}, "
+        f"{_count(updates, 'optimizer step')} per batch, lr {cfg.optim.lr:g}, temperature "
+        f"{cfg.rollout.temperature:g}.", "",
+        f"Metric, fixed before any run: **{panel.metric.name}** (`{panel.metric.key}`). "
+        f"Expected: {panel.expected}.", "", *comparison_rows(comparisons, holm_p), ""
+    ]
     if panel.secondary:
         lines += [*secondary_rows(runs, panel), ""]
     final = final_rows(runs, panel)
@@ -149,24 +160,31 @@ def write_panel_report(out: Path, runs: list[PanelRun], unavailable: dict[str, s
     comparisons = all_comparisons(runs)
     tested = [c for c in comparisons if c.test is not None]
     holm_p = dict(zip((id(c) for c in tested), holm([c.test.p for c in tested]), strict=True))
-    lines = ["# DAPO mechanism panels", "",
-             f"Task `{base.data.task}`. Each panel compares a control with treatments that change one config field, "
-             "for the same seeds (a seed fixes the data order and the sampling seeds of both arms: the differences "
-             "are paired). Its metric was fixed before any run (flashdapo/ablation/arms.py). Per comparison: the "
-             "per-seed differences treatment - control, their mean, the 95% Student t interval, the two-sided "
-             f"paired t-test p, and Holm's correction across all {len(tested)} comparisons of this report. "
-             "**Separated** only where the interval excludes 0. 'Last steps' = the last "
-             f"{LAST_FRACTION:.0%} of a run's steps. Secondary metrics: mean ± sd over seeds, not tested.", "",
-             provenance(r.config.model.path for r in runs), ""]
+    lines = [
+        "# DAPO mechanism panels", "",
+        f"Task `{base.data.task}`. Each panel compares a control with treatments that change one config "
+        "field, "
+        "for the same seeds (a seed fixes the data order and the sampling seeds of both arms: the "
+        "differences "
+        "are paired). Its metric was fixed before any run (flashdapo/ablation/arms.py). Per comparison: the "
+        "per-seed differences treatment - control, their mean, the 95% Student t interval, the two-sided "
+        f"paired t-test p, and Holm's correction across all {len(tested)} comparisons of this report. "
+        "**Separated** only where the interval excludes 0. 'Last steps' = the last "
+        f"{LAST_FRACTION:.0%} of a run's steps. Secondary metrics: mean ± sd over seeds, not tested.", "",
+        provenance(r.config.model.path for r in runs), ""
+    ]
     for name, error in unavailable.items():
         lines += [f"Panel `{name}` was not run: {error}", ""]
     for panel in dict.fromkeys(r.panel for r in runs):
         picture = f"panel-{panel.name}.png"
         plot_panel([r for r in runs if r.panel.name == panel.name], panel.metric, out / picture)
-        lines += panel_section(runs, panel, [c for c in comparisons if c.panel.name == panel.name], holm_p, picture)
+        lines += panel_section(runs, panel, [c for c in comparisons if c.panel.name == panel.name], holm_p,
+                               picture)
     wall = sum(r.wall_s for r in runs)
-    lines += [f"Runs: {len(runs)}, training time {wall:.0f} s in all (as recorded by the process that ran each). "
-              "Each run's config.yaml reruns it alone with `flashdapo train --config`.", ""]
+    lines += [
+        f"Runs: {len(runs)}, training time {wall:.0f} s in all (as recorded by the process that ran each). "
+        "Each run's config.yaml reruns it alone with `flashdapo train --config`.", ""
+    ]
     md = out / "ablation.md"
     md.write_text("\n".join(lines))
     return md
@@ -207,13 +225,17 @@ def paired_by_arm(runs: list[PanelRun], measure: Measure) -> tuple[list[PanelArm
         value = r.value(measure)
         if value is not None:
             by_seed.setdefault(r.seed, {})[r.arm] = value
-    return arms, {seed: [values[a] - values[panel.control] for a in arms] for seed, values in sorted(by_seed.items())
-                  if panel.control in values and all(a in values for a in arms)}
+    return arms, {
+        seed: [values[a] - values[panel.control] for a in arms]
+        for seed, values in sorted(by_seed.items())
+        if panel.control in values and all(a in values for a in arms)
+    }
 
 
 def _plot_paired_arms(ax, runs: list[PanelRun], measure: Measure) -> None:
     """One-step panels (a curve over steps would be a single point): each seed's metric minus its own
-    control's, across the arms in the panel's order (a thin line per seed), and the mean over seeds (thick)."""
+    control's, across the arms in the panel's order (a thin line per seed), and the mean over seeds
+    (thick)."""
     arms, paired = paired_by_arm(runs, measure)
     xs = list(range(len(arms)))
     for ys in paired.values():
@@ -227,7 +249,8 @@ def _plot_paired_arms(ax, runs: list[PanelRun], measure: Measure) -> None:
 
 
 def _plot_over_steps(ax, runs: list[PanelRun], measure: Measure, colours) -> None:
-    """The metric's key against its x (step or samples): each seed a thin line, each arm's mean a thick one."""
+    """The metric's key against its x (step or samples): each seed a thin line, each arm's mean a thick
+    one."""
     for index, arm in enumerate(dict.fromkeys(r.arm for r in runs)):
         curves = [_curve(r.history, measure) for r in runs if r.arm == arm]
         for xs, ys in curves:

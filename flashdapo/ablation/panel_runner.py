@@ -1,12 +1,14 @@
-"""`flashdapo ablate` (the default): the mechanism panels of arms.py, every arm for every seed, then the report.
+"""`flashdapo ablate` (the default): the mechanism panels of arms.py, every arm for every seed, then the
+report.
 
-Each run is a plain `flashdapo train` run (its config.yaml reruns it alone) in OUT/panels/PANEL/ARM/seedS/, from a
-warmed-up base model: one per distinct task and model setting (OUT/base-TAG/, TAG a hash of those settings, so
---quick and the default share it), on that task's problems written as data files (OUT/data-TAG/). Resumable as the ladder is: a rerun skips finished runs
-(arm.json), continues an interrupted one, and refuses a directory holding a run with another config. Arms of a
-panel share `trainer.seed` = s for seed s: the same data order and sampling seeds (pairs). A call that runs some
-panels keeps, in ablation.md, the finished runs of the other panels an earlier call ran in the same OUT
-(`finished_elsewhere`), as the ladder keeps other arms' rows.
+Each run is a plain `flashdapo train` run (its config.yaml reruns it alone) in OUT/panels/PANEL/ARM/seedS/,
+from a warmed-up base model: one per distinct task and model setting (OUT/base-TAG/, TAG a hash of those
+settings, so --quick and the default share it), on that task's problems written as data files (OUT/data-TAG/).
+Resumable as the ladder is: a rerun skips finished runs (arm.json), continues an interrupted one, and refuses
+a directory holding a run with another config. Arms of a panel share `trainer.seed` = s for seed s: the same
+data order and sampling seeds (pairs). A call that runs some panels keeps, in ablation.md, the finished runs
+of the other panels an earlier call ran in the same OUT (`finished_elsewhere`), as the ladder keeps other
+arms' rows.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def selected_panels(opts: AblateOptions) -> list[tuple[Panel, tuple[PanelArm, ..
     """(panel, arms to run): --quick keeps the quick panels and their quick arms; else the --panels chosen."""
     if opts.quick:
         return [(p, tuple(a for a in p.arms if a.name in p.quick_arms)) for p in PANELS if p.quick_arms]
-    return [(panel_by_name(n), panel_by_name(n).arms) for n in sorted(opts.panels, key=[p.name for p in PANELS].index)]
+    return [(panel_by_name(n), panel_by_name(n).arms)
+            for n in sorted(opts.panels, key=[p.name for p in PANELS].index)]
 
 
 def user_overrides(base: Config, start: Config | None) -> dict[str, Any]:
@@ -96,8 +99,9 @@ def plan_panels(base: Config, opts: AblateOptions, start: Config | None = None) 
     for panel, arms in selected_panels(opts):
         clash = sorted(varied_fields(panel) & set(overrides))
         if clash:
-            raise AblationError(f"--{clash[0].replace('_', '-')}: panel {panel.name} varies this field itself; "
-                                "leave it out, or choose other panels with --panels")
+            raise AblationError(
+                f"--{clash[0].replace('_', '-')}: panel {panel.name} varies this field itself; "
+                "leave it out, or choose other panels with --panels")
         try:
             control = panel_arm_config(panel, panel.control, base, overrides)
             arm_cfgs = [(arm, panel_arm_config(panel, arm, base, overrides)) for arm in arms]
@@ -112,14 +116,21 @@ def plan_panels(base: Config, opts: AblateOptions, start: Config | None = None) 
         train_file, val_file = write_task_files(control, out / f"data-{tag}")
         for arm, cfg in arm_cfgs:
             for seed in range(panel_seeds(opts)):
-                runs.append(PlannedRun(panel, arm, seed, merge(cfg, {
-                    "model": {"path": str(base_dir.resolve())},
-                    "data": {"train_files": [str(train_file.resolve())], "val_files": [str(val_file.resolve())]},
-                    "trainer": {"seed": seed},
-                    "checkpoint": {"resume": "auto", "export_hf": panel.final_eval and opts.final_eval_k > 0},
-                    "logging": {"progress": opts.step_lines,
-                                "run_dir": str(out / "panels" / panel.name / arm.name / f"seed{seed}")}}),
-                    base_dir))
+                runs.append(
+                    PlannedRun(
+                        panel, arm, seed,
+                        merge(
+                            cfg, {
+                                "model": {"path": str(base_dir.resolve())}, "data": {
+                                    "train_files": [str(train_file.resolve())],
+                                    "val_files": [str(val_file.resolve())]
+                                }, "trainer": {"seed": seed}, "checkpoint": {
+                                    "resume": "auto", "export_hf": panel.final_eval and opts.final_eval_k > 0
+                                }, "logging": {
+                                    "progress": opts.step_lines, "run_dir": str(
+                                        out / "panels" / panel.name / arm.name / f"seed{seed}")
+                                }
+                            }), base_dir))
     return Plan(runs, unavailable, bases)
 
 
@@ -129,7 +140,8 @@ def _builds_without_newer_fields(panel: Panel, base: Config, overrides: dict[str
     try:
         for arm in panel.arms:
             fields = panel_arm_fields(panel, arm, base, overrides)
-            merge(base, nested({k: v for k, v in fields.items() if k not in PROBE_AND_RANDOM_VERIFIER_FIELDS}))
+            merge(base, nested({k: v
+                                for k, v in fields.items() if k not in PROBE_AND_RANDOM_VERIFIER_FIELDS}))
     except ConfigError:
         return False
     return True
@@ -137,8 +149,9 @@ def _builds_without_newer_fields(panel: Panel, base: Config, overrides: dict[str
 
 def run_panels(base: Config, opts: AblateOptions, log: Callable[[str], None] = print,
                start: Config | None = None) -> list[PanelRun]:
-    """The panels: bases, every (panel, arm, seed) run, final evaluations, ablation.md and a picture per panel.
-    `start`: the preset (and config file) `base` was made from; what differs wins over the panels' settings."""
+    """The panels: bases, every (panel, arm, seed) run, final evaluations, ablation.md and a picture per
+    panel. `start`: the preset (and config file) `base` was made from; what differs wins over the panels'
+    settings."""
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = plan_panels(base, opts, start)
@@ -161,16 +174,20 @@ def run_panels(base: Config, opts: AblateOptions, log: Callable[[str], None] = p
 
 
 def finished_elsewhere(base: Config, opts: AblateOptions, start: Config | None = None) -> list[PanelRun]:
-    """Runs of panels this call does not run that an earlier `flashdapo ablate` finished in the same OUT with the
-    config these options give them (their arm.json), read back with their final evaluations: a rerun with other
-    panels keeps the earlier panels' sections in ablation.md. A run finished with another config is left out."""
+    """Runs of panels this call does not run that an earlier `flashdapo ablate` finished in the same OUT with
+    the config these options give them (their arm.json), read back with their final evaluations: a rerun with
+    other panels keeps the earlier panels' sections in ablation.md. A run finished with another config is left
+    out."""
     out, asked = Path(opts.out), {panel.name for panel, _ in selected_panels(opts)}
-    seeds = {p.name: [int(d.name[4:]) for d in (out / "panels" / p.name).glob("*/seed*") if d.name[4:].isdigit()]
-             for p in PANELS if p.name not in asked}
+    seeds = {
+        p.name: [int(d.name[4:]) for d in (out / "panels" / p.name).glob("*/seed*") if d.name[4:].isdigit()]
+        for p in PANELS if p.name not in asked
+    }
     others = [name for name, found in seeds.items() if found]
     if not others:
         return []
-    wider = dataclasses.replace(opts, panels=others, quick=False, seeds=max(max(seeds[n]) for n in others) + 1)
+    wider = dataclasses.replace(opts, panels=others, quick=False,
+                                seeds=max(max(seeds[n]) for n in others) + 1)
     try:
         plan = plan_panels(base, wider, start)
     except (AblationError, ConfigError):  # the options now clash with a panel not run: nothing of it to keep
@@ -183,7 +200,9 @@ def finished_elsewhere(base: Config, opts: AblateOptions, start: Config | None =
             history, wall, _ = train_or_reuse(planned.config, f"{planned.panel.name}/{planned.arm.name}",
                                               planned.seed)  # finished: read back, nothing rerun
             final = read_final_evaluation(run_dir) if planned.panel.final_eval else []
-            kept.append(PanelRun(planned.panel, planned.arm, planned.seed, planned.config, history, wall, True, final))
+            kept.append(
+                PanelRun(planned.panel, planned.arm, planned.seed, planned.config, history, wall, True,
+                         final))
     return kept
 
 

@@ -59,29 +59,37 @@ def table(runs: list[ArmRun]) -> list[str]:
         pass_best = [max(_values(r, PASS)) for r in group]
         samples = statistics.mean(samples_generated(r) for r in group)
         wall = statistics.mean(r.wall_s for r in group)
-        rows.append(f"| {arm.label} | {arm.paper_aime} | {len(group)} | {mean_std(finals)} | {mean_std(bests)} | "
-                    f"{mean_std(pass_final)} | {mean_std(pass_best)} | {samples:,.0f} | {wall:.0f} |")
+        rows.append(
+            f"| {arm.label} | {arm.paper_aime} | {len(group)} | {mean_std(finals)} | {mean_std(bests)} | "
+            f"{mean_std(pass_final)} | {mean_std(pass_best)} | {samples:,.0f} | {wall:.0f} |")
     return rows
 
 
-def write_report(out: Path, runs: list[ArmRun], base_stats: BaseStatistics, base: Config) -> tuple[Path, Path]:
+def write_report(out: Path, runs: list[ArmRun], base_stats: BaseStatistics,
+                 base: Config) -> tuple[Path, Path]:
     """ablation.md and ablation.png in `out`."""
     tc, rc = base.trainer, base.rollout
     val_steps = sorted({int(m["step"]) for m in runs[0].history if MEAN in m})
     lines = [
         "# DAPO ablation ladder", "",
         f"Task `{base.data.task}`, {tc.total_steps} steps of {tc.train_batch} prompts x {rc.n} responses "
-        f"(dynamic sampling: generation batch {tc.gen_batch}), response limit {rc.max_response_length} tokens; "
+        f"(dynamic sampling: generation batch {tc.gen_batch}), response limit {rc.max_response_length} "
+        "tokens; "
         f"validation on {task_num_val(base.data)} "
-        f"held-out problems, {rc.val_n} samples each at temperature {rc.val_temperature}, top_p {rc.val_top_p}, "
-        f"at steps {', '.join(map(str, val_steps))}. Best = the highest of those validations (step 0, the base, "
-        "included). The paper's column is Qwen2.5-32B on AIME 2024 (Table 1): a different model, task and scale; "
-        "compare directions, not values.", "",
-        *table(runs), "",
-        f"Base model before RL, sampled at the training settings on the training prompts: {base_stats.summary()}.",
-        "", provenance(r.config.model.path for r in runs),
-        "", "Arms' settings and the command that reruns each alone: arms.md.", "",
-        "![training dynamics per arm](ablation.png)", ""]
+        f"held-out problems, {rc.val_n} samples each at temperature {rc.val_temperature}, top_p "
+        f"{rc.val_top_p}, "
+        f"at steps {', '.join(map(str, val_steps))}. Best = the highest of those validations (step 0, the "
+        "base, "
+        "included). The paper's column is Qwen2.5-32B on AIME 2024 (Table 1): a different model, task and "
+        "scale; "
+        "compare directions, not values.", "", *table(runs), "",
+        "Base model before RL, sampled at the training settings on the training prompts: "
+        f"{base_stats.summary()}.",
+        "",
+        provenance(r.config.model.path
+                   for r in runs), "", "Arms' settings and the command that reruns each alone: arms.md.", "",
+        "![training dynamics per arm](ablation.png)", ""
+    ]
     md = out / "ablation.md"
     md.write_text("\n".join(lines))
     png = out / "ablation.png"
@@ -108,7 +116,8 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot_ladder(runs: list[ArmRun], path: Path, smooth: int = 5) -> None:
-    """One panel per PANELS entry, one colour per arm; training curves are a trailing mean over `smooth` steps."""
+    """One panel per PANELS entry, one colour per arm; training curves are a trailing mean over `smooth`
+    steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,7 +140,8 @@ def plot_ladder(runs: list[ArmRun], path: Path, smooth: int = 5) -> None:
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     seeds = max(len(g) for _, g in _by_arm(runs))
-    fig.suptitle(f"DAPO ablation ladder: mean over {seeds} seed(s); training curves smoothed over {smooth} steps")
+    fig.suptitle(
+        f"DAPO ablation ladder: mean over {seeds} seed(s); training curves smoothed over {smooth} steps")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=90)

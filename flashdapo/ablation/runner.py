@@ -1,4 +1,5 @@
-"""`flashdapo ablate --ladder`: the base model once, then every (arm, seed) run in its own directory, then the report.
+"""`flashdapo ablate --ladder`: the base model once, then every (arm, seed) run in its own directory, then the
+report.
 
 Each arm's run is a plain `flashdapo train` run (its config.yaml reruns it alone) from the saved base
 (`model.path` = OUT/base) on the task's problems written as data files (OUT/data/train.jsonl, val.jsonl),
@@ -37,10 +38,12 @@ def arm_run_dir(out: Path, arm: Arm, seed: int) -> Path:
 def planned_runs(base: Config, opts: AblateOptions, base_dir: Path) -> list[tuple[Arm, int, Config]]:
     """(arm, seed, config) of every run, in ladder order, seeds inner."""
     train_file, val_file = write_task_files(base, Path(opts.out) / "data")
-    common = merge(base, {"model": {"path": str(base_dir.resolve())},
-                          "data": {"train_files": [str(train_file.resolve())], "val_files": [str(val_file.resolve())]},
-                          "checkpoint": {"resume": "auto", "export_hf": False},
-                          "logging": {"progress": opts.step_lines}})
+    common = merge(
+        base, {
+            "model": {"path": str(base_dir.resolve())}, "data": {
+                "train_files": [str(train_file.resolve())], "val_files": [str(val_file.resolve())]
+            }, "checkpoint": {"resume": "auto", "export_hf": False}, "logging": {"progress": opts.step_lines}
+        })
     out = Path(opts.out)
     runs = []
     for arm in sorted((ARMS[arm_index(n)] for n in opts.arms), key=lambda a: arm_index(a.name)):
@@ -117,9 +120,9 @@ def _run_arm(arm: Arm, seed: int, cfg: Config) -> ArmRun:
 
 
 def train_or_reuse(cfg: Config, name: str, seed: int) -> tuple[list[dict], float, bool]:
-    """Train cfg in its run directory, or read back a run an earlier `flashdapo ablate` finished there with the
-    same config (its arm.json): (history, wall seconds, skipped). An interrupted run resumes from its newest
-    checkpoint (`checkpoint.resume auto`); a run finished with another config is refused."""
+    """Train cfg in its run directory, or read back a run an earlier `flashdapo ablate` finished there with
+    the same config (its arm.json): (history, wall seconds, skipped). An interrupted run resumes from its
+    newest checkpoint (`checkpoint.resume auto`); a run finished with another config is refused."""
     from ..trainer.loop import train
     from ..trainer.observe.sinks import read_history
 
@@ -128,8 +131,9 @@ def train_or_reuse(cfg: Config, name: str, seed: int) -> tuple[list[dict], float
     if marker.is_file():
         done = json.loads(marker.read_text())
         if done["config"] != cfg.to_dict():
-            raise AblationError(f"{marker}: this arm finished with a different config than the ablation now asks "
-                                "for; choose another --out, or delete that arm's directory to rerun it")
+            raise AblationError(
+                f"{marker}: this arm finished with a different config than the ablation now asks "
+                "for; choose another --out, or delete that arm's directory to rerun it")
         return read_history(run_dir / "metrics.jsonl"), done["wall_s"], True
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -145,15 +149,19 @@ def progress_line(number: int, total: int, run: ArmRun, elapsed: float) -> str:
     val = [m["val/acc/mean@k"] for m in run.history if "val/acc/mean@k" in m]
     acc = f"val mean@k {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})" if val else "no validation"
     how = "done before, skipped" if run.skipped else f"{run.wall_s:.0f} s"
-    return (f"ablation: [{number}/{total}] {run.arm.name} seed {run.seed}: {acc}, {samples_generated(run):,} samples "
-            f"generated, {how} | ladder {elapsed:.0f} s so far")
+    return (
+        f"ablation: [{number}/{total}] {run.arm.name} seed {run.seed}: {acc}, {samples_generated(run):,} "
+        "samples "
+        f"generated, {how} | ladder {elapsed:.0f} s so far")
 
 
 def write_arm_settings(out: Path, base: Config, plan: list[tuple[Arm, int, Config]], log) -> Path:
     """arms.md: each arm's fields (what it adds in bold) and the command that reruns one of its runs alone."""
-    lines = ["# The ladder's arms", "",
-             "Each arm is the base config plus these fields (the ones it adds to the arm before in **bold**). "
-             "Rerun any run alone (into a new directory) with the command given.", ""]
+    lines = [
+        "# The ladder's arms", "",
+        "Each arm is the base config plus these fields (the ones it adds to the arm before in **bold**). "
+        "Rerun any run alone (into a new directory) with the command given.", ""
+    ]
     seen = []
     for arm, _, cfg in plan:
         if arm.name in seen:

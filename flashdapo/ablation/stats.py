@@ -96,11 +96,12 @@ class PairedTest:
 
 
 def paired_test(treatment: Sequence[float], control: Sequence[float], level: float = 0.95) -> PairedTest:
-    """Student's paired t-test of treatment[i] - control[i] (same seed i). Needs at least two pairs. Differences
-    all equal: the interval is that value and p is 0 (a nonzero difference) or 1 (none)."""
+    """Student's paired t-test of treatment[i] - control[i] (same seed i). Needs at least two pairs.
+    Differences all equal: the interval is that value and p is 0 (a nonzero difference) or 1 (none)."""
     if len(treatment) != len(control):
-        raise StatsError(f"paired_test: {len(treatment)} treatment values against {len(control)} control values; "
-                         "every seed needs both arms")
+        raise StatsError(
+            f"paired_test: {len(treatment)} treatment values against {len(control)} control values; "
+            "every seed needs both arms")
     if len(treatment) < 2:
         raise StatsError(f"paired_test: needs at least 2 paired seeds, got {len(treatment)}")
     diffs = tuple(float(t) - float(c) for t, c in zip(treatment, control, strict=True))

@@ -1,6 +1,6 @@
-"""The config tree (tree.py, its sections in inputs.py, sampling.py, training.py and profiling.py), its declarative checks
-(checks.py), overrides and files (io.py), presets. The command line (cli.py, tyro) is imported by the commands
-alone: importing the tree imports neither tyro nor yaml."""
+"""The config tree (tree.py, its sections in inputs.py, sampling.py, training.py and profiling.py), its
+declarative checks (checks.py), overrides and files (io.py), presets. The command line (cli.py, tyro) is
+imported by the commands alone: importing the tree imports neither tyro nor yaml."""
 
 from .checks import ConfigError, field_path
 from .engines import ENGINES, EngineSpec, engine_spec
@@ -33,8 +33,33 @@ from .tree import (
 )
 
 __all__ = [
-    "DEFAULT_PRESET", "ENGINES", "EngineSpec", "engine_spec", "PRESETS", "PRESET_CLUSTERS", "Cluster", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "LoggingConfig", "ModelConfig", "OptimConfig", "ProfileConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
-    "TrainerConfig", "compact_summary", "differences", "field_path", "load_file", "merge", "preset",
-    "starting_point", "toy",
+    "DEFAULT_PRESET",
+    "ENGINES",
+    "EngineSpec",
+    "engine_spec",
+    "PRESETS",
+    "PRESET_CLUSTERS",
+    "Cluster",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ProfileConfig",
+    "RolloutConfig",
+    "ScratchpadTaskConfig",
+    "ToyModelConfig",
+    "ToyTaskConfig",
+    "TrainerConfig",
+    "compact_summary",
+    "differences",
+    "field_path",
+    "load_file",
+    "merge",
+    "preset",
+    "starting_point",
+    "toy",
 ]

@@ -50,12 +50,14 @@ def within(low: float, high: float, bounds: str = "[]") -> Check:
     """low <= value <= high; `bounds` is "[]", "[)", "(]" or "()" as in interval notation."""
     low_ok = operator.le if bounds[0] == "[" else operator.lt
     high_ok = operator.le if bounds[1] == "]" else operator.lt
-    return Check(lambda v: low_ok(low, v) and high_ok(v, high), f"a value in {bounds[0]}{low}, {high}{bounds[1]}")
+    return Check(lambda v: low_ok(low, v) and high_ok(v, high),
+                 f"a value in {bounds[0]}{low}, {high}{bounds[1]}")
 
 
 def at_most(high: int | float, why: str) -> Check:
     """value <= high: the upper bound of a setting whose huge value would take the machine (allocate or loop
-    without end); `why` says so in the refusal (`rollout.agree_every: expected at most 1,024 (...), got ...`)."""
+    without end); `why` says so in the refusal (`rollout.agree_every: expected at most 1,024 (...), got
+    ...`)."""
     shown = f"{high:,}" if isinstance(high, int) else f"{high:,g}"
     return Check(lambda v: v <= high, f"at most {shown} ({why})")
 
@@ -64,8 +66,8 @@ TOKENS_MAX = 1 << 20
 """The most tokens of a prompt or a response (1,048,576): beyond any model's positions."""
 TOKENS_WHY = "1M tokens, beyond any model's positions"
 BATCH_MAX = 1 << 16
-"""The most prompts of a batch, sequences of a decode batch or samples of a probe (65,536): the released recipe
-samples 1,536 prompts a round."""
+"""The most prompts of a batch, sequences of a decode batch or samples of a probe (65,536): the released
+recipe samples 1,536 prompts a round."""
 BATCH_WHY = "held in memory at once"
 SEED_MAX = at_most(2**32 - 1, "seeds are 32-bit")
 """The range of a seed (derived seeds pack it as a signed 64-bit integer with the step and rank added)."""
@@ -76,8 +78,8 @@ TIMEOUT_MAX_S = 7 * 24 * 3600
 @dataclass(frozen=True)
 class PathMarker:
     """Marks a field (`Annotated[str, IS_PATH]`, or a list of them) as a filesystem path: building its section
-    expands a leading `~` (os.path.expanduser) before the checks, whether the value came from the command line,
-    a config file or code."""
+    expands a leading `~` (os.path.expanduser) before the checks, whether the value came from the command
+    line, a config file or code."""
 
 
 IS_PATH = PathMarker()
@@ -86,7 +88,8 @@ IS_PATH = PathMarker()
 def is_path_field(cls: type, name: str) -> bool:
     """Whether field `name` of section `cls` is marked IS_PATH."""
     tp = _hints(cls)[name]
-    return typing.get_origin(tp) is Annotated and any(isinstance(m, PathMarker) for m in typing.get_args(tp)[1:])
+    return typing.get_origin(tp) is Annotated and any(
+        isinstance(m, PathMarker) for m in typing.get_args(tp)[1:])
 
 
 def expand_paths(section: Any) -> None:
@@ -134,7 +137,8 @@ def register_tree(root: type, prefix: str = "") -> None:
 
 
 def field_path(cls: type, name: str) -> str:
-    """The dotted path of field `name` of section `cls` in the tree (`ToyTaskConfig`, 'seed' -> 'data.toy.seed')."""
+    """The dotted path of field `name` of section `cls` in the tree (`ToyTaskConfig`, 'seed' ->
+    'data.toy.seed')."""
     return _PATHS.get(cls, "") + name
 
 
@@ -158,8 +162,9 @@ def field_docs(cls: type) -> dict[str, str]:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, after in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and
+                isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and
+                isinstance(after.value.value, str)):
             docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
 
@@ -184,7 +189,8 @@ def type_mismatch(value: Any, tp: Any) -> str | None:
     no bool, a float must be finite."""
     inner = optional_inner(tp)
     if inner is not None:
-        return None if value is None else (f"null or {wanted}" if (wanted := type_mismatch(value, inner)) else None)
+        return None if value is None else (f"null or {wanted}" if
+                                           (wanted := type_mismatch(value, inner)) else None)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is bool:
         return None if isinstance(value, bool) else "true or false"

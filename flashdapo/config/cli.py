@@ -38,14 +38,16 @@ T = TypeVar("T")
 
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
 """What the command line accepts for a bool field (case-insensitive): the docs write `true`/`false`."""
-_BOOL_CHOICES = tuple(dict.fromkeys(w for word in BOOL_WORDS for w in (word, word.capitalize(), word.upper())))
+_BOOL_CHOICES = tuple(dict.fromkeys(w for word in BOOL_WORDS
+                                    for w in (word, word.capitalize(), word.upper())))
 
 CLI_REGISTRY = tyro.constructors.ConstructorRegistry()
 """tyro's rules for every flashdapo command line (`parse`)."""
 
 
 @CLI_REGISTRY.primitive_rule
-def _bool_rule(type_info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.PrimitiveConstructorSpec | None:
+def _bool_rule(
+        type_info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.PrimitiveConstructorSpec | None:
     """A bool field takes one of BOOL_WORDS (any case) as its value, as a config file does."""
     if type_info.type is not bool:
         return None
@@ -71,7 +73,8 @@ def _number(tp: type, words: str) -> tyro.constructors.PrimitiveConstructorSpec:
 
 
 @CLI_REGISTRY.primitive_rule
-def _number_rule(type_info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.PrimitiveConstructorSpec | None:
+def _number_rule(
+        type_info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.PrimitiveConstructorSpec | None:
     """`abc` for an int or a float field: `expected an integer, got 'abc'` (`inf` is a float: its field's
     checks refuse it, naming the field)."""
     words = {int: "an integer", float: "a number"}.get(type_info.type)
@@ -99,8 +102,8 @@ def with_switch_values(argv: Sequence[str], switches: Sequence[str]) -> list[str
     return out
 
 
-def parse(cls: type[T], argv: Sequence[str], *, prog: str, description: str | None = None, default: T | None = None,
-          known_only: bool = False, switches: Sequence[str] = ()) -> Any:
+def parse(cls: type[T], argv: Sequence[str], *, prog: str, description: str | None = None,
+          default: T | None = None, known_only: bool = False, switches: Sequence[str] = ()) -> Any:
     """Read `cls` (a dataclass; its fields are the options `--FIELD` / `--SECTION.FIELD`) from `argv`:
     the instance, or with `known_only` (instance, the arguments that are none of its options). `default`: the
     instance whose values are the defaults (else the fields' own); `switches`: bool options that may stand
@@ -109,9 +112,9 @@ def parse(cls: type[T], argv: Sequence[str], *, prog: str, description: str | No
     defaults = {} if default is None else {"default": default}
     try:
         with _one_line_errors():
-            return tyro.cli(cls, args=with_switch_values(list(argv), switches), prog=prog, description=description,
-                            return_unknown_args=known_only, config=(tyro.conf.FlagConversionOff,),
-                            registry=CLI_REGISTRY, **defaults)
+            return tyro.cli(cls, args=with_switch_values(list(argv), switches), prog=prog,
+                            description=description, return_unknown_args=known_only,
+                            config=(tyro.conf.FlagConversionOff, ), registry=CLI_REGISTRY, **defaults)
     except _Refused as refused:
         print(f"{prog}: error: {refused}; see {prog} --help", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -120,8 +123,9 @@ def parse(cls: type[T], argv: Sequence[str], *, prog: str, description: str | No
 def resolve_config(argv: Sequence[str], prog: str) -> Config:
     """Preset, then config file, then command-line overrides -> a validated Config (`flashdapo train`)."""
     base, rest, start = starting_point(list(argv), DEFAULT_PRESET)
-    description = (f"{Config.__doc__}\n\nStarting point: {start} (presets: {', '.join(PRESETS)}; --preset NAME, "
-                   "--config FILE). Defaults below are that start.")
+    description = (
+        f"{Config.__doc__}\n\nStarting point: {start} (presets: {', '.join(PRESETS)}; --preset NAME, "
+        "--config FILE). Defaults below are that start.")
     return parse(Config, rest, prog=prog, description=description, default=base)
 
 
@@ -131,7 +135,8 @@ class _Refused(Exception):
 
 @contextlib.contextmanager
 def _one_line_errors() -> Iterator[None]:
-    """While tyro parses: a refusal it can describe in one line raises _Refused instead of printing its box."""
+    """While tyro parses: a refusal it can describe in one line raises _Refused instead of printing its
+    box."""
     if _on_parse_error is None:  # pragma: no cover
         yield
         return
@@ -183,7 +188,8 @@ def _union_words(metavar: str) -> str:
     return " or ".join(words.get(m, m) for m in kinds) if kinds else metavar
 
 
-_UNION_FAILURE = re.compile(r"no type matching (?P<metavar>\S+) could be instantiated from \[(?P<value>.*?)\]\.")
+_UNION_FAILURE = re.compile(
+    r"no type matching (?P<metavar>\S+) could be instantiated from \[(?P<value>.*?)\]\.")
 
 
 def _flag(argument: Any) -> str:

@@ -44,22 +44,32 @@ class EngineSpec:
     """It can also record them in a stream (rollout.streaming)."""
     uniform_window_architectures: tuple[str, ...] = ()
     """Architectures it builds with one attention kind for every layer: a config whose layer_types mix sliding
-    and full attention is refused at start-up (rollout/engine_models.py check_layer_windows states the engine's condition)."""
+    and full attention is refused at start-up (rollout/engine_models.py check_layer_windows states the
+    engine's condition)."""
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "torch": EngineSpec("torch", off_policy=False, own_weights=False, needs_checkpoint=False, tensor_parallel=False,
-                        package=None, temperature_range=None, prompts_per_call=1,
+    "torch": EngineSpec("torch", off_policy=False, own_weights=False, needs_checkpoint=False,
+                        tensor_parallel=False, package=None, temperature_range=None, prompts_per_call=1,
                         refuses_long_context=False, records_routes=True, streams_routes=True),
-    # vLLM 0.33's SamplingParams (sampling_params.py `_verify_args`, `__post_init__`) rejects temperatures above 2
-    # and raises those below 0.01 to 0.01, where the trainer would still divide by the smaller value.
-    "vllm": EngineSpec("vllm", off_policy=True, own_weights=True, needs_checkpoint=True, tensor_parallel=True,
-                       package="vllm", temperature_range=(0.01, 2.0), prompts_per_call=64,
-                       refuses_long_context=True, records_routes=True, model_registry="vllm.model_executor.models.registry:ModelRegistry",
-                       # vLLM 0.32's Qwen2Model (model_executor/models/qwen2.py), which Qwen3Model extends, asserts
-                       # max_window_layers == num_hidden_layers whenever layer_types holds more than one kind.
-                       uniform_window_architectures=("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2Model",
-                                                     "Qwen3Model")),
+    # vLLM 0.33's SamplingParams (sampling_params.py `_verify_args`, `__post_init__`) rejects temperatures
+    # above 2 and raises those below 0.01 to 0.01, where the trainer would still divide by the smaller value.
+    "vllm": EngineSpec(
+        "vllm",
+        off_policy=True,
+        own_weights=True,
+        needs_checkpoint=True,
+        tensor_parallel=True,
+        package="vllm",
+        temperature_range=(0.01, 2.0),
+        prompts_per_call=64,
+        refuses_long_context=True,
+        records_routes=True,
+        model_registry="vllm.model_executor.models.registry:ModelRegistry",
+        # vLLM 0.32's Qwen2Model (model_executor/models/qwen2.py), which Qwen3Model extends,
+        # asserts max_window_layers == num_hidden_layers whenever layer_types holds more than
+        # one kind.
+        uniform_window_architectures=("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2Model", "Qwen3Model")),
 }
 """Every engine rollout.engine may name (config/sampling.py's Literal lists the same keys; a test checks)."""
 

@@ -64,9 +64,10 @@ class ToyModelConfig(Section):
     RULES = (
         Rule("hidden_size", lambda c: c.hidden_size % c.num_heads == 0, lambda c: "a multiple of num_heads"),
         Rule("num_kv_heads", lambda c: c.num_heads % c.num_kv_heads == 0, lambda c: "a divisor of num_heads"),
-        Rule("sft_steps", lambda c: c.sft_steps * c.sft_batch <= SFT_EXAMPLES_MAX,
-             lambda c: f"at most {SFT_EXAMPLES_MAX:,} examples in all, sft_steps x sft_batch ({c.sft_batch}) (the "
-                       f"warm-up's examples are {GENERATED})"),
+        Rule(
+            "sft_steps", lambda c: c.sft_steps * c.sft_batch <= SFT_EXAMPLES_MAX, lambda c:
+            f"at most {SFT_EXAMPLES_MAX:,} examples in all, sft_steps x sft_batch ({c.sft_batch}) (the "
+            f"warm-up's examples are {GENERATED})"),
     )
 
 
@@ -111,16 +112,19 @@ class ToyTaskConfig(Section):
     """Fraction of warm-up responses whose answer is a near miss (off by 1 or 2): the warmed-up model
     then knows the candidates but samples the right one only about 1 - wrong_fraction of the time,
     which is what RL sharpens."""
-    filler_median: Annotated[float, ge(0), at_most(1000, "each warm-up response opens with up to 20 x this many "
-                                                          "tokens")] = 0.0
+    filler_median: Annotated[float,
+                             ge(0),
+                             at_most(1000, "each warm-up response opens with up to 20 x this many "
+                                     "tokens")] = 0.0
     """Median number of filler tokens ('.' each, then a newline) that open a warm-up response, drawn lognormal
     (filler_sigma) and capped at 20 x the median: the warmed-up model's response lengths are then heavy-tailed
     (the `longtail` preset, bench/bench_longtail.py). 0: no filler."""
     filler_sigma: Annotated[float, ge(0), at_most(10, "a log-normal draw of e^(sigma z) overflows")] = 1.0
     """Standard deviation of the filler count's logarithm (with filler_median > 0): at 1.0 the longest of a
     few hundred responses has ~15-20x the median's filler."""
-    max_operand: Annotated[Positive, at_most(999, "every problem, (max_operand + 1)^2 per operation, is listed "
-                                                  "up front")] = 9
+    max_operand: Annotated[Positive,
+                           at_most(999, "every problem, (max_operand + 1)^2 per operation, is listed "
+                                   "up front")] = 9
     """Operands are drawn from 0..max_operand."""
     seed: Annotated[NonNegative, SEED_MAX] = 1234
     """Seed of the problem generator."""
@@ -144,7 +148,8 @@ def _formats_scratchpad_prompt(text: str) -> bool:
 @dataclass
 class ScratchpadTaskConfig(Section):
     """The built-in scratchpad task (flashdapo/tasks/scratchpad.py): multi-digit addition worked out column by
-    column before the answer; harder than the toy, with varying response lengths and a held-out validation set."""
+    column before the answer; harder than the toy, with varying response lengths and a held-out validation
+    set."""
 
     num_train: Annotated[Positive, at_most(10_000_000, GENERATED)] = 2000
     """Training problems generated (distinct, none of them a validation problem)."""
@@ -166,16 +171,19 @@ class ScratchpadTaskConfig(Section):
     out): on long problems these run past the response limit."""
     seed: Annotated[NonNegative, SEED_MAX] = 4321
     """Seed of the problem generator."""
-    prompt_format: Annotated[str, Check(_formats_scratchpad_prompt, "a format string using {a} and {b} and no "
+    prompt_format: Annotated[str, Check(_formats_scratchpad_prompt, "a format string using {a} and {b} and "
+                                                                    "no "
                                                                     "other fields")] = \
         "Add {a}+{b}. Work column by column, then end with Answer: N"
     """The user message; {a} and {b} are the operands."""
 
-    RULES = (Rule("max_digits", lambda c: c.max_digits >= c.min_digits, lambda c: f">= min_digits ({c.min_digits})"),)
+    RULES = (Rule("max_digits", lambda c: c.max_digits >= c.min_digits,
+                  lambda c: f">= min_digits ({c.min_digits})"), )
 
 
-DataFiles = Annotated[list[str], IS_PATH, Check(lambda files: all(f.endswith((".parquet", ".jsonl")) for f in files),
-                                       "*.parquet or *.jsonl paths")]
+DataFiles = Annotated[list[str], IS_PATH,
+                      Check(lambda files: all(f.endswith((".parquet", ".jsonl"))
+                                              for f in files), "*.parquet or *.jsonl paths")]
 
 
 @dataclass
@@ -201,4 +209,3 @@ class DataConfig(Section):
     (multi-digit addition with written work, the `flashdapo ablate` task; docs/ablation.md)."""
     scratchpad: ScratchpadTaskConfig = field(default_factory=ScratchpadTaskConfig)
     """The built-in scratchpad task (used when train_files is empty and task is 'scratchpad')."""
-

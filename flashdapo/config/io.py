@@ -39,8 +39,9 @@ def _strict_loader() -> tuple[type, type]:
                 except TypeError:  # an unhashable key: the base class names it
                     break
                 if earlier is not None:
-                    raise DuplicateKey(None, None, f"key {key!r} appears twice (first at line {earlier + 1}); "
-                                       "keep one", key_node.start_mark)
+                    raise DuplicateKey(
+                        None, None, f"key {key!r} appears twice (first at line {earlier + 1}); "
+                        "keep one", key_node.start_mark)
                 first_line[key] = key_node.start_mark.line
             return super().construct_mapping(node, deep)
 
@@ -60,12 +61,14 @@ def merge(base: Any, overrides: Any, prefix: str = "") -> Any:
     known = [f.name for f in dataclasses.fields(base)]
     unknown = sorted(str(k) for k in overrides if k not in known)
     if unknown:
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        raise ConfigError(
+            f"{prefix.rstrip('.') or 'config'}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     changes = {}
     for name, value in overrides.items():
         if section_type(type(base), name) is not None:
             if not isinstance(value, dict):
-                raise ConfigError(f"{prefix}{name}: expected a mapping (a config section), got {_describe(value)}")
+                raise ConfigError(
+                    f"{prefix}{name}: expected a mapping (a config section), got {_describe(value)}")
             changes[name] = merge(getattr(base, name), value, f"{prefix}{name}.")
         else:
             changes[name] = _coerce(value, field_spec(type(base), name)[0])

@@ -119,8 +119,8 @@ PRESET_CLUSTERS: dict[str, tuple[Cluster, ...]] = {
     "qwen2.5-32b-dapo": (Cluster(16, 8), Cluster(8, 8)),  # the released recipe: 16 nodes x 8 GPUs
     "qwen3-30b-a3b-dapo": (Cluster(4, 8), Cluster(2, 8)),  # 4 x 8: 32 ranks, 4 expert-parallel groups
 }
-"""The launches each preset is documented for (docs/usage.md, docs/plan.md); the first is `flashdapo plan`'s default.
-tests/test_preflight.py checks every preset's launch at each of them."""
+"""The launches each preset is documented for (docs/usage.md, docs/plan.md); the first is `flashdapo plan`'s
+default. tests/test_preflight.py checks every preset's launch at each of them."""
 
 
 def preset(name: str) -> Config:
@@ -167,8 +167,11 @@ def compact_summary(cfg: Config) -> list[str]:
     """The resolved config, compactly: per section one line of the fields that differ from the tree's
     defaults ('optim: lr=0.0005 warmup_steps=2'); a section at its defaults is left out."""
     def flat(values: dict[str, Any], prefix: str = "") -> list[str]:
-        return [item for name, value in values.items() for item in
-                (flat(value, f"{prefix}{name}.") if isinstance(value, dict) else [f"{prefix}{name}={_short(value)}"])]
+        return [
+            item for name, value in values.items()
+            for item in (flat(value, f"{prefix}{name}."
+                              ) if isinstance(value, dict) else [f"{prefix}{name}={_short(value)}"])
+        ]
 
     return [f"{section}: {' '.join(flat(values))}" for section, values in differences(cfg, Config()).items()]
 

@@ -14,7 +14,8 @@ class ProfileConfig(Section):
     """torch.profiler traces and a table of time per stage for chosen training steps (docs/gpu.md,
     "Profiling training steps"). Off (no steps) it makes no profiler object and adds no range."""
 
-    steps: Annotated[list[int], Check(lambda s: all(x >= 1 for x in s), "steps >= 1")] = field(default_factory=list)
+    steps: Annotated[list[int],
+                     Check(lambda s: all(x >= 1 for x in s), "steps >= 1")] = field(default_factory=list)
     """Training steps to profile (e.g. 5 6); empty: off. Each profiled step writes, per profiled rank,
     PROFILE_DIR/rank<R>.<STEP>.pt.trace.json (Chrome/Perfetto JSON, named as the TensorBoard profiler
     plugin reads it) and rank<R>.<STEP>.txt, the table printed at the step's end: time per stage (the

@@ -87,8 +87,10 @@ class RolloutConfig(Section):
     max_carry_steps: Positive = 1
     """Streaming: a carried response whose oldest token is more policy versions old than this restarts from
     scratch (counted in rollout/restarted)."""
-    agree_every: Annotated[Positive, at_most(AGREE_EVERY_MAX, "the stop waits for the next agreement: more only "
-                                                              "runs engine steps past the target")] = 8
+    agree_every: Annotated[
+        Positive,
+        at_most(AGREE_EVERY_MAX, "the stop waits for the next agreement: more only "
+                "runs engine steps past the target")] = 8
     """Streaming: engine steps between the ranks' agreements on the stop (and on pulling prompts): the stop
     waits for the next agreement after train_batch groups are kept, so a few more steps run (their work is
     kept: groups past the target and carried responses). Fewer agreements cost fewer collectives, which on
@@ -96,8 +98,9 @@ class RolloutConfig(Section):
     world size, so a run's stop rule does not depend on it."""
     placement: Literal["colocated", "split"] = "colocated"
     """Where generation runs (docs/split.md). colocated: every rank generates and trains, in turn. split
-    (experimental: run on CPU ranks, not yet on GPUs): the last rollout_ranks ranks of the launch only generate,
-    the others only train; the two sides overlap, the rollout side sampling with weights max_lag steps old."""
+    (experimental: run on CPU ranks, not yet on GPUs): the last rollout_ranks ranks of the launch only
+    generate, the others only train; the two sides overlap, the rollout side sampling with weights max_lag
+    steps old."""
     rollout_ranks: NonNegative = 0
     """Split placement: R, the ranks (the last R of the launch) that run the engines; a multiple of
     tensor_parallel_size, leaving at least one trainer rank. Ignored when co-located."""
@@ -113,13 +116,14 @@ class RolloutConfig(Section):
     # The engine's temperature range (config/engines.py). n, top_p, top_k and max_tokens (max_response_length)
     # already satisfy vLLM's ranges.
     RULES = tuple(
-        Rule(name, lambda c, name=name: engine_spec(c.engine).temperature_range is None
-             or engine_spec(c.engine).temperature_range[0] <= getattr(c, name) <= engine_spec(c.engine).temperature_range[1],
-             lambda c: "a value in [{:g}, {:g}] with engine={!r} (the engine's range)".format(
-                 *engine_spec(c.engine).temperature_range, c.engine))
-        for name in ("temperature", "val_temperature")) + (
-        Rule("rollout_ranks", lambda c: c.placement == "colocated" or c.rollout_ranks >= 1,
-             lambda c: "at least 1 with placement='split' (the ranks that generate)"),)
+        Rule(
+            name, lambda c, name=name: engine_spec(c.engine).temperature_range is None or engine_spec(
+                c.engine).temperature_range[0] <= getattr(c, name) <= engine_spec(c.engine).temperature_range[
+                    1], lambda c: "a value in [{:g}, {:g}] with engine={!r} (the engine's range)".format(
+                        *engine_spec(c.engine).temperature_range, c.engine))
+        for name in ("temperature", "val_temperature")) + (Rule(
+            "rollout_ranks", lambda c: c.placement == "colocated" or c.rollout_ranks >= 1,
+            lambda c: "at least 1 with placement='split' (the ranks that generate)"), )
 
 
 @dataclass
@@ -196,8 +200,7 @@ class AlgorithmConfig(Section):
     neither is used: pi_old is the current policy itself, detached (exact, no pass)."""
     routing_replay: Literal["off", "r3"] = "off"
     """Mixture-of-experts policies: r3 (rollout routing replay) records the experts the rollout engine routed
-    every token to, and the trainer's forwards (old log-probs and the update) route to those experts, with gate
-    weights recomputed from the trainer's own router logits, so the router still learns (docs/algorithm.md,
-    "Routing replay"). off: the trainer routes for itself. r3 is refused for a dense model and for an engine
-    that cannot record."""
-
+    every token to, and the trainer's forwards (old log-probs and the update) route to those experts, with
+    gate weights recomputed from the trainer's own router logits, so the router still learns
+    (docs/algorithm.md, "Routing replay"). off: the trainer routes for itself. r3 is refused for a dense model
+    and for an engine that cannot record."""

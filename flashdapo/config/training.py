@@ -42,8 +42,8 @@ class OptimConfig(Section):
 
     lr: PositiveFloat = 1e-6
     """Peak learning rate."""
-    betas: Annotated[tuple[float, float], Check(lambda b: all(0 <= x < 1 for x in b), "two values in [0, 1)")] = \
-        (0.9, 0.999)
+    betas: Annotated[tuple[float, float],
+                     Check(lambda b: all(0 <= x < 1 for x in b), "two values in [0, 1)")] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: Annotated[float, ge(0)] = 0.1
     """AdamW decoupled weight decay."""
@@ -53,16 +53,17 @@ class OptimConfig(Section):
     """Max global gradient norm (<= 0 disables clipping)."""
     warmup_steps: NonNegative = 10
     """Linear warmup from lr / warmup_steps to lr, then constant; counted in TRAINING steps (each holds
-    train_batch / mini_batch optimizer steps), as the paper's 20 and the released recipe's 10 are. The schedule
-    advances only after a training step that took an optimizer step (one that kept no group, or skipped every
-    update as non-finite, does not count)."""
+    train_batch / mini_batch optimizer steps), as the paper's 20 and the released recipe's 10 are. The
+    schedule advances only after a training step that took an optimizer step (one that kept no group, or
+    skipped every update as non-finite, does not count)."""
 
 
 @dataclass
 class TrainerConfig(Section):
     """Batch geometry, schedule, devices and parallelism."""
 
-    total_steps: Annotated[Positive, at_most(STEPS_MAX, "training steps; each generates and trains a batch")] = 100
+    total_steps: Annotated[Positive,
+                           at_most(STEPS_MAX, "training steps; each generates and trains a batch")] = 100
     """Training steps (each: rollouts of train_batch prompts, then train_batch/mini_batch optimizer steps)."""
     train_batch: Annotated[Positive, at_most(BATCH_MAX, BATCH_WHY)] = 512
     """Prompts kept per step after dynamic sampling (all ranks together)."""
@@ -72,7 +73,8 @@ class TrainerConfig(Section):
     """Prompts per optimizer step; train_batch / mini_batch optimizer steps per training step."""
     ppo_epochs: Annotated[Positive, at_most(1000, "passes over each step's batch")] = 1
     """Passes over each step's batch."""
-    micro_batch_tokens: Annotated[Positive, at_most(4 * TOKENS_MAX, "tokens of one rank's forward and backward")] = \
+    micro_batch_tokens: Annotated[Positive, at_most(4 * TOKENS_MAX, "tokens of one rank's forward and "
+                                                                    "backward")] = \
         22528
     """Token budget of one forward/backward micro-batch on one rank: real tokens when packed
     (pack_sequences), rows x longest row when padded. With sequence_parallel = sp a micro-batch holds up to
@@ -114,10 +116,11 @@ class TrainerConfig(Section):
     """Consecutive optimizer steps skipped for a non-finite loss or gradient norm before the run stops
     (naming the step and the newest good checkpoint)."""
 
-    RULES = (Rule("mini_batch", lambda c: c.train_batch % c.mini_batch == 0,
-                  lambda c: f"a divisor of train_batch ({c.train_batch})"),
-             Rule("pack_sequences", lambda c: c.pack_sequences or c.sequence_parallel == 1,
-                  lambda c: f"True with sequence_parallel={c.sequence_parallel} (its shards are of a packed row)"))
+    RULES = (
+        Rule("mini_batch", lambda c: c.train_batch % c.mini_batch == 0,
+             lambda c: f"a divisor of train_batch ({c.train_batch})"),
+        Rule("pack_sequences", lambda c: c.pack_sequences or c.sequence_parallel == 1,
+             lambda c: f"True with sequence_parallel={c.sequence_parallel} (its shards are of a packed row)"))
 
 
 @dataclass
@@ -190,4 +193,3 @@ class LoggingConfig(Section):
     does the same for every warning, other packages' too). Off: each warning prints one line,
     `flashdapo: warning: ...`, also written to RUN_DIR/warnings.log; one that recurs every step prints
     once, with a count at the end of the run."""
-

@@ -1,4 +1,5 @@
-"""THE config tree of flashdapo: one set of dataclasses; the CLI, the YAML files and the presets derive from it.
+"""THE config tree of flashdapo: one set of dataclasses; the CLI, the YAML files and the presets derive from
+it.
 
 This module is the root, `Config`; its sections live by theme: inputs.py (`model`, `data`), sampling.py
 (`rollout`, `algorithm`), training.py (`optim`, `trainer`, `checkpoint`, `logging`), profiling.py
@@ -40,21 +41,26 @@ class Config(Section):
         Rule("algorithm.overlong_buffer_len",
              lambda c: c.algorithm.overlong_buffer_len <= c.rollout.max_response_length,
              lambda c: f"<= rollout.max_response_length ({c.rollout.max_response_length})"),
-        Rule("rollout.engine", lambda c: not engine_spec(c.rollout.engine).needs_checkpoint or bool(c.model.path),
+        Rule("rollout.engine",
+             lambda c: not engine_spec(c.rollout.engine).needs_checkpoint or bool(c.model.path),
              lambda c: f"'torch' for the built-in toy model ({c.rollout.engine} needs model.path)"),
-        Rule("algorithm.rollout_correction",
-             lambda c: c.algorithm.rollout_correction in ("auto", "none") or c.algorithm.old_logprobs == "recompute",
-             lambda c: "'auto' or 'none' with algorithm.old_logprobs=rollout (pi_old is then the engine's own "
-                       "log-probs: every ratio of the correction is 1)"),
-        Rule("algorithm.routing_replay", lambda c: c.algorithm.routing_replay == "off" or (
-            engine_spec(c.rollout.engine).records_routes and (
-                not c.rollout.streaming or engine_spec(c.rollout.engine).streams_routes)),
-             lambda c: f"off with rollout.engine={c.rollout.engine}"
-                       f"{' and rollout.streaming' if c.rollout.streaming else ''} (that engine does not record the "
-                       f"experts it routes to{' in a stream' if c.rollout.streaming else ''})"),
+        Rule(
+            "algorithm.rollout_correction", lambda c: c.algorithm.rollout_correction in
+            ("auto", "none") or c.algorithm.old_logprobs == "recompute",
+            lambda c: "'auto' or 'none' with algorithm.old_logprobs=rollout (pi_old is then the engine's own "
+            "log-probs: every ratio of the correction is 1)"),
+        Rule(
+            "algorithm.routing_replay", lambda c: c.algorithm.routing_replay == "off" or
+            (engine_spec(c.rollout.engine).records_routes and
+             (not c.rollout.streaming or engine_spec(c.rollout.engine).streams_routes)),
+            lambda c: f"off with rollout.engine={c.rollout.engine}"
+            f"{' and rollout.streaming' if c.rollout.streaming else ''} (that engine does not record the "
+            f"experts it routes to{' in a stream' if c.rollout.streaming else ''})"),
         # Without dynamic sampling every generated group trains: generating more would be thrown away.
-        Rule("trainer.gen_batch", lambda c: c.algorithm.dynamic_sampling or c.trainer.gen_batch == c.trainer.train_batch,
-             lambda c: f"trainer.train_batch ({c.trainer.train_batch}) when algorithm.dynamic_sampling is false"),
+        Rule(
+            "trainer.gen_batch",
+            lambda c: c.algorithm.dynamic_sampling or c.trainer.gen_batch == c.trainer.train_batch, lambda c:
+            f"trainer.train_batch ({c.trainer.train_batch}) when algorithm.dynamic_sampling is false"),
         Rule("profile.steps", lambda c: all(s <= c.trainer.total_steps for s in c.profile.steps),
              lambda c: f"steps of the run, 1..trainer.total_steps ({c.trainer.total_steps})"),
     )
@@ -81,6 +87,8 @@ def _plain(value: Any) -> Any:
 register_tree(Config)
 
 
-__all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig",
-           "ModelConfig", "OptimConfig", "ProfileConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig", "ToyTaskConfig",
-           "TrainerConfig"]
+__all__ = [
+    "AlgorithmConfig", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ModelConfig",
+    "OptimConfig", "ProfileConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig",
+    "ToyTaskConfig", "TrainerConfig"
+]

@@ -21,13 +21,14 @@ ranks end with a line saying whose stop they follow (`rank 1 (rollout rank 0) st
 no rank can say which failed: if this process's parent changed meanwhile, the launcher (torchrun, whose agent
 hosts the store and started this rank) was killed, and the line says so; else it names the store's address.
 
-A rank killed without a word (SIGKILL, the OOM killer) writes nothing here. With `watch_peers` (split placement,
-whose sides wait by polling the store, not in a collective that would fail on the dead peer's socket) each
-rank also looks up its same-node peers' processes by pid at each poll (peers.py): the first rank to find one
-dead records the death here as that rank's failure, and every rank ends with one line naming it (`rank 0
-(trainer rank 0) stops: rank 1 (rollout rank 0) died ...`). torchrun's SIGTERM to the survivors comes first
-(within its 0.1 s monitor interval): a stop's signal handler asks `end_if_lost` before it promises a
-checkpoint, so the answer to a dead peer is that line, at once, never a stop that waits for torchrun's SIGKILL.
+A rank killed without a word (SIGKILL, the OOM killer) writes nothing here. With `watch_peers` (split
+placement, whose sides wait by polling the store, not in a collective that would fail on the dead peer's
+socket) each rank also looks up its same-node peers' processes by pid at each poll (peers.py): the first rank
+to find one dead records the death here as that rank's failure, and every rank ends with one line naming it
+(`rank 0 (trainer rank 0) stops: rank 1 (rollout rank 0) died ...`). torchrun's SIGTERM to the survivors comes
+first (within its 0.1 s monitor interval): a stop's signal handler asks `end_if_lost` before it promises a
+checkpoint, so the answer to a dead peer is that line, at once, never a stop that waits for torchrun's
+SIGKILL.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ from .peers import Peers
 
 _EXIT_STATUS = 1
 
-DIED = ("its process ended without a word: killed by a signal, e.g. SIGKILL or the out-of-memory killer); ending "
-        "without saving a checkpoint (the newest one stands; resume with --checkpoint.resume auto")
+DIED = (
+    "its process ended without a word: killed by a signal, e.g. SIGKILL or the out-of-memory killer); ending "
+    "without saving a checkpoint (the newest one stands; resume with --checkpoint.resume auto")
 """What a death line says after naming the dead rank."""
 
 _EXIT_LOCK = threading.Lock()
@@ -138,8 +140,10 @@ class FailFast:
         its traceback; a later one prints a line naming the first. Returns only without peers."""
         if self.store is None:
             return
-        err = interruption_of(err) or err  # a second Ctrl-C that cut a save short: the stop, not the save's error
-        if not isinstance(err, Interrupted):  # an error after a peer's death (its closed socket) follows that death
+        # a second Ctrl-C that cut a save short: the stop, not the save's error
+        err = interruption_of(err) or err
+        # an error after a peer's death (its closed socket) follows that death
+        if not isinstance(err, Interrupted):
             try:
                 self._find_death(wait_s=2.0 if lost_peer_line(err) else 0.0)
             except Exception:  # the store is gone: said below
@@ -148,7 +152,8 @@ class FailFast:
         with _EXIT_LOCK:  # the watcher thread may be exiting already: one message per process
             self._stop.set()
             line = None if debug_requested() else user_error_line(err) or lost_peer_line(err)
-            if first is None and self.launcher_gone() and not debug_requested():  # this error is the store's loss
+            # this error is the store's loss
+            if first is None and self.launcher_gone() and not debug_requested():
                 print(self.store_gone_line(), file=sys.stderr, flush=True)
                 _exit()
             first = True if first is None else first  # no store, no peers to defer to: this error in full
@@ -160,7 +165,9 @@ class FailFast:
             elif not (isinstance(err, FlashdapoError) and err.every_rank):  # raised together: said once above
                 print(f"flashdapo: {self._me} stops ({type(err).__name__}) after {self._first_words()}",
                       file=sys.stderr, flush=True)
-            _exit(getattr(err, "exit_status", _EXIT_STATUS) if isinstance(err, FlashdapoError) else _EXIT_STATUS)
+            _exit(
+                getattr(err, "exit_status", _EXIT_STATUS) if isinstance(err, FlashdapoError) else _EXIT_STATUS
+            )
 
     def _count_in(self, err: BaseException) -> bool | None:
         """Whether this rank failed first (None: the store no longer answers). A stop on a signal is marked as
@@ -173,20 +180,22 @@ class FailFast:
                     self.store.set(_key("stop"), str(err.exit_status - 128))
                 self.store.set(_key("rank"), str(self.rank))
             return first
-        except Exception:  # the store is gone with its host: report this error in full (or the launcher's loss)
+        # the store is gone with its host: report this error in full (or the launcher's loss)
+        except Exception:
             return None
 
     def _find_death(self, wait_s: float = 0.0) -> None:
         """With watch_peers and no failure recorded yet: record a peer found dead (its process gone without a
-        word) as the job's first failure, for the ranks that cannot see its pid. `wait_s`: look for that long (a
-        collective fails on the dead peer's closed socket an instant before its process is seen gone)."""
+        word) as the job's first failure, for the ranks that cannot see its pid. `wait_s`: look for that long
+        (a collective fails on the dead peer's closed socket an instant before its process is seen gone)."""
         if self.peers is None:
             return
         deadline = time.monotonic() + wait_s
         while self.failed_rank() is None:
             dead = self.peers.dead()
             if dead is not None:
-                if self.store.add(_key("count"), 1) == 1:  # else another rank's failure (or this death) came first
+                # else another rank's failure (or this death) came first
+                if self.store.add(_key("count"), 1) == 1:
                     self.store.set(_key("who"), dead.name.removeprefix("rank "))
                     self.store.set(_key("died"), "1")
                     self.store.set(_key("rank"), str(dead.rank))
@@ -209,7 +218,9 @@ class FailFast:
             return "the job's store stopped answering"
         if died:
             return f"{who} died ({DIED})"
-        return f"{who} failed (its error is above)" if stop is None else f"{who} was stopped by {signal_name(stop)}"
+        if stop is None:
+            return f"{who} failed (its error is above)"
+        return f"{who} was stopped by {signal_name(stop)}"
 
     def launcher_gone(self) -> bool:
         """Whether the process that started this rank has gone (this rank was handed to another parent): under
@@ -220,11 +231,15 @@ class FailFast:
         """The one line when the store no longer answers: what is known of why."""
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         if self.launcher_gone():
-            why = (f"the launcher (pid {self.parent_pid}, torchrun's agent, which started this rank) was killed, and "
-                   f"the job's store ({where}) with it; no rank reported an error")
+            why = (
+                f"the launcher (pid {self.parent_pid}, torchrun's agent, which started this rank) was "
+                "killed, and "
+                f"the job's store ({where}) with it; no rank reported an error")
         else:
-            why = (f"the job's store ({where}) stopped answering: its host (torchrun's agent on the first node) is "
-                   "gone; no rank reported an error before")
+            why = (
+                f"the job's store ({where}) stopped answering: its host (torchrun's agent on the first node) "
+                "is "
+                "gone; no rank reported an error before")
         return f"flashdapo: {self._me} stops: {why}; resume with --checkpoint.resume auto"
 
     def verdict(self) -> tuple[str, int] | None:
@@ -279,14 +294,16 @@ def lost_peer_line(err: BaseException) -> str | None:
     if not isinstance(err, RuntimeError) or not any(marker in text for marker in _LOST_PEER):
         return None
     reason = next(marker for marker in _LOST_PEER if marker in text)
-    return ("flashdapo: error: a collective lost its peer (" + reason + "): another rank died without reporting "
-            "an error (killed by a signal, e.g. out of memory; the launcher's summary below names it and its exit "
-            "code); resume with --checkpoint.resume auto")
+    return (
+        "flashdapo: error: a collective lost its peer (" + reason + "): another rank died without reporting "
+        "an error (killed by a signal, e.g. out of memory; the launcher's summary below names it and its "
+        "exit "
+        "code); resume with --checkpoint.resume auto")
 
 
 def exit_with_line(line: str, status: int = _EXIT_STATUS) -> None:
-    """Print `line` and end the process, unless another thread is ending it already (then return at once: its own
-    line is the one said)."""
+    """Print `line` and end the process, unless another thread is ending it already (then return at once: its
+    own line is the one said)."""
     if not _EXIT_LOCK.acquire(blocking=False):
         return
     print(line, file=sys.stderr, flush=True)

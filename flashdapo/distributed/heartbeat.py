@@ -26,7 +26,8 @@ def heartbeat_line(step: int, timer: StageClock, now: float) -> str:
     step_start = next((start for name, start in timer.running if name == "step"), now)
     where = f"in {running[-1][0]} for {now - running[-1][1]:.0f} s" if running else "between stages"
     done = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in timer.seconds.items() if name != "step")
-    return f"flashdapo: step {step}: {where} ({(done + ' done; ') if done else ''}step {now - step_start:.0f} s so far)"
+    done = f"{done} done; " if done else ""
+    return f"flashdapo: step {step}: {where} ({done}step {now - step_start:.0f} s so far)"
 
 
 @contextmanager

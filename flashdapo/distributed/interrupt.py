@@ -1,4 +1,5 @@
-"""Ctrl-C or SIGTERM while training: stop at the end of the step with a checkpoint, in one line, on every rank.
+"""Ctrl-C or SIGTERM while training: stop at the end of the step with a checkpoint, in one line, on every
+rank.
 
 The first Ctrl-C (SIGINT) or SIGTERM lets the running step finish, then the loop saves that step's
 checkpoint (unless it just did) and stops with one line, `stopped at step N ...; resume with
@@ -11,10 +12,10 @@ one.
 
 SIGTERM is what a scheduler sends before it ends a job (SLURM's scancel and preemption, Kubernetes) and what
 torchrun sends the other ranks when one rank died. In the first case every rank finishes its step and the
-checkpoint is saved; in the second no checkpoint is promised: the handler first asks fail-fast (`lost`) whether
-another rank failed or died, and if one did this rank ends at once with the line naming it (failfast.py); where
-that cannot be seen yet, the step's next collective fails at once on the dead peer, and that failure is the one
-line reported, not a launcher's bare kill.
+checkpoint is saved; in the second no checkpoint is promised: the handler first asks fail-fast (`lost`)
+whether another rank failed or died, and if one did this rank ends at once with the line naming it
+(failfast.py); where that cannot be seen yet, the step's next collective fails at once on the dead peer, and
+that failure is the one line reported, not a launcher's bare kill.
 
 Under torchrun the launcher forwards SIGINT to every worker; at each step's end the ranks agree on stopping
 (a max all-reduce of one flag), so every rank stops after the same step and the save is collective as usual.
@@ -66,7 +67,8 @@ class StopOnInterrupt:
     each step (`agreed`) and between the stages of setup, the validation before step 1 and after the export
     (`check`). A handler that raised could raise inside whatever runs at that moment, a finalizer included,
     where Python prints "Exception ignored in ..." and goes on: the stop would be lost. A second signal
-    raises at once; should that exception be swallowed, the flag still stops the run at the next safe point."""
+    raises at once; should that exception be swallowed, the flag still stops the run at the next safe
+    point."""
 
     def __init__(self, newest_checkpoint: Callable[[], object]):
         self.newest_checkpoint = newest_checkpoint
@@ -80,8 +82,8 @@ class StopOnInterrupt:
         """The first signal received (its name goes into the lines, its number into the exit status)."""
         self.lost: Callable[[], bool] = lambda: False
         """Asked first on a first signal: whether the job is ending on another rank's failure or death, this
-        process with it in its own line (failfast.FailFast.end_if_lost). torchrun signals the survivors of a dead
-        rank: a stop then would promise a checkpoint that needs the dead rank and is never written."""
+        process with it in its own line (failfast.FailFast.end_if_lost). torchrun signals the survivors of a
+        dead rank: a stop then would promise a checkpoint that needs the dead rank and is never written."""
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopOnInterrupt:
@@ -113,10 +115,12 @@ class StopOnInterrupt:
         completed (a safe point after it), else it was cut short (a second signal)."""
         name, newest = signal_name(self.signum), self.newest_checkpoint()
         if finished and self.phase == "the export":
-            return Interrupted(f"stopped by {name} during the export, once it was written: the run is complete "
-                               f"(its newest checkpoint is {newest or 'none'})", self.signum)
-        return Interrupted(f"stopped by {name} during {self.phase}, without a checkpoint of it; the newest "
-                           f"checkpoint is {newest or 'none'}; resume with --checkpoint.resume auto", self.signum)
+            return Interrupted(
+                f"stopped by {name} during the export, once it was written: the run is complete "
+                f"(its newest checkpoint is {newest or 'none'})", self.signum)
+        return Interrupted(
+            f"stopped by {name} during {self.phase}, without a checkpoint of it; the newest "
+            f"checkpoint is {newest or 'none'}; resume with --checkpoint.resume auto", self.signum)
 
     def check(self) -> None:
         """A safe point outside a step: raise Interrupted if a stop was asked for (on this rank)."""
@@ -133,8 +137,9 @@ class StopOnInterrupt:
 
     def stopped(self, step: int) -> Interrupted:
         """The error that ends a run stopped after `step`, whose checkpoint is saved."""
-        return Interrupted(f"stopped at step {step} by {signal_name(self.signum)}, after saving its checkpoint "
-                           f"{self.newest_checkpoint()}; resume with --checkpoint.resume auto", self.signum)
+        return Interrupted(
+            f"stopped at step {step} by {signal_name(self.signum)}, after saving its checkpoint "
+            f"{self.newest_checkpoint()}; resume with --checkpoint.resume auto", self.signum)
 
 
 def _notice(text: str) -> None:
@@ -148,9 +153,10 @@ def _notice(text: str) -> None:
 
 def interruption_of(err: BaseException | None) -> Interrupted | None:
     """The Interrupted that `err` is, or was raised from or while handling, or that a rank's failure inside a
-    torch.distributed.checkpoint save or load holds (DCP wraps every exception of its stages, a stop included, into
-    a CheckpointException whose `failures` map ranks to (exception, traceback)): a stop that a writer wrapped into
-    its own error ('cannot write checkpoint ...: Interrupted') is still the stop. None if there is none."""
+    torch.distributed.checkpoint save or load holds (DCP wraps every exception of its stages, a stop included,
+    into a CheckpointException whose `failures` map ranks to (exception, traceback)): a stop that a writer
+    wrapped into its own error ('cannot write checkpoint ...: Interrupted') is still the stop. None if there
+    is none."""
     seen: set[int] = set()
     pending = [err]
     while pending:

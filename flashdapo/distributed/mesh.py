@@ -97,8 +97,9 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800, sequence_paral
     if rollout_ranks:
         return _init_split(device, timeout_s, sequence_parallel, rollout_ranks, rank, local_rank, world_size)
     if world_size % sequence_parallel:
-        raise SequenceParallelError(f"trainer.sequence_parallel={sequence_parallel} must divide the world size "
-                                    f"{world_size}: launch a multiple of {sequence_parallel} ranks or change it")
+        raise SequenceParallelError(
+            f"trainer.sequence_parallel={sequence_parallel} must divide the world size "
+            f"{world_size}: launch a multiple of {sequence_parallel} ranks or change it")
     dev = _device(device, local_rank)
     use_cuda = dev.type == "cuda"
     if not dist.is_initialized():
@@ -151,8 +152,9 @@ def _init_split(device: str, timeout_s: int, sequence_parallel: int, rollout_ran
     role = layout.role(rank)
     sp = sequence_parallel if role == "trainer" else 1  # the rollout side trains nothing
     if layout.partition(rank)[2] % sp:
-        raise SequenceParallelError(f"trainer.sequence_parallel={sp} must divide the {layout.trainers} trainer "
-                                    f"ranks: launch a multiple of {sp} trainer ranks or change it")
+        raise SequenceParallelError(
+            f"trainer.sequence_parallel={sp} must divide the {layout.trainers} trainer "
+            f"ranks: launch a multiple of {sp} trainer ranks or change it")
     backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
     _, part_rank, part_size = init_partition(layout, rank, store, backend, timeout_s,
                                              dev if dev.type == "cuda" else None)
@@ -174,15 +176,16 @@ class ExpertParallelError(FlashdapoError, ValueError):
 def expert_parallel_mesh(env: DistEnv, expert_parallel: int) -> DeviceMesh:
     """The 2-D mesh ("efsdp", "ep") of expert parallelism over env's ranks (models/moe/expert_parallel.py).
 
-    An expert-parallel group is `expert_parallel` = E consecutive ranks (the same rank // E; on GPUs one node's,
-    so the token all-to-all stays on its fast links): each holds 1/E of every MoE layer's experts. "efsdp" joins
-    the ranks that hold the same experts (the same rank % E): FSDP2 shards those experts over it and sums their
-    gradients over it. E divides the world size (all dp x sp ranks: the token exchange is per token, so the
-    ranks of a sequence-parallel group may share experts too); ExpertParallelError otherwise."""
+    An expert-parallel group is `expert_parallel` = E consecutive ranks (the same rank // E; on GPUs one
+    node's, so the token all-to-all stays on its fast links): each holds 1/E of every MoE layer's experts.
+    "efsdp" joins the ranks that hold the same experts (the same rank % E): FSDP2 shards those experts over it
+    and sums their gradients over it. E divides the world size (all dp x sp ranks: the token exchange is per
+    token, so the ranks of a sequence-parallel group may share experts too); ExpertParallelError otherwise."""
     if expert_parallel < 1 or env.world_size % expert_parallel:
-        raise ExpertParallelError(f"trainer.expert_parallel={expert_parallel} must divide the data-parallel world "
-                                  f"size {env.world_size} (trainer ranks): launch a multiple of {expert_parallel} "
-                                  "ranks or change it")
+        raise ExpertParallelError(
+            f"trainer.expert_parallel={expert_parallel} must divide the data-parallel world "
+            f"size {env.world_size} (trainer ranks): launch a multiple of {expert_parallel} "
+            "ranks or change it")
     return init_device_mesh(env.device.type, (env.world_size // expert_parallel, expert_parallel),
                             mesh_dim_names=("efsdp", "ep"))
 

@@ -31,8 +31,8 @@ def _key(name: str) -> str:
 
 
 def this_place() -> str:
-    """Where a pid of this process's means the same process: the machine's boot and this pid namespace ('' where
-    /proc cannot say: then no peer is checked by pid)."""
+    """Where a pid of this process's means the same process: the machine's boot and this pid namespace (''
+    where /proc cannot say: then no peer is checked by pid)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
@@ -41,7 +41,8 @@ def this_place() -> str:
 
 
 def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state first), or None if there is no such process."""
+    """The fields of /proc/<pid>/stat after the command name (state first), or None if there is no such
+    process."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -51,8 +52,8 @@ def _stat(pid: int) -> list[str] | None:
 
 @dataclass(frozen=True)
 class ProcessId:
-    """A rank's process: its rank (the launch's), pid, the pid's start time (clock ticks after boot), where the pid
-    is valid, and how messages name the rank ('rank 1 (rollout rank 0)')."""
+    """A rank's process: its rank (the launch's), pid, the pid's start time (clock ticks after boot), where
+    the pid is valid, and how messages name the rank ('rank 1 (rollout rank 0)')."""
 
     rank: int
     pid: int
@@ -80,7 +81,8 @@ class ProcessId:
         return bool(self.place) and self.started >= 0 and self.place == this_place()
 
     def alive(self) -> bool:
-        """Whether it still runs (checkable ones only): its pid exists, is no zombie, and started when it did."""
+        """Whether it still runs (checkable ones only): its pid exists, is no zombie, and started when it
+        did."""
         fields = _stat(self.pid)
         return fields is not None and fields[0] not in ("Z", "X", "x") and int(fields[19]) == self.started
 
@@ -119,15 +121,16 @@ class Peers:
         mark_left(self.store, self.rank)
 
     def dead(self) -> ProcessId | None:
-        """The first watched peer on this node whose process has ended without leaving, if any. Peers that have
-        not published yet are looked up again at the next call."""
+        """The first watched peer on this node whose process has ended without leaving, if any. Peers that
+        have not published yet are looked up again at the next call."""
         for rank in self.watched:
             if rank in self._unseen:
                 continue
             peer = self._ids.get(rank) or self._look_up(rank)
             if peer is None or peer.alive():
                 continue
-            if self.store.check([_key(f"left/{rank}")]):  # read after its death: a leaving rank wrote it before
+            # read after its death: a leaving rank wrote it before
+            if self.store.check([_key(f"left/{rank}")]):
                 self._unseen.add(rank)
                 continue
             return peer

@@ -79,7 +79,8 @@ class Layout:
 
     @property
     def weights_members(self) -> list[int]:
-        """Global ranks of the weights bridge, in bridge rank order: trainer rank 0, then the rollout ranks."""
+        """Global ranks of the weights bridge, in bridge rank order: trainer rank 0, then the rollout
+        ranks."""
         return [0, *range(self.trainers, self.world_size)]
 
 
@@ -106,10 +107,11 @@ signal's number. The rollout ranks' Liveness threads read it and end their proce
 class Liveness:
     """A daemon thread bumping this rank's counter in the store every `every_s`: what `wait_key` reads to
     tell a slow peer (counting) from a stopped one (not). With `stop_line` (rollout ranks) it also ends this
-    process, printing that line, once the trainer side has stopped on a signal (STOP_KEY): the rollout side has
-    nothing to save, and neither a launcher's SIGKILL nor a lost peer is then the job's last word."""
+    process, printing that line, once the trainer side has stopped on a signal (STOP_KEY): the rollout side
+    has nothing to save, and neither a launcher's SIGKILL nor a lost peer is then the job's last word."""
 
-    def __init__(self, store: dist.Store, global_rank: int, every_s: float = 1.0, stop_line: str | None = None):
+    def __init__(self, store: dist.Store, global_rank: int, every_s: float = 1.0,
+                 stop_line: str | None = None):
         self.store, self.key, self.every_s = store, _key(f"alive/{global_rank}"), every_s
         self.global_rank = global_rank
         self.stop_line = stop_line
@@ -128,9 +130,10 @@ class Liveness:
             self.stop_if_announced()
 
     def stop_if_announced(self) -> None:
-        """With `stop_line`: end this process with that line and the signal's exit status if the trainer side has
-        stopped on a signal (STOP_KEY). Also called on an error: one that follows the trainer side's stop (a
-        batch sent to, or a weight bucket from, a trainer rank that has just exited) is that stop, no failure."""
+        """With `stop_line`: end this process with that line and the signal's exit status if the trainer side
+        has stopped on a signal (STOP_KEY). Also called on an error: one that follows the trainer side's stop
+        (a batch sent to, or a weight bucket from, a trainer rank that has just exited) is that stop, no
+        failure."""
         if self.stop_line is None:
             return
         with self._exiting:  # the beat and the main thread: one line; the second waits for the exit
@@ -139,7 +142,8 @@ class Liveness:
             except Exception:  # the store went with the job: fail-fast reports it
                 return
             if signum:
-                mark_left(self.store, self.global_rank)  # an end in order: the trainer side's watch sees no death
+                # an end in order: the trainer side's watch sees no death
+                mark_left(self.store, self.global_rank)
                 print(self.stop_line, file=sys.stderr, flush=True)
                 sys.stdout.flush()
                 os._exit(128 + signum)
@@ -193,13 +197,14 @@ class Bridges:
         self.store.add(_key(name), 1)
 
     def wait_count(self, name: str, count: int, peers: list[int], what: str) -> float:
-        """Poll until `count` ranks have `arrive`d at `name`, reading `peers`' liveness as `wait_key` does. Before
-        a bridge collective: a peer stopped outside it is named in one line, not found by the collective's timeout."""
+        """Poll until `count` ranks have `arrive`d at `name`, reading `peers`' liveness as `wait_key` does.
+        Before a bridge collective: a peer stopped outside it is named in one line, not found by the
+        collective's timeout."""
         return self._poll(lambda: self.store.add(_key(name), 0) >= count, peers, what)
 
     def wait_until(self, done: Callable[[], bool], peers: list[int], what: str) -> float:
-        """Poll `done` until it holds, reading `peers`' liveness as `wait_key` does; seconds waited. For a wait on
-        something of this process (a receiver thread's progress) that a stopped peer would hold up."""
+        """Poll `done` until it holds, reading `peers`' liveness as `wait_key` does; seconds waited. For a
+        wait on something of this process (a receiver thread's progress) that a stopped peer would hold up."""
         return self._poll(done, peers, what)
 
     def _poll(self, done, peers: list[int], what: str, pause: Callable[[], object] | None = None) -> float:
@@ -213,9 +218,10 @@ class Bridges:
                 if count != seen[p][0]:
                     seen[p] = (count, now)
                 elif now - seen[p][1] > self.stale_s:
-                    raise PeerHungError(f"{self.layout.describe(p)} has not answered for {self.stale_s:.0f} s while "
-                                        f"{self.layout.describe(self.global_rank)} waited for {what}: it is stopped "
-                                        "or hung; resume with --checkpoint.resume auto")
+                    raise PeerHungError(
+                        f"{self.layout.describe(p)} has not answered for {self.stale_s:.0f} s while "
+                        f"{self.layout.describe(self.global_rank)} waited for {what}: it is stopped "
+                        "or hung; resume with --checkpoint.resume auto")
             if pause is None:
                 time.sleep(self.poll_s)
             else:
@@ -226,14 +232,16 @@ class Bridges:
         """`payload` to global rank `dst` over the control bridge (its length first), reading `dst`'s liveness
         while the send is in flight (a peer stopped before it receives is named, not found by the timeout)."""
         _stop_here_for_test("send")
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(
+            0, dtype=torch.uint8)
         self._finish(self.ctl.send([torch.tensor([len(payload)], dtype=torch.int64)], dst, tag), [dst], what)
         if len(payload):
             self._finish(self.ctl.send([data], dst, tag), [dst], what)
 
     def recv_bytes(self, src: int, tag: int, what: str = "a message") -> bytes:
-        """What global rank `src` sent with `send_bytes` and `tag`. The receive runs while this rank reads `src`'s
-        liveness: a sender stopped between announcing the message and sending it is named after stale_s."""
+        """What global rank `src` sent with `send_bytes` and `tag`. The receive runs while this rank reads
+        `src`'s liveness: a sender stopped between announcing the message and sending it is named after
+        stale_s."""
         size = torch.zeros(1, dtype=torch.int64)
         self._finish(self.ctl.recv([size], src, tag), [src], what)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -243,8 +251,8 @@ class Bridges:
 
     def _finish(self, work, peers: list[int], what: str) -> None:
         """Wait for a point-to-point `work` while polling `peers`' liveness. Gloo's send/recv works report
-        is_completed() only once wait() has returned, so the wait runs on a helper thread (left blocked, daemon,
-        if the peer hung: the process is about to end with PeerHungError)."""
+        is_completed() only once wait() has returned, so the wait runs on a helper thread (left blocked,
+        daemon, if the peer hung: the process is about to end with PeerHungError)."""
         done, errors = threading.Event(), []
 
         def wait() -> None:
@@ -256,14 +264,15 @@ class Bridges:
                 done.set()
 
         threading.Thread(target=wait, name="flashdapo-bridge-wait", daemon=True).start()
-        self._poll(done.is_set, peers, what, pause=lambda: done.wait(self.poll_s))  # wakes as the transfer ends
+        # wakes as the transfer ends
+        self._poll(done.is_set, peers, what, pause=lambda: done.wait(self.poll_s))
         if errors:
             raise errors[0]  # the transfer's own error (a peer that died: its closed socket)
 
     def broadcast_weights(self, tensor: torch.Tensor, what: str = "a bucket of the weights") -> None:
-        """Trainer rank 0's `tensor` into every rollout rank's (same shape and dtype, on `weights_device`), over
-        the weights bridge. The broadcast runs asynchronously while this rank polls the other members' liveness:
-        a member that stops inside it (SIGSTOP, a wedged process) is named after stale_s in one line
+        """Trainer rank 0's `tensor` into every rollout rank's (same shape and dtype, on `weights_device`),
+        over the weights bridge. The broadcast runs asynchronously while this rank polls the other members'
+        liveness: a member that stops inside it (SIGSTOP, a wedged process) is named after stale_s in one line
         (PeerHungError), not found by the bridge's collective timeout."""
         _stop_here_for_test("push")
         options = dist.BroadcastOptions()
@@ -289,8 +298,8 @@ def _bridge_group(store: dist.Store, name: str, rank: int, size: int, device: to
 STOP_ENV = "FLASHDAPO_SPLIT_STOP_IN"
 """Test hook (fault injection): `<global rank>:<where>:<n>` makes that rank SIGSTOP itself (every thread, its
 liveness beat included: a hung process) at its n-th pass through `where` (1-based); `push`: about to join a
-bucket broadcast of the weights push; `send`: about to send a message over the control bridge (a rollout rank: a
-batch whose ready key is set)."""
+bucket broadcast of the weights push; `send`: about to send a message over the control bridge (a rollout rank:
+a batch whose ready key is set)."""
 
 
 def _stop_here_for_test(where: str) -> None:
@@ -302,7 +311,8 @@ def _stop_here_for_test(where: str) -> None:
         return
     _PASSES[where] = _PASSES.get(where, 0) + 1
     if _PASSES[where] == int(nth):
-        print(f"flashdapo: test hook {STOP_ENV}: rank {rank} stops itself in {where}", file=sys.stderr, flush=True)
+        print(f"flashdapo: test hook {STOP_ENV}: rank {rank} stops itself in {where}", file=sys.stderr,
+              flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -320,8 +330,8 @@ def connect_bridges(layout: Layout, global_rank: int, store: dist.Store, device:
     there: waits for the other side are `wait_key`'s."""
     ctl = _bridge_group(store, "bridge/ctl", global_rank, layout.world_size, torch.device("cpu"), timeout_s)
     members = layout.weights_members
-    weights = (_bridge_group(store, "bridge/weights", members.index(global_rank), len(members), device, timeout_s)
-               if global_rank in members else None)
+    weights = (_bridge_group(store, "bridge/weights", members.index(global_rank), len(members), device,
+                             timeout_s) if global_rank in members else None)
     weights_device = device if device.type == "cuda" else torch.device("cpu")  # NCCL: this rank's GPU
     if os.environ.get(STALE_ENV):
         stale_s = min(max(float(os.environ[STALE_ENV]), 2.0), 3600.0)

@@ -98,7 +98,8 @@ def tree_options(base: Config, options: dict[str, str]) -> list[tuple[str, Any, 
         section = operator.attrgetter(section_path)(base)
         tp, checks = field_spec(type(section), leaf)
         help_text = " ".join(field_docs(type(section))[leaf].split()) + f" (config field {path})"
-        fields.append((name, option(tp, help_text, *checks), dataclasses.field(default=getattr(section, leaf))))
+        fields.append((name, option(tp, help_text,
+                                    *checks), dataclasses.field(default=getattr(section, leaf))))
     return fields
 
 
@@ -108,40 +109,50 @@ def eval_args_class(base: Config) -> type:
     from ..config.cli import option  # the command line alone needs tyro
 
     fields: list[tuple[str, Any, Any]] = [
-        ("model", option(str, "Local HF model directory (e.g. a run's export/ folder).", IS_PATH,
-                         Check(lambda p: Path(p).is_dir(), "an existing directory")), ...),
-        ("data", option(list[str], "Evaluation files, e.g. aime-2024.parquet math500.parquet; metrics are reported "
-                                   "per data source (the data_source column, else the file name) and pooled; "
-                                   "each file once.", IS_PATH,
-                        Check(_are_files, "one or more existing .parquet or .jsonl files"),
-                        Check(_distinct_files, "each file once (one given twice would count its problems twice)")),
-         ...),
-        ("out", option(str, "Output directory: samples.jsonl (appended per prompt; a rerun with the same OUT "
-                            "resumes) and metrics.json.", IS_PATH), ...),
-        ("prompts_per_call", option(
-            int, "Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
-                 f"only on the seed and the prompt), {engine_spec('vllm').prompts_per_call} with vllm.", ge(0),
-            at_most(BATCH_MAX, BATCH_WHY)), 0),
-        ("progress", option(bool, "Show prompts done / total, tokens/s and the ETA (`--no-progress`: false)."),
-         True),
-        ("fsdp", option(
-            bool, "torch engine: shard the model over the ranks with FSDP2 as in training (rank 0 reads the "
-                  "checkpoint; every forward gathers one block at a time), for a model that does not fit one "
-                  "device. Samples then depend on the rank count. Default: a whole replica per rank (`--fsdp` "
-                  "alone: true)."), False),
-        ("sources", option(
-            Literal["column", "file"], "What a data source is: 'column', the data_source column (the file name "
-                                       "where it is absent), or 'file', the file name (the public AIME-2024 "
-                                       "parquet says math_dapo, as the training set does)."), "column"),
+        ("model",
+         option(str, "Local HF model directory (e.g. a run's export/ folder).", IS_PATH,
+                Check(lambda p: Path(p).is_dir(), "an existing directory")), ...),
+        ("data",
+         option(
+             list[str], "Evaluation files, e.g. aime-2024.parquet math500.parquet; metrics are reported "
+             "per data source (the data_source column, else the file name) and pooled; "
+             "each file once.", IS_PATH, Check(_are_files, "one or more existing .parquet or .jsonl files"),
+             Check(_distinct_files, "each file once (one given twice would count its problems twice)")), ...),
+        ("out",
+         option(
+             str, "Output directory: samples.jsonl (appended per prompt; a rerun with the same OUT "
+             "resumes) and metrics.json.", IS_PATH), ...),
+        ("prompts_per_call",
+         option(
+             int,
+             "Prompts per rank per generate call. 0: 1 with the torch engine (a prompt's samples then depend "
+             f"only on the seed and the prompt), {engine_spec('vllm').prompts_per_call} with vllm.", ge(0),
+             at_most(BATCH_MAX, BATCH_WHY)), 0),
+        ("progress",
+         option(bool, "Show prompts done / total, tokens/s and the ETA (`--no-progress`: false)."), True),
+        ("fsdp",
+         option(
+             bool, "torch engine: shard the model over the ranks with FSDP2 as in training (rank 0 reads the "
+             "checkpoint; every forward gathers one block at a time), for a model that does not fit one "
+             "device. Samples then depend on the rank count. Default: a whole replica per rank (`--fsdp` "
+             "alone: true)."), False),
+        ("sources",
+         option(
+             Literal["column", "file"],
+             "What a data source is: 'column', the data_source column (the file name "
+             "where it is absent), or 'file', the file name (the public AIME-2024 "
+             "parquet says math_dapo, as the training set does)."), "column"),
     ]
     fields += tree_options(base, OPTIONS)
-    fields = [(n, t) if d is ... else (n, t, dataclasses.field(default=d) if not isinstance(d, dataclasses.Field)
-              else d) for n, t, d in fields]
+    fields = [(n, t) if d is ... else
+              (n, t, dataclasses.field(default=d) if not isinstance(d, dataclasses.Field) else d)
+              for n, t, d in fields]
     cls = dataclasses.make_dataclass("EvalArgs", fields, bases=(Section,))
     cls.__doc__ = "Evaluate a saved model (HF directory) on a parquet/jsonl in the DAPO / AIME-2024 schema."
     cls.RULES = (Rule("device", lambda a: a.device != "cuda" or torch.cuda.is_available(),
                       lambda a: "'auto' or 'cpu' (CUDA is not available)"),
-                 Rule("fsdp", lambda a: not (a.fsdp and engine_spec(a.engine).own_weights), lambda a: "false with --engine vllm "
+                 Rule("fsdp", lambda a: not (a.fsdp and engine_spec(a.engine).own_weights),
+                      lambda a: "false with --engine vllm "
                       "(vLLM shards with --tensor-parallel-size)"))
     register_tree(cls, "eval.")
     return cls
@@ -182,10 +193,11 @@ def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
     dtype = "bfloat16" if on_gpu else "float32"
     attention = eval_attention(args.model)
     rollout = RolloutConfig(engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
-                            kv_cache_gib=getattr(args, "kv_cache_gib", 0.0), max_num_seqs=getattr(args, "batch_size", RolloutConfig.max_num_seqs))
+                            kv_cache_gib=getattr(args, "kv_cache_gib", 0.0),
+                            max_num_seqs=getattr(args, "batch_size", RolloutConfig.max_num_seqs))
     out = getattr(args, "out", None)
-    common = dict(model_path=args.model, dtype=dtype, seed=args.seed, dummy_weights=False, vllm_module=vllm_module,
-                  max_model_len=args.max_prompt_length + args.max_new_tokens,
+    common = dict(model_path=args.model, dtype=dtype, seed=args.seed, dummy_weights=False,
+                  vllm_module=vllm_module, max_model_len=args.max_prompt_length + args.max_new_tokens,
                   error_log=Path(out) / f"vllm-error.rank{env.rank}.log" if out else None)
     if engine_spec(args.engine).own_weights:
         return build_engine(rollout, env, tokenizer, **common)
@@ -202,8 +214,8 @@ def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
                             shard_group=world_group(env), **common)
     from ..models.quantized import load_pretrained
 
-    model = load_pretrained(args.model, torch.bfloat16 if on_gpu else torch.float32, attention, said, "--model",
-                            "sampling")
+    model = load_pretrained(args.model, torch.bfloat16 if on_gpu else torch.float32, attention, said,
+                            "--model", "sampling")
     # No process group: each rank holds a full replica and generates on its own, seeded per prompt only.
     return build_engine(rollout, env, tokenizer, model=model.to(env.device), **common)
 
@@ -240,7 +252,8 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
                           "--max-prompt-length + --max-new-tokens")
     # What the engine builds of this model (vLLM: its architectures, per-layer windows), before it starts.
-    check_engine_model(args.engine, checked.config, f"--model={args.model}", pushed=False)  # vLLM loads from disk
+    # vLLM loads from disk
+    check_engine_model(args.engine, checked.config, f"--model={args.model}", pushed=False)
     env = init_distributed(args.device)
     failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
     failfast.watch()
@@ -249,9 +262,11 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
         tokenizer = checked.tokenizer
         for note in checked.notes if env.is_main else []:
             print(f"flashdapo eval: {note}", flush=True)
-        dataset = load_eval_prompts(list(args.data), tokenizer, DataConfig(max_prompt_length=args.max_prompt_length))
+        dataset = load_eval_prompts(list(args.data), tokenizer,
+                                    DataConfig(max_prompt_length=args.max_prompt_length))
         prompts = dataset.prompts if args.sources == "column" else [
-            dataclasses.replace(p, data_source=Path(p.source.rsplit(":", 1)[0]).stem) for p in dataset.prompts]
+            dataclasses.replace(p, data_source=Path(p.source.rsplit(":", 1)[0]).stem) for p in dataset.prompts
+        ]
         if env.is_main:
             print(f"flashdapo eval: {dataset.report.summary()}; {env.world_size} rank(s) on {env.device}, "
                   f"{args.engine} engine", flush=True)
@@ -267,8 +282,10 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
                                  Shard(env.rank, env.world_size), args.progress)
         if env.is_main:
             print(format_report(report))
-            print(f"flashdapo eval: per-prompt samples in {Path(args.out) / 'samples.jsonl'}; metrics (pass@j and "
-                  f"maj@j for every j) in {Path(args.out) / 'metrics.json'}", flush=True)
+            print(
+                f"flashdapo eval: per-prompt samples in {Path(args.out) / 'samples.jsonl'}; metrics (pass@j "
+                "and "
+                f"maj@j for every j) in {Path(args.out) / 'metrics.json'}", flush=True)
     except BaseException as err:
         failfast.end(err)
         raise

@@ -25,9 +25,12 @@ DATA_SOURCE = "examples"
 
 
 def example_rows() -> list[dict]:
-    """The examples as rows of the DAPO-Math-17k schema (as a .jsonl or .parquet for --data would hold them)."""
-    return [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": DAPO_TEMPLATE.format(problem=p)}],
-             "ability": "MATH", "reward_model": {"ground_truth": a, "style": "rule"}} for p, a in EXAMPLES]
+    """The examples as rows of the DAPO-Math-17k schema (as a .jsonl or .parquet for --data would hold
+    them)."""
+    return [{
+        "data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": DAPO_TEMPLATE.format(problem=p)}],
+        "ability": "MATH", "reward_model": {"ground_truth": a, "style": "rule"}
+    } for p, a in EXAMPLES]
 
 
 def example_records() -> list[Record]:

@@ -7,10 +7,10 @@ It goes the way of `flashdapo eval` (eval/command.py): the same model and tokeni
 sampling (`sample_prompts`: the model's chat template, one generate call per prompt with the torch engine,
 every response decoded and verified), with the evaluation's sampling fields of the config tree
 (rollout.val_temperature, val_top_p, max_response_length, from `--config`/`--preset` or the defaults).
-A `--prompt` is one user message as typed (no template added) and has no ground truth; `--data` rows and `--examples` (a few
-DAPO-format math problems, eval/examples.py) have theirs, so each of their responses shows the verifier's
-verdict. `--out` writes one JSON object per prompt with its responses, as eval's samples.jsonl does.
-One process (a rank of its own); every option is checked before the model loads.
+A `--prompt` is one user message as typed (no template added) and has no ground truth; `--data` rows and
+`--examples` (a few DAPO-format math problems, eval/examples.py) have theirs, so each of their responses shows
+the verifier's verdict. `--out` writes one JSON object per prompt with its responses, as eval's samples.jsonl
+does. One process (a rank of its own); every option is checked before the model loads.
 """
 
 from __future__ import annotations
@@ -51,28 +51,39 @@ def generate_args_class(base: Config) -> type:
     from ..config.cli import option as opt  # the command line alone needs tyro
 
     fields: list[tuple[str, Any, Any]] = [
-        ("model", opt(str, "Local HF model directory (e.g. a run's export/ folder).", IS_PATH,
-                      Check(lambda p: bool(p) and Path(p).is_dir(), "an existing model directory (e.g. runs/toy/export)")),
-         ""),
-        ("prompt", opt(list[str], "Prompts, each one user message of the chat template, as typed (no ground truth).",
-                       Check(lambda ps: all(p.strip() for p in ps), "prompts with text")), dataclasses.field(
-            default_factory=list)),
-        ("data", opt(str, "A .parquet or .jsonl file in the DAPO-Math-17k schema (or {problem, answer} rows).", IS_PATH,
-                     Check(_data_file, "an existing .parquet or .jsonl file")), ""),
+        ("model",
+         opt(
+             str, "Local HF model directory (e.g. a run's export/ folder).", IS_PATH,
+             Check(lambda p: bool(p) and Path(p).is_dir(),
+                   "an existing model directory (e.g. runs/toy/export)")), ""),
+        ("prompt",
+         opt(list[str], "Prompts, each one user message of the chat template, as typed (no ground truth).",
+             Check(lambda ps: all(p.strip() for p in ps),
+                   "prompts with text")), dataclasses.field(default_factory=list)),
+        ("data",
+         opt(str, "A .parquet or .jsonl file in the DAPO-Math-17k schema (or {problem, answer} rows).",
+             IS_PATH, Check(_data_file, "an existing .parquet or .jsonl file")), ""),
         ("limit", opt(int, "With --data: its first N prompts (0: all).", ge(0)), 0),
-        ("examples", opt(bool, "A few math problems in the DAPO format, with their answers (eval/examples.py; "
-                               "`--examples` alone: true)."), False),
-        ("n", opt(int, "Responses per prompt.", ge(1), at_most(SAMPLES_MAX, "responses per prompt held together")),
-         4),
-        ("out", opt(str, "Also write the responses to this .jsonl file (one prompt per line, as eval's "
-                         "samples.jsonl).", IS_PATH), ""),
+        ("examples",
+         opt(
+             bool, "A few math problems in the DAPO format, with their answers (eval/examples.py; "
+             "`--examples` alone: true)."), False),
+        ("n",
+         opt(int, "Responses per prompt.", ge(1), at_most(SAMPLES_MAX,
+                                                          "responses per prompt held together")), 4),
+        ("out",
+         opt(
+             str, "Also write the responses to this .jsonl file (one prompt per line, as eval's "
+             "samples.jsonl).", IS_PATH), ""),
         *tree_options(base, GENERATE_OPTIONS),
     ]
-    fields = [(n, t, d if isinstance(d, dataclasses.Field) else dataclasses.field(default=d)) for n, t, d in fields]
+    fields = [(n, t, d if isinstance(d, dataclasses.Field) else dataclasses.field(default=d))
+              for n, t, d in fields]
     cls = dataclasses.make_dataclass("GenerateArgs", fields, bases=(Section,))
     cls.__doc__ = "Sample a saved model's responses to a few prompts; judge them where the answer is known."
-    cls.RULES = (Rule("prompt", lambda a: bool(a.prompt) + bool(a.data) + a.examples == 1,
-                      lambda a: "exactly one source of prompts: --prompt TEXT [TEXT ...], --data FILE or --examples"),)
+    cls.RULES = (Rule(
+        "prompt", lambda a: bool(a.prompt) + bool(a.data) + a.examples == 1,
+        lambda a: "exactly one source of prompts: --prompt TEXT [TEXT ...], --data FILE or --examples"), )
     register_tree(cls, "generate.")
     return cls
 
@@ -102,7 +113,9 @@ def _records(args: Any) -> list[Record]:
     if args.data:
         records = read_records(args.data)
         return records[:args.limit] if args.limit else records
-    return [Record([{"role": "user", "content": text}], "", f"--prompt {i}") for i, text in enumerate(args.prompt)]
+    return [
+        Record([{"role": "user", "content": text}], "", f"--prompt {i}") for i, text in enumerate(args.prompt)
+    ]
 
 
 def warn_long_prompts(records: list[Record], tokenizer: Any, limit: int) -> None:
@@ -111,22 +124,26 @@ def warn_long_prompts(records: list[Record], tokenizer: Any, limit: int) -> None
     for record in records:
         length = len(chat_ids(tokenizer, record.messages))
         if length > limit:
-            warnings.warn(f"{record.source}: the prompt has {length:,} tokens (chat template included), more than "
-                          f"--max-prompt-length {limit:,}: only its last {limit:,} are sampled from (cut on the "
-                          "left, as training cuts it); raise --max-prompt-length to keep it whole", stacklevel=2)
+            warnings.warn(
+                f"{record.source}: the prompt has {length:,} tokens (chat template included), more than "
+                f"--max-prompt-length {limit:,}: only its last {limit:,} are sampled from (cut on the "
+                "left, as training cuts it); raise --max-prompt-length to keep it whole", stacklevel=2)
 
 
 def run_generate(args: Any) -> list[PromptResult]:
-    """Sample `args.n` responses per prompt from `args.model`, print them with their verdicts, write `args.out`."""
+    """Sample `args.n` responses per prompt from `args.model`, print them with their verdicts, write
+    `args.out`."""
     from ..reward import get_verifier
 
     if args.out:
         check_out(args.out)  # before any sampling: a path that cannot be written fails first
     check_model_dir(args.model, "--model")
     checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
-                          "--max-prompt-length + --max-new-tokens", "error" if engine_spec(args.engine).refuses_long_context else "note")
+                          "--max-prompt-length + --max-new-tokens",
+                          "error" if engine_spec(args.engine).refuses_long_context else "note")
     # What the engine builds of this model (vLLM: its architectures, per-layer windows), before it starts.
-    check_engine_model(args.engine, checked.config, f"--model={args.model}", pushed=False)  # vLLM loads from disk
+    # vLLM loads from disk
+    check_engine_model(args.engine, checked.config, f"--model={args.model}", pushed=False)
     env = init_distributed(args.device)
     try:
         tokenizer = checked.tokenizer
@@ -135,15 +152,18 @@ def run_generate(args: Any) -> list[PromptResult]:
         records = _records(args)
         warn_long_prompts(records, tokenizer, args.max_prompt_length)
         # Each record a prompt of its own (no dedup), truncated on the left as training does.
-        prompts = prompts_from_records(records, tokenizer, DataConfig(max_prompt_length=args.max_prompt_length,
-                                                                      dedup=False)).prompts
+        prompts = prompts_from_records(records, tokenizer,
+                                       DataConfig(max_prompt_length=args.max_prompt_length,
+                                                  dedup=False)).prompts
         engine = eval_engine(args, env, tokenizer)
         sampling = EvalSampling(k=args.n, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 prompts_per_call=engine_spec(args.engine).prompts_per_call)
-        print(f"flashdapo generate: {len(prompts)} prompt(s) x {args.n} responses, {args.engine} engine on "
-              f"{env.device} (temperature {args.temperature}, top_p {args.top_p}, up to {args.max_new_tokens} new "
-              "tokens)", flush=True)
+        print(
+            f"flashdapo generate: {len(prompts)} prompt(s) x {args.n} responses, {args.engine} engine on "
+            f"{env.device} (temperature {args.temperature}, top_p {args.top_p}, up to {args.max_new_tokens} "
+            "new "
+            "tokens)", flush=True)
         results = sample_prompts(engine, prompts, tokenizer, get_verifier(args.verifier), sampling)
     finally:
         shutdown()
@@ -170,12 +190,14 @@ def check_out(out: str) -> None:
         with open(path, "a", encoding="utf-8"):
             pass
     except (FileExistsError, NotADirectoryError) as err:
-        raise EvalStoreError(f"--out {out}: cannot create it, {file_in_the_way(path)} is a file, not a directory; "
-                             "choose another path") from err
+        raise EvalStoreError(
+            f"--out {out}: cannot create it, {file_in_the_way(path)} is a file, not a directory; "
+            "choose another path") from err
     except OSError as err:
-        raise EvalStoreError(f"--out {out}: cannot write it ({err.strerror or err}"
-                             f"{': ' + str(err.filename) if err.filename and str(err.filename) != out else ''}); "
-                             "fix its permissions or choose another path") from err
+        raise EvalStoreError(
+            f"--out {out}: cannot write it ({err.strerror or err}"
+            f"{': ' + str(err.filename) if err.filename and str(err.filename) != out else ''}); "
+            "fix its permissions or choose another path") from err
     if not existed:
         path.unlink(missing_ok=True)
 
@@ -192,7 +214,8 @@ def format_result(result: PromptResult, text: str, n: int) -> str:
     for i, s in enumerate(result.samples, start=1):
         verdict = ""
         if result.ground_truth:
-            verdict = ": " + ("correct" if s.acc else "wrong") + (f" (answer {s.pred})" if s.pred else " (no answer)")
+            verdict = ": " + ("correct" if s.acc else "wrong") + (f" (answer {s.pred})"
+                                                                  if s.pred else " (no answer)")
         lines.append(f"  response {i}/{n} ({s.length} tokens, {s.finish_reason}){verdict}")
         lines += ["    " + line for line in (_printable(s.response).strip() or "(empty)").splitlines()]
     return "\n".join(lines)
@@ -216,8 +239,9 @@ def write_jsonl(results: list[PromptResult], path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in results), encoding="utf-8")
     except OSError as err:
-        raise EvalStoreError(f"--out {path}: cannot write the responses ({err.strerror or err}); they are printed "
-                             "above: free disk space (or fix the error) and run again to write them") from err
+        raise EvalStoreError(
+            f"--out {path}: cannot write the responses ({err.strerror or err}); they are printed "
+            "above: free disk space (or fix the error) and run again to write them") from err
 
 
 __all__ = ["generate_args_class", "generate_main", "run_generate"]

@@ -139,8 +139,9 @@ def source_metrics(source: str, results: list[PromptResult]) -> SourceMetrics:
     n = len(results[0].samples)
     uneven = next((r for r in results if len(r.samples) != n), None)
     if n == 0 or uneven is not None:
-        raise ValueError(f"source_metrics: every prompt needs the same n >= 1 samples; prompt "
-                         f"{(uneven or results[0]).prompt_id} has {len((uneven or results[0]).samples)}, expected {n}")
+        raise ValueError(
+            f"source_metrics: every prompt needs the same n >= 1 samples; prompt "
+            f"{(uneven or results[0]).prompt_id} has {len((uneven or results[0]).samples)}, expected {n}")
     samples = [s for r in results for s in r.samples]
     correct = [sum(s.acc for s in r.samples) for r in results]
     return SourceMetrics(
@@ -165,7 +166,8 @@ class EvalReport:
     pooled: SourceMetrics
 
     def metrics(self, prefix: str = "val") -> dict[str, float]:
-        """Flat metrics: pooled `{prefix}/acc/...`, per source `{prefix}/{source}/acc/...`, and `{prefix}/k`."""
+        """Flat metrics: pooled `{prefix}/acc/...`, per source `{prefix}/{source}/acc/...`, and
+        `{prefix}/k`."""
         out = {**self.pooled.flat(prefix), f"{prefix}/k": float(self.pooled.n)}
         for s in self.sources:
             out.update(s.flat(f"{prefix}/{metric_name(s.source)}"))

@@ -59,8 +59,9 @@ class Shard:
 def judge(rollouts: Rollouts, prompts: list[Prompt], ids: list[int], tokenizer, verifier: Verifier,
           k: int) -> list[PromptResult]:
     """Decode and verify the k responses of each prompt (responses of prompt j at rows j*k..j*k+k-1)."""
-    texts, verdicts = verify_responses(rollouts.response_ids, [p.ground_truth for p in prompts for _ in range(k)],
-                                       tokenizer, verifier)
+    texts, verdicts = verify_responses(rollouts.response_ids,
+                                       [p.ground_truth for p in prompts for _ in range(k)], tokenizer,
+                                       verifier)
     results = []
     for j, (pid, prompt) in enumerate(zip(ids, prompts)):
         samples = []
@@ -102,8 +103,10 @@ def sample_prompts(engine: RolloutEngine, prompts: list[Prompt], tokenizer, veri
                                     top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                                     seed=derive_seed(sampling.seed, ids[0]))
             rollouts = engine.generate([prompts[i].ids for i in ids], params)
-            local = judge(rollouts, [prompts[i] for i in ids], ids, tokenizer, verifier, sampling.k)[:len(real)]
-            merged = sorted((r for part in all_gather_objects(local) for r in part), key=lambda r: r.prompt_id)
+            local = judge(rollouts, [prompts[i] for i in ids], ids, tokenizer, verifier,
+                          sampling.k)[:len(real)]
+            merged = sorted((r for part in all_gather_objects(local) for r in part),
+                            key=lambda r: r.prompt_id)
             if on_round is not None:
                 on_round(merged)
             done += merged

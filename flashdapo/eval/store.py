@@ -43,7 +43,8 @@ METRICS = "metrics.json"
 LOCK = ".flashdapo-eval.lock"
 
 
-RERUN = "free disk space (or fix the error), then rerun the same command: it resumes after the prompts already written"
+RERUN = ("free disk space (or fix the error), then rerun the same command: it resumes after the prompts "
+         "already written")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -94,13 +95,15 @@ class SampleLog:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._lock = (self.out_dir / LOCK).open("a")
         except OSError as err:
-            raise EvalStoreError(f"--out {self.out_dir}: cannot create it or its lock file ({err.strerror})") from err
+            raise EvalStoreError(
+                f"--out {self.out_dir}: cannot create it or its lock file ({err.strerror})") from err
         try:
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise EvalStoreError(f"--out {self.out_dir} is in use by another evaluation; wait for it to end or choose "
-                                 "another --out") from None
+            raise EvalStoreError(
+                f"--out {self.out_dir} is in use by another evaluation; wait for it to end or choose "
+                "another --out") from None
         settings_path = self.out_dir / SETTINGS
         settings = json.loads(json.dumps(settings))  # tuples -> lists, as they read back
         self.settings = settings
@@ -110,7 +113,8 @@ class SampleLog:
                 if old.get(key) != settings.get(key):
                     self.close()
                     raise EvalStoreError(
-                        f"{settings_path}: {key} was {old.get(key)!r}, this evaluation has {settings.get(key)!r}; "
+                        f"{settings_path}: {key} was {old.get(key)!r}, this evaluation has "
+                        f"{settings.get(key)!r}; "
                         f"use a fresh output directory (or the same settings to resume)")
         else:
             _write_atomic(settings_path, json.dumps(settings, indent=2) + "\n")
@@ -126,8 +130,9 @@ class SampleLog:
         data = self.path.read_bytes()
         end = data.rfind(b"\n") + 1
         if end < len(data):
-            warnings.warn(f"{self.path}: dropping an incomplete last line ({len(data) - end} bytes, an interrupted "
-                          f"write); its prompt is evaluated again", stacklevel=2)
+            warnings.warn(
+                f"{self.path}: dropping an incomplete last line ({len(data) - end} bytes, an interrupted "
+                f"write); its prompt is evaluated again", stacklevel=2)
             with open(self.path, "r+b") as f:
                 f.truncate(end)
                 os.fsync(f.fileno())
@@ -140,9 +145,11 @@ class SampleLog:
             except (json.JSONDecodeError, TypeError, KeyError) as err:
                 raise EvalStoreError(f"{where}: not a prompt result ({err})") from err
             if not 0 <= result.prompt_id < len(prompts) or prompts[result.prompt_id].source != result.source:
-                expected = prompts[result.prompt_id].source if 0 <= result.prompt_id < len(prompts) else "no prompt"
-                raise EvalStoreError(f"{where}: prompt {result.prompt_id} is {result.source!r} but the data has "
-                                     f"{expected!r}; the data changed: use a fresh output directory")
+                expected = prompts[
+                    result.prompt_id].source if 0 <= result.prompt_id < len(prompts) else "no prompt"
+                raise EvalStoreError(
+                    f"{where}: prompt {result.prompt_id} is {result.source!r} but the data has "
+                    f"{expected!r}; the data changed: use a fresh output directory")
             if result.prompt_id in seen:
                 raise EvalStoreError(f"{where}: prompt {result.prompt_id} appears twice")
             seen.add(result.prompt_id)
@@ -156,8 +163,9 @@ class SampleLog:
         try:
             append_whole(self.path, "".join(json.dumps(r.to_dict()) + "\n" for r in results).encode("utf-8"))
         except OSError as err:
-            raise EvalStoreError(f"{self.path}: cannot append {len(results)} prompt result(s) ({err.strerror or err}); "
-                                 f"the file is kept as it was before them: {RERUN}") from err
+            raise EvalStoreError(
+                f"{self.path}: cannot append {len(results)} prompt result(s) ({err.strerror or err}); "
+                f"the file is kept as it was before them: {RERUN}") from err
 
     def write_metrics(self, report: EvalReport, extra: dict[str, Any]) -> Path:
         """OUT/metrics.json: the flat metrics (`eval/...`), every source's pass@j / maj@j, and `extra`."""

@@ -63,7 +63,8 @@ def _logprobs(hidden, weight, targets, temperature, with_entropy, impl, softcap)
         return naive_token_logprobs(hidden, weight, targets, temperature, with_entropy, softcap)
     from .chunked import chunked_token_logprobs
 
-    return chunked_token_logprobs(hidden, weight, targets, temperature, with_entropy, impl=impl, softcap=softcap)
+    return chunked_token_logprobs(hidden, weight, targets, temperature, with_entropy, impl=impl,
+                                  softcap=softcap)
 
 
 def token_logprobs(
@@ -116,16 +117,17 @@ def token_probe_stats(
 
 
 def fused_loss_default(impl: str, device: torch.device) -> bool:
-    """Whether a training loss should run through `fused_token_loss` rather than token_logprobs + loss, without
-    knowing the GPU: the fused sweep (6 NHV) on a CPU, where it is measured faster (bench/results/NOTES.md);
-    the generic path on CUDA. The trainer picks per GPU from the cost model (kernels/lm_head_choice.py) and
-    falls back to this for a GPU the model does not know. naive has no fused form.
+    """Whether a training loss should run through `fused_token_loss` rather than token_logprobs + loss,
+    without knowing the GPU: the fused sweep (6 NHV) on a CPU, where it is measured faster
+    (bench/results/NOTES.md); the generic path on CUDA. The trainer picks per GPU from the cost model
+    (kernels/lm_head_choice.py) and falls back to this for a GPU the model does not know. naive has no fused
+    form.
     """
     return device.type != "cuda" and resolve_impl(impl, device) in CHUNKED_IMPLS
 
 
-def fused_token_loss(hidden, weight, targets, loss_fn, *, keep=None, temperature: float = 1.0, impl: str = "auto",
-                     softcap: float | None = None):
+def fused_token_loss(hidden, weight, targets, loss_fn, *, keep=None, temperature: float = 1.0,
+                     impl: str = "auto", softcap: float | None = None):
     """`flashdapo.kernels.fused.fused_token_loss` with `impl` resolved ("auto": triton on CUDA, torch
     elsewhere; naive is refused) and the inputs checked as token_logprobs checks them (`softcap` too)."""
     from .fused import fused_token_loss as fused
@@ -137,4 +139,5 @@ def fused_token_loss(hidden, weight, targets, loss_fn, *, keep=None, temperature
     impl = resolve_impl(impl, hidden.device)
     if impl not in CHUNKED_IMPLS:
         raise ValueError(f"fused_token_loss runs the chunked impls {CHUNKED_IMPLS}, got {impl!r}")
-    return fused(hidden, weight, targets, loss_fn, keep=keep, temperature=temperature, impl=impl, softcap=softcap)
+    return fused(hidden, weight, targets, loss_fn, keep=keep, temperature=temperature, impl=impl,
+                 softcap=softcap)

@@ -261,9 +261,10 @@ def chunked_token_logprobs(
 
 
 @torch.no_grad()
-def chunked_token_probe_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                              temperature: float = 1.0, *, impl: str = "torch", tile_elems: int | None = None,
-                              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunked_token_probe_stats(
+        hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+        impl: str = "torch", tile_elems: int | None = None,
+        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """No-grad (logp, entropy, top-1 probability) per token [N] from the forward's online statistics.
 
     The top-1 probability is exp(max z/T - lse) = exp(m - m - log s) = 1 / s: the forward's own running
@@ -273,7 +274,8 @@ def chunked_token_probe_stats(hidden: torch.Tensor, weight: torch.Tensor, target
         from .triton_tiles import INTERPRET
 
         if not INTERPRET:
-            raise RuntimeError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing triton")
+            raise RuntimeError(
+                "impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing triton")
         device_type = "interpret"
     dtype = operand_dtype(impl, hidden.dtype, weight.dtype)
     plan = plan_chunks(hidden.shape[0], weight.shape[0], device_type, tile_elems, dtype.itemsize)

@@ -49,8 +49,8 @@ class Rates:
         """An H200's sustained fractions of its datasheet peaks (989 TFLOP/s bf16 dense, 4.8 TB/s, 67 TFLOP/s
         fp32) applied to another GPU's datasheet figures."""
         h200 = cls()
-        return cls(gemm_tflops=h200.gemm_tflops * bf16_tflops / 989.0, hbm_tbps=h200.hbm_tbps * hbm_tbps / 4.8,
-                   fp32_tflops=h200.fp32_tflops * fp32_tflops / 67.0,
+        return cls(gemm_tflops=h200.gemm_tflops * bf16_tflops / 989.0,
+                   hbm_tbps=h200.hbm_tbps * hbm_tbps / 4.8, fp32_tflops=h200.fp32_tflops * fp32_tflops / 67.0,
                    ceiling_tflops=h200.ceiling_tflops * bf16_tflops / 989.0)
 
 
@@ -113,8 +113,8 @@ def naive(n, h, v, rates: Rates = RATES, softcap: bool = False) -> Cost:
     nv = n * v
     exposed = (14 + (13 if softcap else 0)) * 4 * nv + 6 * (n + v) * h
     peak = (3 + (1 if softcap else 0)) * 4 * nv + 8 * v * h + 6 * n * h
-    return Cost(6 * n * h * v / 1e12, exposed / GB, peak / GB, (peak - 2 * (v + n) * h) / GB, rates.fp32_tflops,
-                rates.hbm_tbps)
+    return Cost(6 * n * h * v / 1e12, exposed / GB, peak / GB, (peak - 2 * (v + n) * h) / GB,
+                rates.fp32_tflops, rates.hbm_tbps)
 
 
 def generic(n, h, v, live: float = 1.0, rates: Rates = RATES, dtype_bytes: int = 2, device: str = "cuda",
@@ -139,7 +139,8 @@ def generic(n, h, v, live: float = 1.0, rates: Rates = RATES, dtype_bytes: int =
                 rates.gemm_tflops, rates.hbm_tbps, passes, rates.sfu_tops)
 
 
-def fused(n, h, v, rates: Rates = RATES, dtype_bytes: int = 2, device: str = "cuda", softcap: bool = False) -> Cost:
+def fused(n, h, v, rates: Rates = RATES, dtype_bytes: int = 2, device: str = "cuda",
+          softcap: bool = False) -> Cost:
     """The fused sweep (fused_token_loss, impl="triton"): per token chunk of C rows, GEMM z tiles (hidden)
     kept for the whole vocabulary, stats pass reading them (4 C V), grad pass reading them and writing dz
     (4 + b) C V; dh_t += dz W and the fp32 dW accumulator += dz^T h inside the GEMMs (hidden); then the
@@ -169,5 +170,7 @@ def torch_impl(n, h, v, rates: Rates = RATES, softcap: bool = False) -> Cost:
                    sfu_passes=())
 
 
-__all__ = ["GB", "RATES", "SFU_PER_LOGIT", "SOFTCAP_SFU_PER_LOGIT", "Cost", "Rates", "fused", "generic", "ideal_ms",
-           "naive", "torch_impl"]
+__all__ = [
+    "GB", "RATES", "SFU_PER_LOGIT", "SOFTCAP_SFU_PER_LOGIT", "Cost", "Rates", "fused", "generic", "ideal_ms",
+    "naive", "torch_impl"
+]

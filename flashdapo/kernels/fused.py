@@ -75,13 +75,15 @@ def _chunk_logprobs(ops, h_t, w, y_t, temperature, bv, tileset, softcap=None):
     e sech^2(z / c), e going through the second spare, and d_y [n] = sech^2 at the targets (else None)."""
     n, sdtype = h_t.shape[0], (torch.float64 if h_t.dtype == torch.float64 else torch.float32)
     m, s, u, z_y = (torch.empty(n, dtype=sdtype, device=h_t.device) for _ in range(4))
-    d_y = torch.zeros(n, dtype=sdtype, device=h_t.device) if softcap is not None and tileset is not None else None
+    d_y = torch.zeros(n, dtype=sdtype,
+                      device=h_t.device) if softcap is not None and tileset is not None else None
     kept = []
     for i, v0 in enumerate(range(0, w.shape[0], bv)):
         w_c = w[v0 : v0 + bv]
         if tileset is None:
             z = mm_f32(h_t, w_c.T)
-            ops.tile_stats(z, y_t - v0, (m, s, u, z_y), i == 0, temperature, True, keep_z=True, softcap=softcap)
+            ops.tile_stats(z, y_t - v0, (m, s, u, z_y), i == 0, temperature, True, keep_z=True,
+                           softcap=softcap)
             kept.append((z, None))
         else:
             z = torch.mm(h_t, w_c.T, out=tileset.tile(tileset.tiles, n, w_c.shape[0]))
@@ -109,7 +111,8 @@ def _chunk_grads(ops, kept, h_t, w, y_t, stats, g, temperature, bv, out, softcap
         return
     dense = act.numel() == h_t.shape[0]
     pick = (lambda t: t) if dense else (lambda t: t.index_select(0, act))
-    h_a, y_a, (m_a, s_a, log_s_a, d_y_a) = pick(h_t), pick(y_t), (None if t is None else pick(t) for t in stats)
+    h_a, y_a, (m_a, s_a, log_s_a, d_y_a) = pick(h_t), pick(y_t), (None if t is None else pick(t)
+                                                                  for t in stats)
     scale = fp16_scale(g[act], None, w.shape[0]) if h_t.dtype == torch.float16 else 1.0
     g_a = pick(g) * (scale / temperature)
     direct = dh_t is not None and dense and dh_t.dtype == m_a.dtype  # accumulate into dh itself
@@ -124,7 +127,8 @@ def _chunk_grads(ops, kept, h_t, w, y_t, stats, g, temperature, bv, out, softcap
             dz = ops.exp_tile_grad(tile, pick(m_tile), y_a - v0, m_a, s_a, g_a, d_y_a)
         else:  # the 16-bit buffer's first rows x width elements as a contiguous tile (the last is narrower)
             dst = tile if in_place else buf[: tile.numel()].view(tile.shape)
-            dz = ops.tile_grad(tile, y_a - v0, (m_a, log_s_a, None), g_a, None, temperature, dst, softcap=softcap)
+            dz = ops.tile_grad(tile, y_a - v0, (m_a, log_s_a, None), g_a, None, temperature, dst,
+                               softcap=softcap)
         if dh_a is not None:
             mm_acc_(dh_a, dz, w_c, alpha=1.0 / scale)
         if dw_acc is not None:
@@ -228,7 +232,8 @@ def fused_token_loss(
         kept, h_k, y_k = None, hidden, targets
     device_type = "interpret" if impl == "triton" and hidden.device.type != "cuda" else hidden.device.type
     rows = chunk_tokens or fused_chunk_tokens(h_k.shape[0], weight.shape[0], device_type)
-    tile_vocab = plan_chunks(rows, weight.shape[0], "interpret").chunk_vocab if device_type == "interpret" else TILE_VOCAB
+    tile_vocab = plan_chunks(rows, weight.shape[0],
+                             "interpret").chunk_vocab if device_type == "interpret" else TILE_VOCAB
     plan = Plan(rows, min(weight.shape[0], chunk_vocab or tile_vocab))
     loss, logp, entropy = _FusedTokenLoss.apply(h_k, weight, y_k, loss_fn, float(temperature), impl, plan,
                                                 normalize_softcap(softcap))

@@ -68,7 +68,8 @@ def mm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 
     if native and not _FP32_INPUT_REFUSED:
         try:
             return torch.addmm(acc, a, b, alpha=alpha, out_dtype=acc.dtype, out=acc)
-        except RuntimeError as err:  # torch < ~2.10 checks "self and mat2 must have the same dtype" (host side)
+        # torch < ~2.10 checks "self and mat2 must have the same dtype" (host side)
+        except RuntimeError as err:
             if "dtype" not in str(err):
                 raise
             _report_refusal(err, acc, a)

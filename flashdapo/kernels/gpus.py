@@ -41,11 +41,12 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
-    "h20": GPU("h20", "H20", 96, 148, 4.0, 44, "NVIDIA H20 datasheet", ("H20",)),
-    "h100": GPU("h100", "H100 SXM", 80, 989, 3.35, 67, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)", ("H100",)),
-    "h200": GPU("h200", "H200", 141, 989, 4.8, 67, "NVIDIA H200 Tensor Core GPU datasheet (SXM)", ("H200",)),
+    "h20": GPU("h20", "H20", 96, 148, 4.0, 44, "NVIDIA H20 datasheet", ("H20", )),
+    "h100": GPU("h100", "H100 SXM", 80, 989, 3.35, 67, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+                ("H100", )),
+    "h200": GPU("h200", "H200", 141, 989, 4.8, 67, "NVIDIA H200 Tensor Core GPU datasheet (SXM)", ("H200", )),
     "a100": GPU("a100", "A100 80GB", 80, 312, 2.0, 19.5, "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)",
-                ("A100",)),
+                ("A100", )),
 }
 """Known GPUs by `--gpu` name."""
 

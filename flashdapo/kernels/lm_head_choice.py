@@ -31,7 +31,8 @@ def lm_head_design(gpu: GPU | None, tokens: int, hidden: int, vocab: int, softca
     g = generic(tokens, hidden, vocab, rates=rates, softcap=softcap)
     f = fused(tokens, hidden, vocab, rates=rates, softcap=softcap)
     extra = (f.peak_extra_gb - g.peak_extra_gb) * 1e9
-    return "fused" if f.ms <= (1 - MIN_SAVING) * g.ms and extra <= MAX_EXTRA_FRACTION * gpu.memory_bytes else "generic"
+    return "fused" if f.ms <= (
+        1 - MIN_SAVING) * g.ms and extra <= MAX_EXTRA_FRACTION * gpu.memory_bytes else "generic"
 
 
 def use_fused_loss(impl: str, device: torch.device, tokens: int, hidden: int, vocab: int,

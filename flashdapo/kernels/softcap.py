@@ -31,7 +31,8 @@ def normalize_softcap(softcap: float | None) -> float | None:
     return cap
 
 
-def cap_(x: torch.Tensor, softcap: float, temperature: float, deriv: torch.Tensor | None = None) -> torch.Tensor:
+def cap_(x: torch.Tensor, softcap: float, temperature: float,
+         deriv: torch.Tensor | None = None) -> torch.Tensor:
     """x (raw logits, overwritten) -> c tanh(x / c) / T in place, returned; with `deriv` (a tensor of x's
     shape), sech^2(x / c) written there first (cosh(a)^-2: relative accuracy also where tanh saturates;
     cosh overflows to inf beyond |a| ~ 89 in fp32, giving 0 where the true value is below 1e-77)."""

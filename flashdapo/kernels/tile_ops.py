@@ -46,7 +46,8 @@ def tile_stats(z, y_local, state, first: bool, temperature: float, with_entropy:
         z = z.div(temperature) if keep_z else z.div_(temperature)
     zy2 = _target_logit(z, y_local)
     m2 = z.amax(dim=1)
-    z = z.sub(m2.unsqueeze(1)) if keep_z and not scaled else z.sub_(m2.unsqueeze(1))  # z - m2 <= 0 from here on
+    # z - m2 <= 0 from here on
+    z = z.sub(m2.unsqueeze(1)) if keep_z and not scaled else z.sub_(m2.unsqueeze(1))
     if with_entropy:
         e = torch.exp(z)
         # vecdot, not a batched GEMV: its sum is blocked (pairwise), a GEMV's sequential one lost up to

@@ -180,7 +180,7 @@ def tile_grad(z, y_local, rowstats, g, ge, temperature: float, out: torch.Tensor
         return out
     m, log_s, ent = rowstats
     grid, meta = _launch_args(n)
-    _grad_kernel[grid](z, out, y_local, g, ge if ge is not None else g, m, log_s, ent if ent is not None else m,
-                       n, bv, temperature, 1.0 if softcap is None else softcap, HAS_GE=ge is not None,
-                       SOFTCAP=softcap is not None, **meta)
+    _grad_kernel[grid](z, out, y_local, g, ge if ge is not None else g, m, log_s,
+                       ent if ent is not None else m, n, bv, temperature, 1.0 if softcap is None else softcap,
+                       HAS_GE=ge is not None, SOFTCAP=softcap is not None, **meta)
     return out

@@ -41,7 +41,8 @@ from torch.nn.utils.rnn import pad_sequence
 from ..distributed.mesh import SequenceParallelError
 
 SLACK = 0.25
-"""Pads allowed when the linear layers batch a row's documents, as a fraction of its tokens (`length_groups`)."""
+"""Pads allowed when the linear layers batch a row's documents, as a fraction of its tokens
+(`length_groups`)."""
 
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """HF's packed-row keyword arguments, dropped (with every flashdapo_* one) when the layer runs on the unpacked
@@ -63,8 +64,10 @@ def has_linear_attention(config) -> bool:
 def linear_attention_modules(hf_model: nn.Module) -> list[nn.Module]:
     """The linear-attention modules of an HF model: the `linear_attn` of each decoder layer that has one
     (HF's name in Qwen3.5 and Qwen3-Next)."""
-    return [module.linear_attn for module in hf_model.modules() if isinstance(getattr(module, "linear_attn", None),
-                                                                              nn.Module)]
+    return [
+        module.linear_attn for module in hf_model.modules()
+        if isinstance(getattr(module, "linear_attn", None), nn.Module)
+    ]
 
 
 def use_document_linear_attention(hf_model: nn.Module) -> int:
@@ -78,35 +81,39 @@ def use_document_linear_attention(hf_model: nn.Module) -> int:
 
 
 def check_sequence_parallel(config, sp: int) -> None:
-    """One-line refusal of sequence parallelism (sp > 1) for a model with linear-attention layers (an HF config
-    or a config.json dict: the launch planner checks the latter)."""
+    """One-line refusal of sequence parallelism (sp > 1) for a model with linear-attention layers (an HF
+    config or a config.json dict: the launch planner checks the latter)."""
     if sp > 1 and has_linear_attention(config):
-        model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+        model_type = config.get("model_type") if isinstance(config, dict) else getattr(
+            config, "model_type", None)
         raise SequenceParallelError(
-            f"trainer.sequence_parallel {sp}: {model_type}'s linear-attention layers (Gated DeltaNet) need the whole "
+            f"trainer.sequence_parallel {sp}: {model_type}'s linear-attention layers (Gated DeltaNet) need "
+            "the whole "
             "sequence on one rank, Ulysses gives each rank a shard of it; use trainer.sequence_parallel 1")
 
 
-def _document_forward(forward: Callable, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, *,
-                      flashdapo_bounds=None, **kwargs) -> torch.Tensor:
+def _document_forward(forward: Callable, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                      *, flashdapo_bounds=None, **kwargs) -> torch.Tensor:
     """The wrapped layer's forward: HF's `forward` as it is unless called on a packed row (with its
     `packing.DocumentBounds`)."""
     if flashdapo_bounds is None:
         return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
     if cache_params is not None:  # a packed row never samples: the states of D documents share no cache
-        raise ValueError("a packed row (flashdapo_bounds) was passed with a cache; packed forwards run without one")
+        raise ValueError(
+            "a packed row (flashdapo_bounds) was passed with a cache; packed forwards run without one")
     kwargs = {k: v for k, v in kwargs.items() if k not in PACKED_KWARGS and not k.startswith("flashdapo_")}
     return document_linear_attention(forward, hidden_states, flashdapo_bounds.offsets, **kwargs)
 
 
 def document_linear_attention(forward: Callable, hidden_states: torch.Tensor, offsets: Sequence[int],
                               **kwargs) -> torch.Tensor:
-    """A causal sequence layer's `forward` ([B, L, H] -> [B, L, H']) on each document of a packed row [1, T, H]
-    alone (`offsets`: [D + 1] host ints): documents of similar length as right-padded batches
+    """A causal sequence layer's `forward` ([B, L, H] -> [B, L, H']) on each document of a packed row [1, T,
+    H] alone (`offsets`: [D + 1] host ints): documents of similar length as right-padded batches
     (`length_groups`), the outputs packed back in order, [1, T, H']. No device sync; differentiable."""
     if hidden_states.shape[0] != 1 or hidden_states.shape[1] != offsets[-1]:
-        raise ValueError(f"a packed row of {offsets[-1]} tokens expected by its bounds, got hidden states "
-                         f"{tuple(hidden_states.shape)} (a sequence shard? linear attention needs the whole row)")
+        raise ValueError(
+            f"a packed row of {offsets[-1]} tokens expected by its bounds, got hidden states "
+            f"{tuple(hidden_states.shape)} (a sequence shard? linear attention needs the whole row)")
     lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
     if len(lengths) == 1:
         return forward(hidden_states, cache_params=None, attention_mask=None, **kwargs)
@@ -136,5 +143,7 @@ def length_groups(lengths: list[int], slack: float = SLACK) -> list[list[int]]:
     return groups
 
 
-__all__ = ["PACKED_KWARGS", "SLACK", "check_sequence_parallel", "document_linear_attention", "has_linear_attention",
-           "length_groups", "linear_attention_modules", "use_document_linear_attention"]
+__all__ = [
+    "PACKED_KWARGS", "SLACK", "check_sequence_parallel", "document_linear_attention", "has_linear_attention",
+    "length_groups", "linear_attention_modules", "use_document_linear_attention"
+]

@@ -43,7 +43,8 @@ def load_sharded_policy(cfg: Config, env: DistEnv, log=None, purpose: str = "tra
         return policy
     if env.rank != 0:
         policy.to_empty(device=env.device if not cfg.trainer.fsdp_cpu_offload else torch.device("cpu"))
-    set_model_state_dict(policy.hf, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(policy.hf, full, options=StateDictOptions(full_state_dict=True,
+                                                                   broadcast_from_rank0=True))
     for buffer in policy.buffers():  # non-persistent buffers are not in the state dict
         work = buffer if env.device.type == buffer.device.type else buffer.to(env.device)
         dist.broadcast(work, src=0)

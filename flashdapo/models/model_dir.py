@@ -2,8 +2,8 @@
 
 transformers' own errors for a wrong directory mislead ("install sentencepiece" for an empty one) or
 omit the file ("header too large" without naming a corrupt safetensors shard), and safetensors reports a
-file it may not read as "No such file or directory": a denied permission is named as such. This check names the
-directory or file and what an HF checkpoint directory must hold: config.json, weights (*.safetensors or
+file it may not read as "No such file or directory": a denied permission is named as such. This check names
+the directory or file and what an HF checkpoint directory must hold: config.json, weights (*.safetensors or
 *.bin), tokenizer files. It reads only the safetensors headers, not the tensors, and (without safetensors
 weights) the pickles of pytorch_model*.bin memory-mapped, as transformers reads them (weights_only): a file
 holding a pickled object is named, without torch's hint to load it unsafely.
@@ -44,7 +44,8 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> None:
     root = Path(path)
     where = f"{field}={root}"
     if not root.is_dir():
-        raise ModelDirError(f"{where}: {'is a file, not' if root.exists() else 'no such'} directory; expected {EXPECTED}")
+        raise ModelDirError(
+            f"{where}: {'is a file, not' if root.exists() else 'no such'} directory; expected {EXPECTED}")
     try:
         entries = list(root.iterdir())
     except PermissionError as err:
@@ -65,7 +66,9 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> None:
         raise ModelDirError(f"{where}: no weights (*.safetensors or *.bin); expected {EXPECTED}")
     for index in sorted(root.glob("*.index.json")):
         _check_index(index)
-    for file in [*shards, *sorted(root.glob("*.bin")), *(root / n for n in TOKENIZER_FILES if (root / n).is_file())]:
+    for file in [
+            *shards, *sorted(root.glob("*.bin")), *(root / n for n in TOKENIZER_FILES if (root / n).is_file())
+    ]:
         _check_readable(file)  # safetensors reports a denied read as "No such file or directory"
     for shard in shards:
         try:
@@ -78,7 +81,8 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> None:
         for file in sorted(root.glob("pytorch_model*.bin")):
             _check_bin(file)
     if not any((root / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelDirError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); expected {EXPECTED}")
+        raise ModelDirError(
+            f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); expected {EXPECTED}")
 
 
 def _check_index(index: Path) -> None:
@@ -120,9 +124,11 @@ def _check_bin(file: Path) -> None:
         name = refused_pickle(err)
         if name is not None:
             named = f", {name}," if name else ""
-            raise ModelDirError(f"{file}: not model weights: it holds a pickled Python object{named} where a weights "
-                                "file holds only tensors, and was not loaded (unpickling it could run code); use the "
-                                "model's safetensors weights, or weights from a source you trust") from err
+            raise ModelDirError(
+                f"{file}: not model weights: it holds a pickled Python object{named} where a weights "
+                "file holds only tensors, and was not loaded (unpickling it could run code); use the "
+                "model's safetensors weights, or weights from a source you trust") from err
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ModelDirError(f"{file}: not a readable PyTorch weights file ({first}); re-download or re-export the "
-                            "model") from err
+        raise ModelDirError(
+            f"{file}: not a readable PyTorch weights file ({first}); re-download or re-export the "
+            "model") from err

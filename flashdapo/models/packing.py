@@ -61,7 +61,8 @@ from .ulysses import expand_kv_heads, heads_to_sequence, local_heads, sequence_t
 
 PREFIX = "flashdapo_packed_"
 QUERY_BLOCK = 256
-"""Query rows of one block of explicit scores (softcap, sinks): a block's scores are [H, 256, keys it sees]."""
+"""Query rows of one block of explicit scores (softcap, sinks): a block's scores are [H, 256, keys it
+sees]."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,10 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         parts = [_causal(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling, window)
                  for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
     else:
-        parts = [_explicit(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling, window, softcap, sinks)
-                 for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+        parts = [
+            _explicit(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling, window, softcap, sinks)
+            for a, b in zip(offsets[:-1], offsets[1:]) if b > a
+        ]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
@@ -116,9 +119,10 @@ def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
     blocks = []
     for start in range(0, length, window):
         end, first = min(start + window, length), max(0, start - window + 1)
-        blocks.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, first:end],
-                                                     value[:, :, first:end], scale=scaling,
-                                                     attn_mask=_visible(start, end, first, window, query.device)))
+        blocks.append(
+            F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, first:end],
+                                           value[:, :, first:end], scale=scaling,
+                                           attn_mask=_visible(start, end, first, window, query.device)))
     return torch.cat(blocks, dim=2)
 
 
@@ -128,10 +132,12 @@ def _explicit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scali
     compute it: scores * scaling, capped to c * tanh(scores / c) (Gemma 2/3), masked (causal, HF's window),
     the sink logit appended as a column and dropped after the softmax (GPT-OSS). The softmax runs in at least
     fp32. Query blocks of `QUERY_BLOCK` rows, each against the keys it can see ([first, end)), so a block's
-    scores are [H, QUERY_BLOCK, end - first], never [L, L]. With gradients each block is checkpointed: backward
-    recomputes its scores instead of keeping every block's (H x L^2 / 2 floats per document, as eager would)."""
+    scores are [H, QUERY_BLOCK, end - first], never [L, L]. With gradients each block is checkpointed:
+    backward recomputes its scores instead of keeping every block's (H x L^2 / 2 floats per document, as eager
+    would)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (query, key, value, sinks))
     blocks = []
     for start in range(0, query.shape[2], QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, query.shape[2])
@@ -181,8 +187,8 @@ def flash_document_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     extra = {} if window is None else {"window_size": (window - 1, 0)}
     if softcap is not None:
         extra["softcap"] = softcap
-    out = flash_attn_varlen_func(q, k, v, bounds.cu_seqlens, bounds.cu_seqlens, bounds.longest, bounds.longest,
-                                 causal=True, softmax_scale=scaling, **extra)
+    out = flash_attn_varlen_func(q, k, v, bounds.cu_seqlens, bounds.cu_seqlens, bounds.longest,
+                                 bounds.longest, causal=True, softmax_scale=scaling, **extra)
     return out.unsqueeze(0)
 
 
@@ -195,9 +201,10 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return _attend_packed(query, key, value, inner, flashdapo_bounds, flashdapo_sp_group, **kwargs), None
 
 
-def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inner: str, bounds: DocumentBounds,
-                   sp_group, *, scaling: float | None = None, sliding_window: int | None = None,
-                   softcap: float | None = None, s_aux: torch.Tensor | None = None, **_) -> torch.Tensor:
+def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inner: str,
+                   bounds: DocumentBounds, sp_group, *, scaling: float | None = None,
+                   sliding_window: int | None = None, softcap: float | None = None,
+                   s_aux: torch.Tensor | None = None, **_) -> torch.Tensor:
     """Per-document attention of a packed row (this rank's sequence shard of it under sequence parallelism,
     which the all-to-alls turn into a head shard of the whole row and back). [1, T, H, D]. `softcap` and
     `s_aux` (the sinks, one per query head) are HF's keyword arguments of Gemma 2/3 and GPT-OSS."""
@@ -270,7 +277,8 @@ def use_packed_attention(hf_model: nn.Module) -> None:
     (ConfigError) for flash-attn with attention sinks, which its varlen kernel cannot take. With SDPA and a
     softcap or sinks, which SDPA cannot take, the unpacked calls (sampling, padded rows) run the model's eager
     attention, so that they compute the model the packed path does."""
-    use_document_linear_attention(hf_model)  # Gated DeltaNet layers (Qwen3.5) per document too: linear_attention.py
+    # Gated DeltaNet layers (Qwen3.5) per document too: linear_attention.py
+    use_document_linear_attention(hf_model)
     config = hf_model.config
     inner = config._attn_implementation
     if inner.startswith(PREFIX):
@@ -278,7 +286,8 @@ def use_packed_attention(hf_model: nn.Module) -> None:
     sinks = has_attention_sinks(hf_model)
     if inner == "flash_attention_2" and sinks:
         raise ConfigError(_FLASH_SINKS.format(model=config.model_type))
-    check_flash_attention(config, inner, "this model")  # heads wider than flash-attn's (refused at start-up too)
+    # heads wider than flash-attn's (refused at start-up too)
+    check_flash_attention(config, inner, "this model")
     if inner == "sdpa" and (sinks or attention_logit_softcap(config) is not None):
         inner = "eager"
     config._attn_implementation = packed_implementation(inner)

@@ -20,7 +20,8 @@ from .moe.router import check_router_aux_coef
 from .policy import PolicyModel
 
 
-def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, trainer_cfg: TrainerConfig) -> PolicyModel:
+def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig,
+                trainer_cfg: TrainerConfig) -> PolicyModel:
     """The micro-batch layout (packed or padded, sequence-parallel shards), activation checkpointing (by
     config), then FSDP2 `fully_shard` on every decoder block, then the root, over every rank.
 
@@ -38,7 +39,8 @@ def parallelize(policy: PolicyModel, env: DistEnv, model_cfg: ModelConfig, train
     param_dtype = torch.bfloat16 if model_cfg.dtype == "bfloat16" else None
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     offload = CPUOffloadPolicy() if trainer_cfg.fsdp_cpu_offload else OffloadPolicy()
-    # MoE experts first, over the ranks holding the same experts (moe/expert_parallel.py); the blocks skip them.
+    # MoE experts first, over the ranks holding the same experts (moe/expert_parallel.py); the blocks skip
+    # them.
     parallelize_experts(policy.hf, env, trainer_cfg.expert_parallel, mp_policy=mp, offload_policy=offload,
                         reshard_after_forward=trainer_cfg.reshard_after_forward)
     for layer in layers:

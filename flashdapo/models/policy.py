@@ -46,7 +46,8 @@ class TokenBatch:
     attention_mask: torch.Tensor | None
     """[B, L] 1 for real tokens (padded layout); None when packed."""
     predict_index: torch.Tensor
-    """[N] flat indices (into input_ids.view(-1)) of the positions whose hidden state predicts a response token."""
+    """[N] flat indices (into input_ids.view(-1)) of the positions whose hidden state predicts a response
+    token."""
     targets: torch.Tensor
     """[N] the response tokens predicted at `predict_index`."""
     token_counts: list[int]
@@ -92,7 +93,8 @@ def make_token_batch(prompts: list[torch.Tensor], responses: list[torch.Tensor],
     targets = torch.cat(list(responses)).long()
     bounds = held = None
     shard = shard_bounds(width, sp, sp_rank) if packed and sp > 1 else None
-    laid_out = None if routes is None else lay_out_routes(routes, [len(t) for t in rows], packed, width, shard)
+    laid_out = None if routes is None else lay_out_routes(routes, [len(t)
+                                                                   for t in rows], packed, width, shard)
     if packed:
         input_ids = torch.cat(rows).unsqueeze(0)
         positions = torch.cat([torch.arange(len(t)) for t in rows]).unsqueeze(0)
@@ -139,14 +141,15 @@ class PolicyModel(nn.Module):
         self.sp_group = None
         self.sp, self.sp_rank = 1, 0
         self.micro_batch_tokens = 16384
-        """Tokens of a micro-batch on this rank (set by `parallelize`): the LM-head design is chosen for it."""
+        """Tokens of a micro-batch on this rank (set by `parallelize`): the LM-head design is chosen for
+        it."""
         self._fused: dict[str, bool] = {}
         self.route_replay: RouteReplay | None = None
         """Routing replay (algorithm.routing_replay=r3): replays a TokenBatch's routes in its forward."""
 
     def with_route_replay(self, mode: str) -> PolicyModel:
-        """This policy, replaying recorded routes in its training forwards when `mode` (algorithm.routing_replay)
-        is r3; ConfigError for r3 on a dense model."""
+        """This policy, replaying recorded routes in its training forwards when `mode`
+        (algorithm.routing_replay) is r3; ConfigError for r3 on a dense model."""
         self.route_replay = install_route_replay(self.hf, mode)
         return self
 
@@ -167,8 +170,8 @@ class PolicyModel(nn.Module):
         `keep` (the loss mask), rows outside it get no LM-head work and 0 for logp and entropy; with
         `loss_fn` too (a per-token loss, see kernels.fused_token_loss), (loss, logp, entropy) from the
         fused sweep, logp and entropy detached. With `probe`: no-grad (logp, entropy, top-1 probability)
-        (kernels.token_probe_stats), for the probe (probe.py). With `routing` (MoE families), the router logits
-        of the forward are put in it, one [tokens, E] tensor per sparse layer (models/moe/).
+        (kernels.token_probe_stats), for the probe (probe.py). With `routing` (MoE families), the router
+        logits of the forward are put in it, one [tokens, E] tensor per sparse layer (models/moe/).
         Sampling: with HF keyword arguments and no batch, the HF model's own forward (`cache` is the KV
         cache, passed under the name this transformers version uses)."""
         if batch is None:
@@ -182,23 +185,26 @@ class PolicyModel(nn.Module):
             empty = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             return empty, empty, empty
         if probe:
-            return token_probe_stats(hidden, self.lm_head_weight(), batch.targets, temperature=self.temperature,
-                                     impl=self.kernel_impl, softcap=self.softcap)
+            return token_probe_stats(hidden, self.lm_head_weight(), batch.targets,
+                                     temperature=self.temperature, impl=self.kernel_impl,
+                                     softcap=self.softcap)
         if batch.held is not None and not len(batch.targets):
             return self._nothing_held(hidden, with_entropy or keep is not None, loss_fn is not None)
         # One named range per LM-head call, forward and backward, in profiled steps (flashdapo/profiling).
-        return traced("lm_head", self._lm_head, (hidden, self.lm_head_weight()), batch, with_entropy, loss_fn, keep)
+        return traced("lm_head", self._lm_head, (hidden, self.lm_head_weight()), batch, with_entropy, loss_fn,
+                      keep)
 
-    def _lm_head(self, hidden: torch.Tensor, weight: torch.Tensor, batch: TokenBatch, with_entropy: bool, loss_fn,
-                 keep: torch.Tensor | None):
+    def _lm_head(self, hidden: torch.Tensor, weight: torch.Tensor, batch: TokenBatch, with_entropy: bool,
+                 loss_fn, keep: torch.Tensor | None):
         """The LM-head kernels on the predicting hidden states: see `forward`."""
         if loss_fn is not None:
-            return fused_token_loss(hidden, weight, batch.targets, loss_fn, keep=keep, temperature=self.temperature,
-                                    impl=self.kernel_impl, softcap=self.softcap)
+            return fused_token_loss(hidden, weight, batch.targets, loss_fn, keep=keep,
+                                    temperature=self.temperature, impl=self.kernel_impl, softcap=self.softcap)
         if keep is not None:  # rows outside the loss mask cost no LM-head work; their outputs are 0
             rows = torch.nonzero(keep).squeeze(1)
-            logp, entropy = token_logprobs(hidden[rows], weight, batch.targets[rows], temperature=self.temperature,
-                                           with_entropy=True, impl=self.kernel_impl, softcap=self.softcap)
+            logp, entropy = token_logprobs(hidden[rows], weight, batch.targets[rows],
+                                           temperature=self.temperature, with_entropy=True,
+                                           impl=self.kernel_impl, softcap=self.softcap)
             zeros = logp.new_zeros(keep.shape)
             return zeros.index_put((rows,), logp), zeros.index_put((rows,), entropy)
         out = token_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
@@ -210,8 +216,8 @@ class PolicyModel(nn.Module):
         model's choice for this GPU (kernels/lm_head_choice.py), the fused sweep on a CPU."""
         if str(device) not in self._fused:
             vocab, hidden = self.lm_head_weight().shape
-            self._fused[str(device)] = use_fused_loss(self.kernel_impl, device, self.micro_batch_tokens, hidden, vocab,
-                                                      softcap=self.softcap is not None)
+            self._fused[str(device)] = use_fused_loss(self.kernel_impl, device, self.micro_batch_tokens,
+                                                      hidden, vocab, softcap=self.softcap is not None)
         return self._fused[str(device)]
 
     @property
@@ -246,12 +252,13 @@ class PolicyModel(nn.Module):
     def _hidden_states(self, batch: TokenBatch, routing: RouterLogits | None = None) -> torch.Tensor:
         # MoE: record the router logits only when asked, whatever config.json's output_router_logits says.
         moe = router_logits_kwargs(self.config, record=routing is not None)
-        if self.route_replay is not None:  # kept loaded until the next forward: a checkpointed block's recompute
+        # kept loaded until the next forward: a checkpointed block's recompute
+        if self.route_replay is not None:
             self.route_replay.load(batch.routes)
         if batch.bounds is not None:
             packed = packed_attention_kwargs(self.hf, batch.bounds, self.sp_group)
-            out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **packed,
-                                **moe)
+            out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                                **packed, **moe)
         else:
             out = self.hf.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                 attention_mask=batch.attention_mask, use_cache=False, **moe)

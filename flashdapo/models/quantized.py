@@ -5,22 +5,24 @@ Two formats are read, both from config.json's `quantization_config`:
 - **fp8, block-wise** (`quant_method: fp8`, `weight_block_size: [bo, bi]`; Qwen's `*-FP8`, DeepSeek-V3): each
   quantized weight `W` [..., out, in] is float8 (e4m3fn) with a float32 `W_scale_inv` (`X.weight` ->
   `X.weight_scale_inv`, a fused `X` -> `X_scale_inv`) of one value per bo x bi block, [..., ceil(out / bo),
-  ceil(in / bi)]: w = fp8.float() * scale_inv expanded per block, the edge blocks cut where a dim is not a multiple
-  of the block (transformers' Fp8Dequantize, integrations/finegrained_fp8.py, takes only whole blocks).
-- **mxfp4** (`quant_method: mxfp4`; GPT-OSS): an expert weight `X` is stored as `X_blocks` (uint8 [..., rows, G,
-  16], two fp4 e2m1 values a byte, the low nibble first) and `X_scales` (uint8 e8m0 exponents [..., rows, G], one
-  per 32 values): w = e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6, sign in bit 3) * 2 ** (e8m0 - 127), laid out
-  [..., rows, G * 32] and transposed to [..., G * 32, rows] (GPT-OSS's `gate_up_proj` [E, hidden, 2 * inter],
-  gate/up interleaved as stored; transformers' `convert_moe_packed_tensors`, integrations/mxfp4.py).
+  ceil(in / bi)]: w = fp8.float() * scale_inv expanded per block, the edge blocks cut where a dim is not a
+  multiple of the block (transformers' Fp8Dequantize, integrations/finegrained_fp8.py, takes only whole
+  blocks).
+- **mxfp4** (`quant_method: mxfp4`; GPT-OSS): an expert weight `X` is stored as `X_blocks` (uint8 [..., rows,
+  G, 16], two fp4 e2m1 values a byte, the low nibble first) and `X_scales` (uint8 e8m0 exponents [..., rows,
+  G], one per 32 values): w = e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6, sign in bit 3) * 2 ** (e8m0 - 127), laid
+  out [..., rows, G * 32] and transposed to [..., G * 32, rows] (GPT-OSS's `gate_up_proj` [E, hidden, 2 *
+  inter], gate/up interleaved as stored; transformers' `convert_moe_packed_tensors`, integrations/mxfp4.py).
 
 Any other `quant_method` (or fp8 without a block size) is refused in one line naming it and what is read. The
-model is built from its config with the `quantization_config` removed, and the dequantized tensors (every other
-tensor of the checkpoint cast alike) go through transformers' own loading (`from_pretrained(None, config=...,
-state_dict=...)`: its key renames and expert fusions apply as for a plain checkpoint). The policy, the torch
-engine, the export (a plain checkpoint: its config.json has no quantization block) and `flashdapo plan` (the
-dequantized sizes) then see a plain model. vLLM builds quantized layers from the directory's config: on a
-machine without CUDA its CPU build is refused for a quantized checkpoint (rollout/engine_models.py).
-Host memory on the reading rank: the dequantized state dict and the model, two copies in the trainer's dtype.
+model is built from its config with the `quantization_config` removed, and the dequantized tensors (every
+other tensor of the checkpoint cast alike) go through transformers' own loading (`from_pretrained(None,
+config=..., state_dict=...)`: its key renames and expert fusions apply as for a plain checkpoint). The policy,
+the torch engine, the export (a plain checkpoint: its config.json has no quantization block) and `flashdapo
+plan` (the dequantized sizes) then see a plain model. vLLM builds quantized layers from the directory's
+config: on a machine without CUDA its CPU build is refused for a quantized checkpoint
+(rollout/engine_models.py). Host memory on the reading rank: the dequantized state dict and the model, two
+copies in the trainer's dtype.
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def quant_format(config: dict[str, Any], where: str) -> QuantFormat | None:
         return QuantFormat("fp8", (int(block[0]), int(block[1])))
     if method == "mxfp4":
         return QuantFormat("mxfp4")
-    raise QuantizedCheckpointError(f"{where}: quantization_config quant_method {method!r} is not supported; "
-                                   f"flashdapo dequantizes {SUPPORTED} checkpoints (or train an unquantized one)")
+    raise QuantizedCheckpointError(
+        f"{where}: quantization_config quant_method {method!r} is not supported; "
+        f"flashdapo dequantizes {SUPPORTED} checkpoints (or train an unquantized one)")
 
 
 def dir_format(path: str | Path, where: str = "model.path") -> QuantFormat | None:
@@ -92,9 +95,10 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     rows, cols = weight.shape[-2:]
     expected = (*weight.shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale_inv.shape) != expected:
-        raise QuantizedCheckpointError(f"{name}: weight_scale_inv has shape {tuple(scale_inv.shape)}, expected "
-                                       f"{expected} for a {tuple(weight.shape)} weight in {block[0]}x{block[1]} "
-                                       "blocks; the checkpoint does not match its quantization_config")
+        raise QuantizedCheckpointError(
+            f"{name}: weight_scale_inv has shape {tuple(scale_inv.shape)}, expected "
+            f"{expected} for a {tuple(weight.shape)} weight in {block[0]}x{block[1]} "
+            "blocks; the checkpoint does not match its quantization_config")
     scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
     scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
     return (weight.float() * scale).to(dtype)
@@ -104,7 +108,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
                      name: str = "blocks") -> torch.Tensor:
     """MXFP4 `blocks` (uint8 [..., rows, G, 16]) and `scales` (uint8 e8m0 [..., rows, G]) as the weight
     [..., G * 32, rows] (the last two dims transposed, as GPT-OSS holds them); float32 math, `dtype` out."""
-    if blocks.dim() < 3 or tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] * 2 != MXFP4_GROUP:
+    if blocks.dim() < 3 or tuple(blocks.shape[:-1]) != tuple(
+            scales.shape) or blocks.shape[-1] * 2 != MXFP4_GROUP:
         raise QuantizedCheckpointError(f"{name}: mxfp4 blocks {tuple(blocks.shape)} and scales "
                                        f"{tuple(scales.shape)} do not pair (expected [..., rows, G, 16] and "
                                        "[..., rows, G])")
@@ -119,8 +124,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 def _shard_files(path: Path) -> list[Path]:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
-        raise QuantizedCheckpointError(f"model.path={path}: a quantized checkpoint without *.safetensors weights; "
-                                       "flashdapo dequantizes safetensors checkpoints")
+        raise QuantizedCheckpointError(
+            f"model.path={path}: a quantized checkpoint without *.safetensors weights; "
+            "flashdapo dequantizes safetensors checkpoints")
     return shards
 
 
@@ -150,15 +156,18 @@ def dequantized_state_dict(path: str | Path, fmt: QuantFormat,
 
 def _plain(key: str, tensor: torch.Tensor, files: dict[str, Any], fmt: QuantFormat,
            dtype: torch.dtype) -> tuple[str, torch.Tensor] | None:
-    """(name, tensor) of the plain checkpoint for one stored tensor; None for a scale (read with its weight)."""
+    """(name, tensor) of the plain checkpoint for one stored tensor; None for a scale (read with its
+    weight)."""
     if fmt.method == "fp8":
         if key.endswith(("weight_scale_inv", "_scale_inv", ".input_scale", ".activation_scale")):
             return None
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
+            scale_key = key[:-len("weight")] + "weight_scale_inv" if key.endswith(
+                ".weight") else key + "_scale_inv"
             if scale_key not in files:
-                raise QuantizedCheckpointError(f"{key}: an fp8 tensor without its {scale_key}; the checkpoint does not "
-                                               "match its quantization_config")
+                raise QuantizedCheckpointError(
+                    f"{key}: an fp8 tensor without its {scale_key}; the checkpoint does not "
+                    "match its quantization_config")
             return key, dequantize_fp8(tensor, files[scale_key].get_tensor(scale_key), fmt.block, dtype, key)
     else:
         if key.endswith("_scales"):
@@ -166,9 +175,11 @@ def _plain(key: str, tensor: torch.Tensor, files: dict[str, Any], fmt: QuantForm
         if key.endswith("_blocks"):
             scale_key = key[: -len("_blocks")] + "_scales"
             if scale_key not in files:
-                raise QuantizedCheckpointError(f"{key}: mxfp4 blocks without their {scale_key}; the checkpoint does "
-                                               "not match its quantization_config")
-            return key[: -len("_blocks")], dequantize_mxfp4(tensor, files[scale_key].get_tensor(scale_key), dtype, key)
+                raise QuantizedCheckpointError(
+                    f"{key}: mxfp4 blocks without their {scale_key}; the checkpoint does "
+                    "not match its quantization_config")
+            return key[:-len("_blocks")], dequantize_mxfp4(tensor, files[scale_key].get_tensor(scale_key),
+                                                           dtype, key)
     return key, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
@@ -196,26 +207,31 @@ class Loaded:
 
 def load_dequantized(path: str | Path, fmt: QuantFormat, dtype: torch.dtype, attention: str,
                      where: str = "model.path", purpose: str = "training") -> Loaded:
-    """The model of the quantized checkpoint in `path` built plain and loaded with its dequantized tensors; its
-    line says `purpose` (training, sampling)."""
+    """The model of the quantized checkpoint in `path` built plain and loaded with its dequantized tensors;
+    its line says `purpose` (training, sampling)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = plain_config(AutoConfig.from_pretrained(str(path)))
     state, disk = dequantized_state_dict(path, fmt, dtype)
-    model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state, dtype=dtype,
-                                                       attn_implementation=attention, output_loading_info=True)
+    model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config,
+                                                                            state_dict=state, dtype=dtype,
+                                                                            attn_implementation=attention,
+                                                                            output_loading_info=True)
     del state
-    # A tensor the model lacks is dropped, as from_pretrained drops it (DeepSeek-V3's multi-token-prediction layer);
-    # a parameter without a tensor would train from its random init: refused.
+    # A tensor the model lacks is dropped, as from_pretrained drops it (DeepSeek-V3's multi-token-prediction
+    # layer); a parameter without a tensor would train from its random init: refused.
     missing = sorted(set(info.get("missing_keys", ())) - _tied_names(model))
     if missing:
-        raise QuantizedCheckpointError(f"{where}={path}: the dequantized {fmt.method} checkpoint does not fit its "
-                                       f"model: no tensor for {missing[0]} ({len(missing)} missing)")
+        raise QuantizedCheckpointError(
+            f"{where}={path}: the dequantized {fmt.method} checkpoint does not fit its "
+            f"model: no tensor for {missing[0]} ({len(missing)} missing)")
     model.config._name_or_path = str(path)  # the export's source (its expert layout)
     size = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values())
-    line = (f"{where} {path}: {fmt.describe()} checkpoint, dequantized to {str(dtype).removeprefix('torch.')} for "
-            f"{purpose}: {gib(size)} GiB of weights instead of {gib(disk)} GiB")
+    line = (
+        f"{where} {path}: {fmt.describe()} checkpoint, dequantized to {str(dtype).removeprefix('torch.')} "
+        "for "
+        f"{purpose}: {gib(size)} GiB of weights instead of {gib(disk)} GiB")
     return Loaded(model, line)
 
 

@@ -30,7 +30,8 @@ from .hf import layer_configs
 
 
 def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[1, H, S, D] (all heads, this rank's sequence shard) -> [1, H/sp, sp*S, D] (this rank's heads, whole row)."""
+    """[1, H, S, D] (all heads, this rank's sequence shard) -> [1, H/sp, sp*S, D] (this rank's heads, whole
+    row)."""
     sp = dist.get_world_size(group)
     _, heads, length, dim = x.shape
     chunks = x.reshape(sp, heads // sp, length, dim).contiguous()  # chunk j of the heads goes to rank j
@@ -39,7 +40,8 @@ def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
 
 
 def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[1, sp*S, H/sp, D] (whole row, this rank's heads) -> [1, S, H, D] (this rank's sequence shard, all heads)."""
+    """[1, sp*S, H/sp, D] (whole row, this rank's heads) -> [1, S, H, D] (this rank's sequence shard, all
+    heads)."""
     sp = dist.get_world_size(group)
     _, length, heads, dim = x.shape
     chunks = x.reshape(sp, length // sp, heads, dim).contiguous()  # chunk j of the sequence goes to rank j
@@ -56,8 +58,8 @@ def expand_kv_heads(x: torch.Tensor, sp: int) -> torch.Tensor:
 
 
 def local_heads(per_head: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's entries of a per-query-head tensor [H, ...] (GPT-OSS's attention sinks): chunk `rank` of sp,
-    the heads `sequence_to_heads` gives this rank. Its gradient reaches only those heads; the other ranks'
+    """This rank's entries of a per-query-head tensor [H, ...] (GPT-OSS's attention sinks): chunk `rank` of
+    sp, the heads `sequence_to_heads` gives this rank. Its gradient reaches only those heads; the other ranks'
     cover the rest, and the gradient reduction over ranks sums them."""
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
     return per_head.reshape(sp, per_head.shape[0] // sp, *per_head.shape[1:])[rank]
@@ -80,8 +82,8 @@ def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
 
 
 def layer_heads(config) -> list[tuple[int, int]]:
-    """(query heads, key/value heads) of each kind of attention layer of an HF config (`hf.layer_configs`: Gemma
-    4's full-attention layers carry key/value heads of their own)."""
+    """(query heads, key/value heads) of each kind of attention layer of an HF config (`hf.layer_configs`:
+    Gemma 4's full-attention layers carry key/value heads of their own)."""
     return sorted({(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
                    for c in layer_configs(config)})
 
@@ -98,7 +100,8 @@ def check_layer_heads(kinds: list[tuple[int, int]], sp: int) -> None:
         f"{h}/{kv}" for h, kv in kinds) + " query/key-value heads)"
     raise SequenceParallelError(
         f"trainer.sequence_parallel={sp} does not fit the model's {bad[0][0]} query heads and {bad[0][1]} "
-        f"key/value heads{which} (query heads must divide by it; key/value heads must divide by it or divide it): "
+        f"key/value heads{which} (query heads must divide by it; key/value heads must divide by it or divide "
+        "it): "
         f"choose one of {fitting}")
 
 
@@ -115,7 +118,8 @@ def local_predictions(predict_index: torch.Tensor, start: int, end: int) -> tupl
     return held, predict_index[held] - start
 
 
-def gather_token_values(values: torch.Tensor, held: torch.Tensor, total: int, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_token_values(values: torch.Tensor, held: torch.Tensor, total: int,
+                        group: dist.ProcessGroup) -> torch.Tensor:
     """A per-token vector of the whole micro-batch [total] from each rank's values at its `held` tokens (for
     the old log-probs: [total] floats, never hidden states or logits). Shards are disjoint: a sum."""
     full = values.new_zeros(total).index_put((held,), values)
@@ -123,5 +127,8 @@ def gather_token_values(values: torch.Tensor, held: torch.Tensor, total: int, gr
     return full
 
 
-__all__ = ["check_heads", "check_layer_heads", "expand_kv_heads", "gather_token_values", "heads_fit",
-           "heads_to_sequence", "layer_heads", "local_heads", "local_predictions", "sequence_to_heads", "shard_bounds"]
+__all__ = [
+    "check_heads", "check_layer_heads", "expand_kv_heads", "gather_token_values", "heads_fit",
+    "heads_to_sequence", "layer_heads", "local_heads", "local_predictions", "sequence_to_heads",
+    "shard_bounds"
+]

@@ -25,7 +25,8 @@ The choices, before the code:
   parameter, plus whatever the consumer still holds of the previous one.
 - **Expert parallelism** (models/moe/expert_parallel.py): a MoE layer's fused expert weights are DTensors of
   the whole [num_experts, ...] tensor on the 2-D ("efsdp", "ep") mesh, gathered over both dimensions, one
-  after the other (`full_tensor_by_dim`): every rank receives all experts, the same names and shapes as at E = 1.
+  after the other (`full_tensor_by_dim`): every rank receives all experts, the same names and shapes as at E =
+  1.
 - Runs under `torch.no_grad`; yielded tensors are detached and must not be mutated by the consumer
   (a plain tensor may be the model's own storage).
 """

@@ -62,7 +62,8 @@ def all_to_all_bytes(shape: ModelShape, tokens: float, expert_parallel: int, com
     moe = shape.moe
     if moe is None or expert_parallel == 1:
         return 0.0
-    per_forward = 2 * tokens * moe.top_k * shape.hidden * compute_bytes * (expert_parallel - 1) / expert_parallel
+    per_forward = 2 * tokens * moe.top_k * shape.hidden * compute_bytes * (expert_parallel -
+                                                                           1) / expert_parallel
     return per_forward * moe.moe_layers * forwards
 
 
@@ -75,7 +76,8 @@ def all_to_all_seconds(sent: float, expert_parallel: int, gpus_per_node: int, li
     local_peers = min(expert_parallel, per_node) - 1
     remote_peers = expert_parallel - 1 - local_peers
     share = sent / (expert_parallel - 1)
-    return max(share * local_peers / (links.nvlink_gbps * 1e9), share * remote_peers / (links.network_gbps * 1e9))
+    return max(share * local_peers / (links.nvlink_gbps * 1e9),
+               share * remote_peers / (links.network_gbps * 1e9))
 
 
 __all__ = ["LINKS", "Links", "NETWORK_GBPS", "all_to_all_bytes", "all_to_all_seconds", "forward_exchanges",

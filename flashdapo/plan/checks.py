@@ -56,11 +56,13 @@ def launch_checks(cfg: Config, world: int, source: ModelSource, shape: ModelShap
         report.passed.append("model directory and tokenizer (preflight.check_model)")
     elif not source.toy:
         where = f"model.path={cfg.model.path}" if cfg.model.path else source.origin
-        report.notes += check_model_config(source.config, where, max_tokens, TOKENS_FIELD, named=source.origin)
+        report.notes += check_model_config(source.config, where, max_tokens, TOKENS_FIELD,
+                                           named=source.origin)
         report.passed.append("model config (preflight.check_model_config)")
         report.not_checked.append("the tokenizer (the checkpoint is not on this machine)")
     if not source.toy:  # the engine's attention-window limits; its architecture registry is checked at launch
-        check_model_settings(cfg, source.config, f"model.path={cfg.model.path}" if cfg.model.path else source.origin)
+        check_model_settings(cfg, source.config,
+                             f"model.path={cfg.model.path}" if cfg.model.path else source.origin)
         report.passed.append("model settings against the family (preflight.check_model_settings)")
         check_flash_attention(source.config, cfg.model.attn_implementation,
                               f"model.path={cfg.model.path}" if cfg.model.path else source.origin)
@@ -68,14 +70,16 @@ def launch_checks(cfg: Config, world: int, source: ModelSource, shape: ModelShap
     if cfg.trainer.sequence_parallel > 1:
         check_sequence_parallel(source.config, cfg.trainer.sequence_parallel)  # refused with linear attention
         check_layer_heads(list(shape.layer_heads), cfg.trainer.sequence_parallel)
-        report.passed.append(f"sequence_parallel {cfg.trainer.sequence_parallel} heads (ulysses.check_layer_heads)")
+        report.passed.append(
+            f"sequence_parallel {cfg.trainer.sequence_parallel} heads (ulysses.check_layer_heads)")
     ep = cfg.trainer.expert_parallel
     if ep > 1:  # its world-size rule is check_layout's
         if experts is not None:
             check_expert_parallel(experts, ep)
         elif shape.moe is None or shape.moe.num_experts % ep:
-            raise ConfigError(f"trainer.expert_parallel={ep}: the model has no MoE layer or num_experts it does "
-                              "not divide; use 1 for a dense model, else a divisor of num_experts")
+            raise ConfigError(
+                f"trainer.expert_parallel={ep}: the model has no MoE layer or num_experts it does "
+                "not divide; use 1 for a dense model, else a divisor of num_experts")
         report.passed.append(f"expert_parallel {ep} (models/moe/expert_parallel.check_expert_parallel)")
     if engine_spec(cfg.rollout.engine).tensor_parallel:
         tp = cfg.rollout.tensor_parallel_size

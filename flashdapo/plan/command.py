@@ -2,16 +2,16 @@
 seconds: the model on the meta device, the launch's own checks, the memory per GPU and a modelled step.
 
   flashdapo plan [--preset NAME] [--config FILE] [--nodes N] [--gpus-per-node G] [--gpu h20]
-                 [--model-config FILE | --model-shape NAME] [--mean-response-tokens N] [--mean-prompt-tokens N]
-                 [--mfu F] [--SECTION.FIELD VALUE ...]
+                 [--model-config FILE | --model-shape NAME] [--mean-response-tokens N] [--mean-prompt-tokens
+                 N] [--mfu F] [--SECTION.FIELD VALUE ...]
 
 The config is resolved by the code `flashdapo train` uses (preset, file, then any train flag). Nodes and GPUs
 per node not given are the preset's first documented cluster's (config.PRESET_CLUSTERS; the plan says so in a
 note). Exit 0 with the table; exit 1 with one line when the launch would be refused or does not fit.
 """
 
-# No `from __future__ import annotations`: PlanOptions' checks must be objects, not strings the parser evaluates
-# in its own namespace (as in ablation/options.py).
+# No `from __future__ import annotations`: PlanOptions' checks must be objects, not strings the parser
+# evaluates in its own namespace (as in ablation/options.py).
 import dataclasses
 import sys
 from dataclasses import dataclass
@@ -86,7 +86,9 @@ def plan_help() -> str:
     """What `flashdapo plan --help` prints: the command, then its own options (the others: `flashdapo train
     --help`)."""
     docs = field_docs(PlanOptions)
-    known = {"gpu": f" Known: {', '.join(sorted(GPUS))}.", "model_shape": f" Known: {', '.join(BUILTIN_SHAPES)}."}
+    known = {
+        "gpu": f" Known: {', '.join(sorted(GPUS))}.", "model_shape": f" Known: {', '.join(BUILTIN_SHAPES)}."
+    }
     lines = [f"  --{f.name.replace('_', '-')} (default {f.default!r}): {' '.join(docs[f.name].split())}"
              + known.get(f.name, "") for f in dataclasses.fields(PlanOptions)]
     return "\n".join([__doc__.rstrip(), "", "options:", *lines])
@@ -118,7 +120,8 @@ def plan_main(argv: list[str]) -> int:
         print(f"flashdapo plan: cannot launch: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     work = Workload(mean_response=args.mean_response_tokens or max(1, cfg.rollout.max_response_length // 5),
-                    mean_prompt=args.mean_prompt_tokens or max(1, cfg.data.max_prompt_length // 8), mfu=args.mfu)
+                    mean_prompt=args.mean_prompt_tokens or max(1, cfg.data.max_prompt_length // 8),
+                    mfu=args.mfu)
     time = step_time(shape, cfg, world, gpu, plan.engine, plan.setup.lm_head, work, per_node)
     start = f"preset '{name}'" + (f" + {_config_file(argv)}" if _config_file(argv) else "")
     inputs = PlanInputs(cfg=cfg, start=start, nodes=nodes, gpus_per_node=per_node, origin=source.origin,
@@ -133,8 +136,11 @@ def _default_cluster_note(args: PlanOptions, preset: str, nodes: int, per_node: 
                if value is None]
     if not missing:
         return []
-    return [f"{' and '.join(missing)} not given: {nodes} node(s) x {per_node} GPU(s), the first documented cluster "
-            f"of preset '{preset}' (config/presets.py PRESET_CLUSTERS)"]
+    return [
+        f"{' and '.join(missing)} not given: {nodes} node(s) x {per_node} GPU(s), the first documented "
+        "cluster "
+        f"of preset '{preset}' (config/presets.py PRESET_CLUSTERS)"
+    ]
 
 
 def _meta_model(source, cfg):

@@ -29,7 +29,8 @@ class EngineMemory:
     activations: int
     runtime: int
     budget: int
-    """rollout.gpu_memory_utilization x the GPU's memory (or weights + activations + runtime + kv_cache_gib)."""
+    """rollout.gpu_memory_utilization x the GPU's memory (or weights + activations + runtime +
+    kv_cache_gib)."""
     kv_cache: int
     kv_per_token: int
     max_model_len: int
@@ -71,7 +72,8 @@ def engine_memory(shape: ModelShape, cfg: Config, gpu_bytes: int) -> EngineMemor
         kv = max(0, budget - weights - activations - runtime)
     return EngineMemory(weights=weights, activations=activations, runtime=runtime, budget=budget, kv_cache=kv,
                         kv_per_token=kv_bytes_per_token(shape, tp),
-                        max_model_len=cfg.data.max_prompt_length + rc.max_response_length, sleep_level=rc.sleep_level)
+                        max_model_len=cfg.data.max_prompt_length + rc.max_response_length,
+                        sleep_level=rc.sleep_level)
 
 
 def torch_engine_memory(shape: ModelShape, cfg: Config) -> EngineMemory:

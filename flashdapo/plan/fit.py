@@ -55,13 +55,15 @@ class MemoryPlan:
     """The biggest trainer.micro_batch_tokens whose training phase fits (0: none)."""
     gpu: GPU
     staged: int = 0
-    """Split placement: one rollout rank's staged weights in host memory (exact; 0 in co-located placement)."""
+    """Split placement: one rollout rank's staged weights in host memory (exact; 0 in co-located
+    placement)."""
     host_memory: int | None = None
     """A node's host memory when the GPU table records it (`node_host_memory`), else None: not checked."""
 
     @property
     def resident(self) -> int:
-        """The trainer's state on the GPU between steps: parameters and AdamW moments (gradients are freed)."""
+        """The trainer's state on the GPU between steps: parameters and AdamW moments (gradients are
+        freed)."""
         return 0 if self.setup.offload else self.state.params + self.state.moments
 
 
@@ -100,7 +102,8 @@ def memory_plan(cfg: Config, world: int, shape: ModelShape, gpu: GPU, check: boo
     state = state_bytes(shape, world, expert_parallel=setup.expert_parallel)
     context = int(CONTEXT_GIB * GIB)
     peak = peak_training_bytes(shape, setup, tokens) + context
-    engine = engine_memory(shape, cfg, gpu.memory_bytes) if engine_spec(cfg.rollout.engine).own_weights else None
+    engine = engine_memory(shape, cfg, gpu.memory_bytes) if engine_spec(
+        cfg.rollout.engine).own_weights else None
     asleep = engine.asleep if engine else 0
     resident = 0 if setup.offload else state.params + state.moments
     generation = resident + context + (engine.budget if engine else 0)
@@ -137,29 +140,35 @@ def _check_fit(plan: MemoryPlan, cfg: Config) -> None:
     if e is not None:
         need = e.kv_per_token * e.max_model_len
         if e.kv_cache < need:
-            raise PlanError(f"rollout.gpu_memory_utilization: {cfg.rollout.gpu_memory_utilization} of an {gpu} leaves "
-                            f"vLLM a {_gib(e.kv_cache)} KV cache after {_gib(e.weights)} of weights (modelled), not one "
-                            f"request of {e.max_model_len} tokens ({_gib(need)}; vLLM refuses to start): raise it or "
-                            "rollout.tensor_parallel_size, or lower data.max_prompt_length + rollout.max_response_length")
+            raise PlanError(
+                f"rollout.gpu_memory_utilization: {cfg.rollout.gpu_memory_utilization} of an {gpu} leaves "
+                f"vLLM a {_gib(e.kv_cache)} KV cache after {_gib(e.weights)} of weights (modelled), not one "
+                f"request of {e.max_model_len} tokens ({_gib(need)}; vLLM refuses to start): raise it or "
+                "rollout.tensor_parallel_size, or lower data.max_prompt_length + rollout.max_response_length")
         at_start = (0 if plan.setup.offload else plan.state.params) + plan.context + e.budget
         if at_start > total:
-            raise PlanError(f"rollout.gpu_memory_utilization: vLLM asks {_gib(e.budget)} free at start while the "
-                            f"trainer holds {_gib(at_start - e.budget)} of an {gpu}'s {_gib(total)} (modelled): lower it, "
-                            "set trainer.fsdp_cpu_offload=true, or launch more GPUs")
+            raise PlanError(
+                f"rollout.gpu_memory_utilization: vLLM asks {_gib(e.budget)} free at start while the "
+                f"trainer holds {_gib(at_start - e.budget)} of an {gpu}'s {_gib(total)} (modelled): lower "
+                "it, "
+                "set trainer.fsdp_cpu_offload=true, or launch more GPUs")
     if plan.generation_total > total:
-        raise PlanError(f"generation needs {_gib(plan.generation_total)} of an {gpu}'s {_gib(total)} (modelled: the "
-                        f"trainer's parameters and AdamW moments {_gib(plan.resident)} + vLLM's "
-                        f"{_gib(e.budget if e else 0)}): lower rollout.gpu_memory_utilization, set "
-                        "trainer.fsdp_cpu_offload=true, or launch more GPUs")
+        raise PlanError(
+            f"generation needs {_gib(plan.generation_total)} of an {gpu}'s {_gib(total)} (modelled: the "
+            f"trainer's parameters and AdamW moments {_gib(plan.resident)} + vLLM's "
+            f"{_gib(e.budget if e else 0)}): lower rollout.gpu_memory_utilization, set "
+            "trainer.fsdp_cpu_offload=true, or launch more GPUs")
     if plan.training_total > total:
         if plan.best_tokens == 0:
-            raise PlanError(f"training needs more than an {gpu}'s {_gib(total)} at any micro-batch (modelled: state "
-                            f"{_gib(plan.resident + plan.state.grads)}): set trainer.fsdp_cpu_offload=true or launch "
-                            "more GPUs")
-        raise PlanError(f"trainer.micro_batch_tokens: {plan.tokens} tokens per rank need {_gib(plan.training_total)} "
-                        f"of an {gpu}'s {_gib(total)} in training (modelled); the biggest that fits is "
-                        f"{plan.best_tokens} (a sequence of data.max_prompt_length + rollout.max_response_length "
-                        "tokens over trainer.sequence_parallel must fit too)")
+            raise PlanError(
+                f"training needs more than an {gpu}'s {_gib(total)} at any micro-batch (modelled: state "
+                f"{_gib(plan.resident + plan.state.grads)}): set trainer.fsdp_cpu_offload=true or launch "
+                "more GPUs")
+        raise PlanError(
+            f"trainer.micro_batch_tokens: {plan.tokens} tokens per rank need {_gib(plan.training_total)} "
+            f"of an {gpu}'s {_gib(total)} in training (modelled); the biggest that fits is "
+            f"{plan.best_tokens} (a sequence of data.max_prompt_length + rollout.max_response_length "
+            "tokens over trainer.sequence_parallel must fit too)")
 
 
 def _check_host(plan: MemoryPlan, cfg: Config, gpus_per_node: int) -> None:
@@ -167,10 +176,11 @@ def _check_host(plan: MemoryPlan, cfg: Config, gpus_per_node: int) -> None:
     ranks = rollout_ranks_per_node(cfg.rollout.rollout_ranks, gpus_per_node)
     need = plan.staged * ranks
     if plan.host_memory is not None and need > plan.host_memory:
-        raise PlanError(f"rollout.max_lag: split placement stages {cfg.rollout.max_lag + 1} versions of the weights "
-                        f"in host memory on each rollout rank ({_gib(plan.staged)}, exact), {_gib(need)} for the "
-                        f"{ranks} rollout ranks of a node, over a node's {_gib(plan.host_memory)}: lower "
-                        "rollout.max_lag, or put fewer rollout ranks on a node")
+        raise PlanError(
+            f"rollout.max_lag: split placement stages {cfg.rollout.max_lag + 1} versions of the weights "
+            f"in host memory on each rollout rank ({_gib(plan.staged)}, exact), {_gib(need)} for the "
+            f"{ranks} rollout ranks of a node, over a node's {_gib(plan.host_memory)}: lower "
+            "rollout.max_lag, or put fewer rollout ranks on a node")
 
 
 __all__ = ["MemoryPlan", "PlanError", "largest_micro_batch", "memory_plan", "node_host_memory", "train_setup"]

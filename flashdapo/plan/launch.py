@@ -14,7 +14,8 @@ from .model import build_meta_model, model_shape
 from .shapes import model_source
 
 
-def check_launch_memory(cfg: Config, world: int, device_name: str | None, gpus_per_node: int = 0) -> str | None:
+def check_launch_memory(cfg: Config, world: int, device_name: str | None,
+                        gpus_per_node: int = 0) -> str | None:
     """Raise PlanError (one line naming the phase and the field to change) when the launch of `cfg` over
     `world` GPUs named `device_name` (torch.cuda.get_device_name), `gpus_per_node` to a node (torchrun's
     LOCAL_WORLD_SIZE; 0: one node), cannot fit. Returns why nothing was checked (None when checked): no GPU,
@@ -28,7 +29,8 @@ def check_launch_memory(cfg: Config, world: int, device_name: str | None, gpus_p
         return f"{device_name} is not in the GPU table (flashdapo/kernels/gpus.py)"
     source = model_source(cfg)
     shape = model_shape(build_meta_model(source, cfg), source.origin)
-    memory_plan(cfg, world, shape, gpu, gpus_per_node=gpus_per_node)  # raises PlanError when a phase does not fit
+    # raises PlanError when a phase does not fit
+    memory_plan(cfg, world, shape, gpu, gpus_per_node=gpus_per_node)
     return None
 
 

@@ -129,7 +129,8 @@ def block_saved(shape: ModelShape, tokens: int, b: int, flash_attention: bool) -
     logits and probabilities."""
     h, k, i = shape.hidden, shape.kv_dim, shape.mlp_width
     repeated = 0 if flash_attention else 2 * (h - k)
-    stats = FP32 * (2 * h + shape.heads + 2)  # the norms' fp32 copies, their rstd, the attention's log-sum-exp
+    # the norms' fp32 copies, their rstd, the attention's log-sum-exp
+    stats = FP32 * (2 * h + shape.heads + 2)
     moe = shape.moe
     routed = b * 2 * moe.top_k * h + FP32 * 2 * moe.num_experts if moe else 0
     return tokens * (b * (8 * h + 3 * k + 4 * i + repeated) + stats + routed)
@@ -140,7 +141,8 @@ def transients(shape: ModelShape, setup: TrainSetup, tokens: int) -> Transients:
     b, w, h = setup.compute_bytes, setup.world, shape.hidden
     root, block = _full(shape, "root", w), _largest_block(shape, w, setup.expert_parallel)
     blocks_gathered = shape.layers if not setup.reshard_after_forward else min(2, shape.layers)
-    staged = (FP32 + b) * (root + blocks_gathered * block) // w if setup.offload else 0  # H2D copies of shards
+    # H2D copies of shards
+    staged = (FP32 + b) * (root + blocks_gathered * block) // w if setup.offload else 0
     gathered = b * (root + blocks_gathered * block) + staged
     saved = block_saved(shape, tokens, b, setup.flash_attention)
     ulysses = tokens * b * (2 * h + 4 * shape.kv_dim) if setup.sequence_parallel > 1 else 0
@@ -154,7 +156,8 @@ def transients(shape: ModelShape, setup: TrainSetup, tokens: int) -> Transients:
     lm_head = int(lm_head_cost(setup.lm_head, tokens, h, shape.vocab, b, setup.device).peak_extra_gb * 1e9)
     lm_weight_grad = b * shape.vocab * h  # held from the LM head's backward to the root's reduction
     layer_reduce = (b + FP32) * block + lm_weight_grad
-    end = b * root + b * root + b * shape.vocab * h + FP32 * root  # params, grads, embedding grad, fp32 RS input
+    # params, grads, embedding grad, fp32 RS input
+    end = b * root + b * root + b * shape.vocab * h + FP32 * root
     shards = [t.shard_numel(w, 0, setup.expert_parallel) for t in shape.tensors]
     if setup.offload:
         step = 0  # AdamW runs on the host
@@ -204,5 +207,7 @@ def first_step_peak_bytes(shape: ModelShape, setup: TrainSetup, tokens: int, ran
                state.params + state.grads + state.moments + t.optimizer_step)
 
 
-__all__ = ["StateBytes", "first_step_peak_bytes", "lm_head_cost", "TrainSetup", "Transients", "block_saved", "peak_training_bytes",
-           "rollout_ranks_per_node", "staged_weights_bytes", "state_bytes", "transients"]
+__all__ = [
+    "StateBytes", "first_step_peak_bytes", "lm_head_cost", "TrainSetup", "Transients", "block_saved",
+    "peak_training_bytes", "rollout_ranks_per_node", "staged_weights_bytes", "state_bytes", "transients"
+]

@@ -20,7 +20,8 @@ from .shapes import ModelSource
 @dataclass(frozen=True)
 class Tensor:
     """One parameter: its HF name, shape and FSDP2 unit ('layers.<i>', or 'root' for embeddings, final
-    norm and LM head); `expert`: a routed expert's [num_experts, ...] tensor (sharded by expert parallelism)."""
+    norm and LM head); `expert`: a routed expert's [num_experts, ...] tensor (sharded by expert
+    parallelism)."""
 
     name: str
     shape: tuple[int, ...]
@@ -48,7 +49,8 @@ class Tensor:
 
     def shard_numel(self, world: int, rank: int, expert_parallel: int = 1) -> int:
         """Elements of rank `rank`'s shard as the trainer lays it out: an expert tensor under expert
-        parallelism E > 1 as plan/moe.py says, every other tensor (and all of them at E = 1) by FSDP2 alone."""
+        parallelism E > 1 as plan/moe.py says, every other tensor (and all of them at E = 1) by FSDP2
+        alone."""
         if self.expert and expert_parallel > 1:
             return expert_shard_numel(self.shape, world, rank, expert_parallel)
         return self.local_numel(world, rank)
@@ -80,8 +82,8 @@ class ModelShape:
     layer_heads: tuple[tuple[int, int], ...]
     """(query heads, key/value heads) of each kind of attention layer (models/ulysses.py layer_heads)."""
     layer_kv: tuple[tuple[int, int], ...]
-    """(key/value heads, head dim) of every layer: they vary in Gemma 4, whose full-attention layers have their own
-    key/value heads and a wider head (heads, kv_heads and head_dim are then the first layer's)."""
+    """(key/value heads, head dim) of every layer: they vary in Gemma 4, whose full-attention layers have
+    their own key/value heads and a wider head (heads, kv_heads and head_dim are then the first layer's)."""
     moe: MoeShape | None = None
     """The routed experts of a mixture-of-experts model; None: dense."""
 
@@ -143,9 +145,14 @@ def build_meta_model(source: ModelSource, cfg: Config) -> torch.nn.Module:
             from ..tasks.toy import build_toy_model
 
             max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
-            return build_toy_model(cfg.model, len(build_task_tokenizer(cfg.data)), max_positions, cfg.trainer.seed)
+            return build_toy_model(cfg.model, len(build_task_tokenizer(cfg.data)), max_positions,
+                                   cfg.trainer.seed)
         # A quantized checkpoint is trained dequantized (models/quantized.py): its plain model is counted.
-        values = {k: v for k, v in source.config.items() if k not in ("architectures", "model_type", "quantization_config")}
+        values = {
+            k: v
+            for k, v in source.config.items()
+            if k not in ("architectures", "model_type", "quantization_config")
+        }
         config = AutoConfig.for_model(source.config["model_type"], **values)
         # Eager attention: every family has it (GPT-OSS has no SDPA path) and the shapes do not depend on it.
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
@@ -169,9 +176,10 @@ def model_shape(model: torch.nn.Module, name: str) -> ModelShape:
     intermediate = getattr(first, "intermediate_size", None) or (moe.moe_intermediate if moe else 0)
     return ModelShape(name=name, tensors=tuple(tensors), hidden=c.hidden_size, intermediate=intermediate,
                       layers=c.num_hidden_layers, heads=first.num_attention_heads, kv_heads=kv[0][0],
-                      head_dim=kv[0][1], vocab=c.vocab_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
-                      max_positions=getattr(c, "max_position_embeddings", None), model_type=c.model_type,
-                      layer_heads=tuple(layer_heads(c)), layer_kv=tuple(kv), moe=moe)
+                      head_dim=kv[0][1], vocab=c.vocab_size,
+                      tied=bool(getattr(c, "tie_word_embeddings",
+                                        False)), max_positions=getattr(c, "max_position_embeddings", None),
+                      model_type=c.model_type, layer_heads=tuple(layer_heads(c)), layer_kv=tuple(kv), moe=moe)
 
 
 def _kv_heads(config) -> int:

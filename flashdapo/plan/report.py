@@ -42,13 +42,16 @@ def render(inputs: PlanInputs, shape: ModelShape, checks: CheckReport, plan: Mem
     cfg, tc, rc = inputs.cfg, inputs.cfg.trainer, inputs.cfg.rollout
     world = inputs.nodes * inputs.gpus_per_node
     sp, slots = tc.sequence_parallel, world // tc.sequence_parallel
-    lines = [f"flashdapo plan: {inputs.start} on {inputs.nodes} node(s) x {inputs.gpus_per_node} {plan.gpu.name} = "
-             f"{world} ranks ({plan.gpu.memory_gib:g} GiB, {plan.gpu.bf16_tflops:g} TFLOP/s bf16 dense, "
-             f"{plan.gpu.hbm_tbps:g} TB/s: {plan.gpu.source})",
-             f"model: {shape.name} from {inputs.origin}: {shape.parameters:,} parameters in {len(shape.tensors)} "
-             f"tensors (exact, built on the meta device); {shape.layers} layers, hidden {shape.hidden}, "
-             f"{shape.heads} heads / {shape.kv_heads} KV heads, vocabulary {shape.vocab:,}"
-             f"{', tied head' if shape.tied else ''}"]
+    lines = [
+        f"flashdapo plan: {inputs.start} on {inputs.nodes} node(s) x {inputs.gpus_per_node} {plan.gpu.name} "
+        "= "
+        f"{world} ranks ({plan.gpu.memory_gib:g} GiB, {plan.gpu.bf16_tflops:g} TFLOP/s bf16 dense, "
+        f"{plan.gpu.hbm_tbps:g} TB/s: {plan.gpu.source})",
+        f"model: {shape.name} from {inputs.origin}: {shape.parameters:,} parameters in {len(shape.tensors)} "
+        f"tensors (exact, built on the meta device); {shape.layers} layers, hidden {shape.hidden}, "
+        f"{shape.heads} heads / {shape.kv_heads} KV heads, vocabulary {shape.vocab:,}"
+        f"{', tied head' if shape.tied else ''}"
+    ]
     if shape.moe is not None:
         lines.append(_moe_line(shape))
     lines += [f"layout: {slots} data-parallel slot(s) x sequence_parallel {sp}; FSDP2 over all {world} ranks"
@@ -69,18 +72,24 @@ def _moe_line(shape: ModelShape) -> str:
     """The experts: how many, top-k, and the parameters a token runs through (exact counts)."""
     m = shape.moe
     shared = f", shared experts of width {m.shared_intermediate}" if m.shared_intermediate else ""
-    return (f"experts: {m.num_experts} routed experts of width {m.moe_intermediate} in {m.moe_layers} of "
-            f"{shape.layers} layers, top {m.top_k}{shared}; {shape.active_parameters:,} active parameters per "
-            f"token of {shape.parameters:,} ({shape.expert_parameters:,} in routed experts; exact: FLOPs use "
-            "the active, memory the total)")
+    return (
+        f"experts: {m.num_experts} routed experts of width {m.moe_intermediate} in {m.moe_layers} of "
+        f"{shape.layers} layers, top {m.top_k}{shared}; {shape.active_parameters:,} active parameters per "
+        f"token of {shape.parameters:,} ({shape.expert_parameters:,} in routed experts; exact: FLOPs use "
+        "the active, memory the total)")
 
 
 def _expert_layout(shape: ModelShape, expert_parallel: int, world: int) -> str:
     """The layout line's expert-parallel part ('' for a dense model at expert_parallel 1)."""
     if shape.moe is None or expert_parallel == 1:
-        return "" if shape.moe is None else "; trainer.expert_parallel 1: every rank gathers all of a block's experts"
-    return (f"; expert_parallel {expert_parallel}: {shape.moe.num_experts // expert_parallel} experts of each "
-            f"MoE layer per rank, sharded by FSDP2 over the {world // expert_parallel} ranks holding the same ones")
+        if shape.moe is None:
+            return ""
+        return "; trainer.expert_parallel 1: every rank gathers all of a block's experts"
+    return (
+        f"; expert_parallel {expert_parallel}: {shape.moe.num_experts // expert_parallel} experts of each "
+        f"MoE layer per rank, sharded by FSDP2 over the {world // expert_parallel} ranks holding the same "
+        "ones"
+    )
 
 
 def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
@@ -93,37 +102,42 @@ def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
     gpu_state = (lambda v: 0 if on else v)
     alt_state = (lambda v: v if on else 0)
     where = (lambda v: f"exact; {v / GIB:.2f} GiB per rank in host memory") if on else (lambda v: "exact")
-    lines += [_row("parameters, fp32 shards", gpu_state(s.params), where(s.params), alt_state(s.params)),
-              _row("gradients, fp32 shards", gpu_state(s.grads), where(s.grads), alt_state(s.grads)),
-              _row("AdamW moments, fp32", gpu_state(s.moments), where(s.moments), alt_state(s.moments)),
-              _row("gathered parameters (root + blocks, compute dtype)", t.gathered, "modelled",
-                   alt.transients.gathered ),
-              _row("activations kept" + (" (checkpointed inputs)" if plan.setup.checkpointing else ""),
-                   t.kept_activations, "modelled", alt.transients.kept_activations ),
-              _row("one block's recompute and backward", t.recompute, "modelled", alt.transients.recompute ),
-              _row(f"LM-head kernel, {plan.setup.lm_head} (chosen for this GPU)", t.lm_head,
-                   "modelled (kernels/cost.py)", alt.transients.lm_head ),
-              _row("gradient reduction buffers", t.layer_reduce, "modelled", alt.transients.layer_reduce ),
-              _row("optimizer step temporaries", t.optimizer_step, "modelled", alt.transients.optimizer_step ),
-              _row("trainer peak in training (+ CUDA context)", plan.train_peak, "modelled",
-                   alt.train_peak )]
+    lines += [
+        _row("parameters, fp32 shards", gpu_state(s.params), where(s.params), alt_state(s.params)),
+        _row("gradients, fp32 shards", gpu_state(s.grads), where(s.grads), alt_state(s.grads)),
+        _row("AdamW moments, fp32", gpu_state(s.moments), where(s.moments), alt_state(s.moments)),
+        _row("gathered parameters (root + blocks, compute dtype)", t.gathered, "modelled",
+             alt.transients.gathered),
+        _row("activations kept" + (" (checkpointed inputs)" if plan.setup.checkpointing else ""),
+             t.kept_activations, "modelled", alt.transients.kept_activations),
+        _row("one block's recompute and backward", t.recompute, "modelled", alt.transients.recompute),
+        _row(f"LM-head kernel, {plan.setup.lm_head} (chosen for this GPU)", t.lm_head,
+             "modelled (kernels/cost.py)", alt.transients.lm_head),
+        _row("gradient reduction buffers", t.layer_reduce, "modelled", alt.transients.layer_reduce),
+        _row("optimizer step temporaries", t.optimizer_step, "modelled", alt.transients.optimizer_step),
+        _row("trainer peak in training (+ CUDA context)", plan.train_peak, "modelled", alt.train_peak)
+    ]
     e = plan.engine
     if e is not None:
         level = "level 2: weights discarded" if e.sleep_level == 2 else "level 1: weights in host memory"
-        lines += [_row(f"vLLM weights, bf16 / tensor_parallel_size {cfg.rollout.tensor_parallel_size}", e.weights,
-                       "modelled"),
-                  _row("vLLM activations and runtime", e.activations + e.runtime, "modelled"),
-                  _row(f"vLLM KV cache at gpu_memory_utilization {cfg.rollout.gpu_memory_utilization}", e.kv_cache,
-                       f"modelled: {e.sequences} requests of {e.max_model_len} tokens"),
-                  _row(f"vLLM asleep in training ({level})", e.asleep, "modelled")]
-    lines += [_row("total in generation (trainer resident + vLLM)", plan.generation_total, "modelled",
-                   alt.generation_total ),
-              _row("total in training (trainer peak + vLLM asleep)", plan.training_total, "modelled",
-                   alt.training_total ),
-              _row(f"GPU memory ({plan.gpu.name})", plan.gpu.memory_bytes, "datasheet"),
-              f"  biggest trainer.micro_batch_tokens that fits: {_tokens(plan.best_tokens)} (modelled; configured "
-              f"{cfg.trainer.micro_batch_tokens})"
-              + f"; with offload {'off' if on else 'on'}: {_tokens(alt.best_tokens)}"]
+        lines += [
+            _row(f"vLLM weights, bf16 / tensor_parallel_size {cfg.rollout.tensor_parallel_size}", e.weights,
+                 "modelled"),
+            _row("vLLM activations and runtime", e.activations + e.runtime, "modelled"),
+            _row(f"vLLM KV cache at gpu_memory_utilization {cfg.rollout.gpu_memory_utilization}", e.kv_cache,
+                 f"modelled: {e.sequences} requests of {e.max_model_len} tokens"),
+            _row(f"vLLM asleep in training ({level})", e.asleep, "modelled")
+        ]
+    lines += [
+        _row("total in generation (trainer resident + vLLM)", plan.generation_total, "modelled",
+             alt.generation_total),
+        _row("total in training (trainer peak + vLLM asleep)", plan.training_total, "modelled",
+             alt.training_total),
+        _row(f"GPU memory ({plan.gpu.name})", plan.gpu.memory_bytes, "datasheet"),
+        f"  biggest trainer.micro_batch_tokens that fits: {_tokens(plan.best_tokens)} (modelled; configured "
+        f"{cfg.trainer.micro_batch_tokens})" +
+        f"; with offload {'off' if on else 'on'}: {_tokens(alt.best_tokens)}"
+    ]
     if on and e is not None and e.sleep_level == 1:
         lines.append(f"  host memory per node for vLLM's sleeping weights: "
                      f"{e.weights * inputs.gpus_per_node / GIB:.1f} GiB (modelled)")
@@ -142,9 +156,10 @@ def _staged(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> str:
     host = plan.host_memory
     verdict = (f"within a node's {host / GIB:.1f} GiB" if host else
                "a node's host memory is not in the GPU table (kernels/gpus.py): not checked")
-    return (f"  host memory for split placement's staged weights: {plan.staged / GIB:.1f} GiB per rollout rank "
-            f"({rc.max_lag + 1} versions x {plan.staged // (b * (rc.max_lag + 1)):,} parameters x {b} bytes), "
-            f"{plan.staged * ranks / GIB:.1f} GiB per node ({ranks} rollout rank(s)) (exact); {verdict}")
+    return (
+        f"  host memory for split placement's staged weights: {plan.staged / GIB:.1f} GiB per rollout rank "
+        f"({rc.max_lag + 1} versions x {plan.staged // (b * (rc.max_lag + 1)):,} parameters x {b} bytes), "
+        f"{plan.staged * ranks / GIB:.1f} GiB per node ({ranks} rollout rank(s)) (exact); {verdict}")
 
 
 def _tokens(count: int) -> str:
@@ -153,23 +168,27 @@ def _tokens(count: int) -> str:
 
 def _time(plan: MemoryPlan, time: StepTime, work: Workload, cfg: Config) -> list[str]:
     tc, rc, gpu = cfg.trainer, cfg.rollout, plan.gpu
-    rows = [(f"generation, one round of {tc.gen_batch} prompts x {rc.n}", time.generation,
-             f"decode roofline at {gpu.hbm_tbps:g} TB/s: {time.decode_steps} steps, {time.concurrent} sequences "
-             "at once per engine"),
-            ("old log-probs", time.old_logprobs, "skipped: on-policy" if time.old_logprobs == 0 else "forward"),
-            (f"update, {tc.ppo_epochs} epoch(s)", time.update,
-             f"{8 if cfg.model.gradient_checkpointing else 6} FLOPs per parameter and token, attention"),
-            (f"LM-head kernel, {plan.setup.lm_head}", time.lm_head, f"kernels/cost.py at {gpu.name} rates")]
+    rows = [
+        (f"generation, one round of {tc.gen_batch} prompts x {rc.n}", time.generation,
+         f"decode roofline at {gpu.hbm_tbps:g} TB/s: {time.decode_steps} steps, {time.concurrent} sequences "
+         "at once per engine"),
+        ("old log-probs", time.old_logprobs, "skipped: on-policy" if time.old_logprobs == 0 else "forward"),
+        (f"update, {tc.ppo_epochs} epoch(s)", time.update,
+         f"{8 if cfg.model.gradient_checkpointing else 6} FLOPs per parameter and token, attention"),
+        (f"LM-head kernel, {plan.setup.lm_head}", time.lm_head, f"kernels/cost.py at {gpu.name} rates")
+    ]
     if tc.expert_parallel > 1:
         links = links_of(gpu)
-        rows.append((f"expert all-to-all, expert_parallel {tc.expert_parallel}", time.all_to_all,
-                     f"{time.all_to_all_bytes / 1e9:.1f} GB leave each rank (dispatch + combine; forward, "
-                     f"backward{', recompute' if cfg.model.gradient_checkpointing else ''}"
-                     f"{', old log-probs' if time.old_logprobs else ''}) at {links.nvlink_gbps:g} GB/s NVLink, "
-                     f"{links.network_gbps:g} GB/s off-node"))
+        rows.append(
+            (f"expert all-to-all, expert_parallel {tc.expert_parallel}", time.all_to_all,
+             f"{time.all_to_all_bytes / 1e9:.1f} GB leave each rank (dispatch + combine; forward, "
+             f"backward{', recompute' if cfg.model.gradient_checkpointing else ''}"
+             f"{', old log-probs' if time.old_logprobs else ''}) at {links.nvlink_gbps:g} GB/s NVLink, "
+             f"{links.network_gbps:g} GB/s off-node"))
     rows.append(("total", time.total, "without the weight push, FSDP2 and Ulysses communication and extra "
                  "dynamic-sampling rounds"))
-    return ["", f"step time, modelled (assumed: mean response {work.mean_response} tokens, uniform on [0, 2 x mean], "
+    return ["", f"step time, modelled (assumed: mean response {work.mean_response} tokens, uniform on [0, 2 "
+                "x mean], "
                 f"longest {rc.max_response_length}; mean prompt {work.mean_prompt}; MFU {work.mfu:.0%} of "
                 f"{gpu.bf16_tflops:g} TFLOP/s)"] + \
         [f"  {label:<52}{seconds:8.1f} s   modelled: {basis}" for label, seconds, basis in rows]

@@ -28,14 +28,17 @@ def _qwen25(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: i
 
 
 def _qwen3_moe(hidden: int, intermediate: int, moe_intermediate: int, layers: int, heads: int, kv_heads: int,
-               head_dim: int, experts: int, top_k: int, vocab: int, tied: bool, positions: int) -> dict[str, Any]:
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
-            "intermediate_size": intermediate, "moe_intermediate_size": moe_intermediate,
-            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-            "head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": top_k, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "vocab_size": vocab,
-            "tie_word_embeddings": tied, "max_position_embeddings": positions, "hidden_act": "silu",
-            "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "attention_bias": False, "use_sliding_window": False}
+               head_dim: int, experts: int, top_k: int, vocab: int, tied: bool,
+               positions: int) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+        "intermediate_size": intermediate, "moe_intermediate_size": moe_intermediate,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": top_k, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "vocab_size": vocab,
+        "tie_word_embeddings": tied, "max_position_embeddings": positions, "hidden_act": "silu",
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "attention_bias": False, "use_sliding_window": False
+    }
 
 
 BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
@@ -85,7 +88,8 @@ def model_source(cfg: Config, model_config: str | None = None, model_shape: str 
     if model_shape:
         values = builtin_shape(model_shape)
         if values is None:
-            raise ConfigError(f"--model-shape: unknown shape {model_shape!r}; known: {', '.join(BUILTIN_SHAPES)}")
+            raise ConfigError(
+                f"--model-shape: unknown shape {model_shape!r}; known: {', '.join(BUILTIN_SHAPES)}")
         return ModelSource(values, _builtin_origin(model_shape))
     if not cfg.model.path:
         return ModelSource({}, "the toy model (model.toy)", toy=True)
@@ -94,9 +98,10 @@ def model_source(cfg: Config, model_config: str | None = None, model_shape: str 
         return ModelSource(read_config_json(here, "model.path"), str(here), model_dir=cfg.model.path)
     values = builtin_shape(Path(cfg.model.path).name)
     if values is None:
-        raise ConfigError(f"model.path: {cfg.model.path} has no config.json on this machine and its name is not a "
-                          f"built-in shape ({', '.join(BUILTIN_SHAPES)}); give --model-config FILE (its config.json) "
-                          "or --model-shape NAME")
+        raise ConfigError(
+            f"model.path: {cfg.model.path} has no config.json on this machine and its name is not a "
+            f"built-in shape ({', '.join(BUILTIN_SHAPES)}); give --model-config FILE (its config.json) "
+            "or --model-shape NAME")
     return ModelSource(values, _builtin_origin(Path(cfg.model.path).name))
 
 

@@ -71,8 +71,8 @@ def _attention_flops(shape: ModelShape, sequences: float, mean_len_sq: float) ->
     return sequences * 2 * mean_len_sq * shape.hidden * shape.layers
 
 
-def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: EngineMemory | None, lm_design: str,
-              work: Workload, gpus_per_node: int = 0) -> StepTime:
+def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: EngineMemory | None,
+              lm_design: str, work: Workload, gpus_per_node: int = 0) -> StepTime:
     """The modelled step time of `cfg` on `world` ranks of `gpu` (`engine` None: the torch engine),
     `gpus_per_node` to a node (0: one node)."""
     engine = engine or torch_engine_memory(shape, cfg)
@@ -112,7 +112,8 @@ def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: Engi
                   + 4 * rows * shape.vocab / (rates.hbm_tbps * 1e12))
     lm_head = micro * (tc.ppo_epochs * per_micro_ms / 1e3 + (lm_forward if old else 0.0))
     forwards = forward_exchanges(ckpt, tc.ppo_epochs, old > 0)
-    sent = all_to_all_bytes(shape, tokens, tc.expert_parallel, 4 if cfg.model.dtype == "float32" else 2, forwards)
+    sent = all_to_all_bytes(shape, tokens, tc.expert_parallel, 4 if cfg.model.dtype == "float32" else 2,
+                            forwards)
     exchange = all_to_all_seconds(sent, tc.expert_parallel, gpus_per_node, links_of(gpu))
     return StepTime(generation=generation, decode_steps=steps, concurrent=concurrent, old_logprobs=old,
                     update=update, lm_head=lm_head, all_to_all=exchange, all_to_all_bytes=sent)

@@ -61,18 +61,21 @@ def check_profile_dir(cfg: ProfileConfig, run_dir: Path, rank: int) -> None:
         return
     out_dir = profile_dir(cfg, run_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise ProfileDirError(f"profile.dir={out_dir} is a file, not a directory; give a directory for the profiles "
-                              "of profile.steps (or leave profile.dir empty: RUN_DIR/profile)")
+        raise ProfileDirError(
+            f"profile.dir={out_dir} is a file, not a directory; give a directory for the profiles "
+            "of profile.steps (or leave profile.dir empty: RUN_DIR/profile)")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir, prefix=".flashdapo-write-check-"):
             pass
     except (FileExistsError, NotADirectoryError) as err:
-        raise ProfileDirError(f"profile.dir={out_dir}: cannot create it, {file_in_the_way(out_dir)} is a file, not a "
-                              "directory; choose another path") from err
+        raise ProfileDirError(
+            f"profile.dir={out_dir}: cannot create it, {file_in_the_way(out_dir)} is a file, not a "
+            "directory; choose another path") from err
     except OSError as err:
-        raise ProfileDirError(f"profile.dir={out_dir}: cannot create or write it ({err.strerror or err}); fix its "
-                              "permissions or choose another path") from err
+        raise ProfileDirError(
+            f"profile.dir={out_dir}: cannot create or write it ({err.strerror or err}); fix its "
+            "permissions or choose another path") from err
 
 
 class StepProfiler:
@@ -82,18 +85,22 @@ class StepProfiler:
         self.cfg, self.out_dir, self.rank, self.device, self.prints = cfg, out_dir, rank, device, prints
 
     @classmethod
-    def configured(cls, cfg: ProfileConfig, run_dir: Path, rank: int, device: torch.device) -> StepProfiler | None:
-        """The profiler of this rank, or None when profiling is off or this rank is not among profile.ranks."""
+    def configured(cls, cfg: ProfileConfig, run_dir: Path, rank: int,
+                   device: torch.device) -> StepProfiler | None:
+        """The profiler of this rank, or None when profiling is off or this rank is not among
+        profile.ranks."""
         if not profiles(cfg, rank):
             return None
-        return cls(cfg, profile_dir(cfg, run_dir), rank, device, prints=rank == (min(cfg.ranks) if cfg.ranks else 0))
+        return cls(cfg, profile_dir(cfg, run_dir), rank, device,
+                   prints=rank == (min(cfg.ranks) if cfg.ranks else 0))
 
     def path(self, step: int, suffix: str) -> Path:
         return self.out_dir / f"rank{self.rank}.{step}{suffix}"
 
     @contextmanager
     def step(self, step: int) -> Iterator[Recorder | None]:
-        """Profile the block when `step` is one of profile.steps (yielding its Recorder), else run it as is."""
+        """Profile the block when `step` is one of profile.steps (yielding its Recorder), else run it as
+        is."""
         if step not in self.cfg.steps:
             yield None
             return

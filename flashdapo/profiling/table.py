@@ -36,7 +36,8 @@ def format_table(title: str, recorder: Recorder, step_range: str, ops: list[OpRo
     op rows."""
     total = recorder.seconds(step_range) or 1e-9
     rss = any(r.peak_rss for r in recorder.rows.values())
-    head = f"  {'range':<22} {'seconds':>9} {'calls':>6} {'share':>7}" + (f" {'peak RSS MiB':>13}" if rss else "")
+    head = f"  {'range':<22} {'seconds':>9} {'calls':>6} {'share':>7}" + (f" {'peak RSS MiB':>13}"
+                                                                          if rss else "")
     lines = [title, head]
     for path, row in recorder.rows.items():
         label = "  " * (len(path) - 1) + path[-1]
@@ -50,7 +51,8 @@ def format_table(title: str, recorder: Recorder, step_range: str, ops: list[OpRo
         for op in ops:
             ms = op.self_device_ms if device else op.self_ms
             name = op.name if len(op.name) <= width else op.name[:width - 3] + "..."
-            lines.append(f"  {name:<{width}} {op.calls:>6} {ms:>9.2f}" + (f" {op.self_ms:>9.2f}" if device else ""))
+            lines.append(f"  {name:<{width}} {op.calls:>6} {ms:>9.2f}" +
+                         (f" {op.self_ms:>9.2f}" if device else ""))
     if trace_note:
         lines += ["", f"  {trace_note}"]
     return "\n".join(lines)

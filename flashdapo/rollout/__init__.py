@@ -11,5 +11,7 @@ from .base import (
     sampling_params,
 )
 
-__all__ = ["Completion", "Request", "RolloutEngine", "Rollouts", "SamplingParams", "StreamingEngine", "WeightSource",
-           "sampling_params"]
+__all__ = [
+    "Completion", "Request", "RolloutEngine", "Rollouts", "SamplingParams", "StreamingEngine", "WeightSource",
+    "sampling_params"
+]

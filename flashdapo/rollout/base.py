@@ -46,8 +46,9 @@ class SamplingParams:
 def sampling_params(rollout: RolloutConfig, seed: int, n: int | None = None) -> SamplingParams:
     """Training's sampling settings (rollout.*) for one generate call or stream: `n` responses per prompt
     (default rollout.n), up to rollout.max_response_length tokens, seeded by `seed`."""
-    return SamplingParams(n=rollout.n if n is None else n, temperature=rollout.temperature, top_p=rollout.top_p,
-                          top_k=rollout.top_k, max_new_tokens=rollout.max_response_length, seed=seed)
+    return SamplingParams(n=rollout.n if n is None else n, temperature=rollout.temperature,
+                          top_p=rollout.top_p, top_k=rollout.top_k,
+                          max_new_tokens=rollout.max_response_length, seed=seed)
 
 
 @dataclass
@@ -69,8 +70,8 @@ class Rollouts:
     """Per-token log-probs of the sampled tokens under the sampler's distribution (fp32), if known."""
     routes: list[torch.Tensor] | None = None
     """Mixture-of-experts routing replay (algorithm.routing_replay=r3): per response, the experts the engine
-    routed each fed position to, [prompt + response - 1, sparse layers, top_k] small ints (models/moe/replay.py);
-    None when not recorded."""
+    routed each fed position to, [prompt + response - 1, sparse layers, top_k] small ints
+    (models/moe/replay.py); None when not recorded."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -93,11 +94,13 @@ class Request:
     """The caller's name for it, unique among the stream's requests."""
     prompt: tuple[int, ...]
     prefix: tuple[int, ...] = ()
-    """Response tokens already sampled (a carried partial rollout): prefilled after the prompt, not re-sampled."""
+    """Response tokens already sampled (a carried partial rollout): prefilled after the prompt, not
+    re-sampled."""
     max_new_tokens: int = 256
     """Tokens it may still sample (the response's limit minus the prefix)."""
     seed: int = 0
-    """Its own sampling seed (engines that seed per request: vLLM); the torch engine draws from the stream's."""
+    """Its own sampling seed (engines that seed per request: vLLM); the torch engine draws from the
+    stream's."""
 
 
 @dataclass
@@ -114,8 +117,8 @@ class Completion:
     truncated: bool = False
     """Finished by max_new_tokens without an EOS."""
     routes: torch.Tensor | None = None
-    """Routing replay: the experts the engine routed each position of prompt + prefix + tokens to, but the last
-    token (never fed), [positions, sparse layers, top_k]; None when not recorded."""
+    """Routing replay: the experts the engine routed each position of prompt + prefix + tokens to, but the
+    last token (never fed), [positions, sparse layers, top_k]; None when not recorded."""
 
 
 class StreamingEngine(Protocol):

@@ -23,27 +23,30 @@ def build_engine(rollout: RolloutConfig, env: DistEnv, tokenizer, *, model: nn.M
                  model_path: str | None = None, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, shard_group: dist.ProcessGroup | None = None,
                  reshard_after_forward: bool = True, verify_push: Any = None, error_log: Path | None = None,
-                 dummy_weights: bool = True, vllm_module: Any = None, record_routes: bool = False) -> RolloutEngine:
+                 dummy_weights: bool = True, vllm_module: Any = None,
+                 record_routes: bool = False) -> RolloutEngine:
     """The engine `rollout.engine` names, on this rank.
 
     torch: samples from `model` itself (the FSDP2 policy, a full HF replica, or a sharded model whose forwards
     gather over `shard_group`), `rollout.max_num_seqs` sequences at a time. vllm: its own copy of the model at
     `model_path` in `dtype` (dummy weights until the first push unless `dummy_weights` is False),
-    `verify_push(engine)` after every push (the push check), its shutdown registered before the process group's.
-    Both stop on the same ids (tokenizer.eos_token_ids: the tokenizer's eos, `model_path`'s generation_config.json
-    eos_token_id, the chat template's end-of-turn token), named in one line at start on rank 0. `record_routes`:
-    the engine also returns the experts it routed every position to (algorithm.routing_replay=r3).
+    `verify_push(engine)` after every push (the push check), its shutdown registered before the process
+    group's. Both stop on the same ids (tokenizer.eos_token_ids: the tokenizer's eos, `model_path`'s
+    generation_config.json eos_token_id, the chat template's end-of-turn token), named in one line at start on
+    rank 0. `record_routes`: the engine also returns the experts it routed every position to
+    (algorithm.routing_replay=r3).
     """
     stop_ids = eos_token_ids(tokenizer, model_path)
     if env.rank == 0:
-        print(f"flashdapo: {rollout.engine} rollouts stop at {describe_stop_ids(tokenizer, stop_ids)}", flush=True)
+        print(f"flashdapo: {rollout.engine} rollouts stop at {describe_stop_ids(tokenizer, stop_ids)}",
+              flush=True)
     if rollout.engine == "vllm":
         from .vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(rollout, model_path, rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
-                            dtype=dtype, seed=seed, max_model_len=max_model_len, dummy_weights=dummy_weights,
-                            verify_push=verify_push, vllm_module=vllm_module, error_log=error_log,
-                            stop_token_ids=stop_ids, record_routes=record_routes)
+        engine = VLLMEngine(rollout, model_path, rank=env.rank, world_size=env.world_size,
+                            local_rank=env.local_rank, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                            dummy_weights=dummy_weights, verify_push=verify_push, vllm_module=vllm_module,
+                            error_log=error_log, stop_token_ids=stop_ids, record_routes=record_routes)
         before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
         return engine
     if rollout.engine == "torch":

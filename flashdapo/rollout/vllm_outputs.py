@@ -37,8 +37,8 @@ def vllm_sampling_params(vllm: Any, sampling: SamplingParams, *, n: int, seed: i
     if stop:
         extra.setdefault("stop_token_ids", [int(i) for i in stop])
     return vllm.SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                               top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=max_tokens, logprobs=0,
-                               seed=seed, detokenize=False, flat_logprobs=True, **extra)
+                               top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=max_tokens,
+                               logprobs=0, seed=seed, detokenize=False, flat_logprobs=True, **extra)
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> torch.Tensor:
@@ -75,7 +75,8 @@ def to_rollouts(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int
             group_ids.append(group)
             truncated.append(completion.finish_reason == "length")
             logprobs.append(sampled_logprobs(completion.token_ids, completion.logprobs))
-            recorded = getattr(completion, "routed_experts", None)  # enable_return_routed_experts (Model Runner V2)
+            # enable_return_routed_experts (Model Runner V2)
+            recorded = getattr(completion, "routed_experts", None)
             routes.append(None if recorded is None else torch.from_numpy(recorded.astype("int64")))
     return Rollouts(prompt_ids=prompt_ids, response_ids=response_ids,
                     group_ids=torch.tensor(group_ids, dtype=torch.long),
@@ -118,7 +119,8 @@ class RouteCapture:
         per_layer = [torch.cat(parts) if parts else torch.zeros(0, self.num_experts) for parts in self.logits]
         rows = {len(t) for t in per_layer}
         if rows != {sum(lengths)}:
-            raise RuntimeError(f"routing replay: vLLM's routers saw {sorted(rows)} positions for {len(lengths)} "
-                               f"sequences of {sum(lengths)} positions")
+            raise RuntimeError(
+                f"routing replay: vLLM's routers saw {sorted(rows)} positions for {len(lengths)} "
+                f"sequences of {sum(lengths)} positions")
         top = torch.stack([t.topk(self.top_k, dim=-1).indices for t in per_layer], dim=1)
         return list(torch.split(top.to(route_dtype(self.num_experts)), list(lengths)))

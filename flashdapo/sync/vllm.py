@@ -1,6 +1,6 @@
-"""Pushing the trainer's weights into a running vLLM engine, in place (vLLM 0.32 CPU build, 0.33 and 0.34, whose
-reload API is the same; paths inside the wheel), and recording where its forward parts from the trainer's
-(`vllm_group_outputs`, for the push check's message).
+"""Pushing the trainer's weights into a running vLLM engine, in place (vLLM 0.32 CPU build, 0.33 and 0.34,
+whose reload API is the same; paths inside the wheel), and recording where its forward parts from the
+trainer's (`vllm_group_outputs`, for the push check's message).
 
 The choices, before the code:
 
@@ -29,14 +29,15 @@ The choices, before the code:
 - **Completeness.** Every vLLM parameter must be the target of a streamed tensor, and every stacked one
   must get all its shards; else RuntimeError (a parameter left out would keep its dummy or older values).
   The names are read before the reload (during it, layers are on the meta device).
-- **Mixture-of-experts.** transformers 5 holds a MoE layer's routed experts fused (`...mlp.experts.gate_up_proj`
-  [E, 2I, H], `...mlp.experts.down_proj` [E, H, I]); vLLM's MoE families load per-expert checkpoint names
-  (`...mlp.experts.<e>.{gate,up,down}_proj.weight`, mapped by `RoutedExperts.build_expert_params_mapping` into
-  `...mlp.experts[.routed_experts].w13_weight` shards w1/w3 and `w2_weight`), and only some also take the
-  fused ones (Qwen3-MoE does, DeepSeek-V3 does not). So for those families (`Family.engine_experts` "per_expert")
-  the stream is split into per-expert tensors first (`models/moe/expert_layout.py`: views, no copy), and
-  completeness asks every expert's w1, w3 and w2 of every layer (a fused tensor left fused counts for all;
-  the global expert count: with expert parallelism each rank still reads every expert and keeps its own).
+- **Mixture-of-experts.** transformers 5 holds a MoE layer's routed experts fused
+  (`...mlp.experts.gate_up_proj` [E, 2I, H], `...mlp.experts.down_proj` [E, H, I]); vLLM's MoE families load
+  per-expert checkpoint names (`...mlp.experts.<e>.{gate,up,down}_proj.weight`, mapped by
+  `RoutedExperts.build_expert_params_mapping` into `...mlp.experts[.routed_experts].w13_weight` shards w1/w3
+  and `w2_weight`), and only some also take the fused ones (Qwen3-MoE does, DeepSeek-V3 does not). So for
+  those families (`Family.engine_experts` "per_expert") the stream is split into per-expert tensors first
+  (`models/moe/expert_layout.py`: views, no copy), and completeness asks every expert's w1, w3 and w2 of every
+  layer (a fused tensor left fused counts for all; the global expert count: with expert parallelism each rank
+  still reads every expert and keeps its own).
 - **MoE on vLLM's CPU build.** Its MoE kernel pads `moe_intermediate_size` up to its alignment at start-up
   (32 for the portable kernel, `fused_moe/experts/cpu_moe.py`), and the in-place reload then fails to copy
   the unpadded reloaded weights into that storage (a size mismatch), so there `moe_intermediate_size` must be
@@ -48,19 +49,20 @@ The choices, before the code:
   weights from disk agrees to 4e-7). So after the stream each such layer's weights are prepacked again, in
   place (`_repack_cpu_experts`; nothing on CUDA, whose unquantized kernels use the plain layout).
 - **Multi-head latent attention (DeepSeek-V3).** vLLM stacks q_a_proj and kv_a_proj_with_mqa into
-  `fused_qkv_a_proj` (STACKED) and derives `W_UV` / `W_UK_T` from kv_b_proj: the reload runs each attention layer's
-  `process_weights_after_loading` after all other layers (`reload/layerwise.py` `_finalize_attention_layer`), so they
-  follow the pushed kv_b_proj (measured on vLLM's CPU build: equal to those split from it, to the bit), and
-  completeness counts them written with their kv_b_proj. (vLLM's CPU build then computes the model differently
-  from transformers, pushed or loaded from disk alike, so `models/hf.py` `vllm_refusal` refuses the family there.)
-- **GPT-OSS.** vLLM's GptOssForCausalLM loads its own names (`model.embedding`, `.attn.`) and copies whole fused
-  experts and the attention sinks with `param.copy_`, past the weight loaders the reload buffers through (lost:
-  the layer is on the meta device then). So its stream is renamed and split one expert at a time, weights and
-  biases (`models/moe/gpt_oss_layout.py`), completeness asks every expert's w13/w2 weight and bias, and the
-  sinks are held out of the stream and copied into their parameters after the reload (`_load_sinks`). vLLM
-  then logs, on each push, "OAIAttention: Failed to load weights" and "Following weights were not loaded from
-  checkpoint: {...attn.sinks}": the reload put the old sinks back, which the copy replaces; the push check
-  compares the forwards after it.
+  `fused_qkv_a_proj` (STACKED) and derives `W_UV` / `W_UK_T` from kv_b_proj: the reload runs each attention
+  layer's `process_weights_after_loading` after all other layers (`reload/layerwise.py`
+  `_finalize_attention_layer`), so they follow the pushed kv_b_proj (measured on vLLM's CPU build: equal to
+  those split from it, to the bit), and completeness counts them written with their kv_b_proj. (vLLM's CPU
+  build then computes the model differently from transformers, pushed or loaded from disk alike, so
+  `models/hf.py` `vllm_refusal` refuses the family there.)
+- **GPT-OSS.** vLLM's GptOssForCausalLM loads its own names (`model.embedding`, `.attn.`) and copies whole
+  fused experts and the attention sinks with `param.copy_`, past the weight loaders the reload buffers through
+  (lost: the layer is on the meta device then). So its stream is renamed and split one expert at a time,
+  weights and biases (`models/moe/gpt_oss_layout.py`), completeness asks every expert's w13/w2 weight and
+  bias, and the sinks are held out of the stream and copied into their parameters after the reload
+  (`_load_sinks`). vLLM then logs, on each push, "OAIAttention: Failed to load weights" and "Following weights
+  were not loaded from checkpoint: {...attn.sinks}": the reload put the old sinks back, which the copy
+  replaces; the push check compares the forwards after it.
 """
 
 from __future__ import annotations
@@ -88,17 +90,19 @@ STACKED: tuple[tuple[str, str, str | int | tuple[int, ...]], ...] = (
     (".q_a_proj", ".fused_qkv_a_proj", 0), (".kv_a_proj_with_mqa", ".fused_qkv_a_proj", 1),
 )
 """vLLM Qwen2Model.hf_to_vllm_mapper `orig_to_new_stacked`: HF substring -> (vLLM substring, shard); and
-Qwen3_5Model's (models/qwen3_5.py: Qwen3.5 ships its Gated DeltaNet input projections apart, vLLM stacks them).
-In order: `.in_proj_b` before `.in_proj_a` (the name `.in_proj_b` becomes holds no `.in_proj_a`). And DeepSeek-V2/V3's
-multi-head latent attention (models/deepseek_v2.py `mla_params_mapping`: q_a_proj and kv_a_proj_with_mqa stack
-into `fused_qkv_a_proj` where the model has a q_lora_rank; mapped always here: every DeepSeek-V3 has one)."""
+Qwen3_5Model's (models/qwen3_5.py: Qwen3.5 ships its Gated DeltaNet input projections apart, vLLM stacks
+them). In order: `.in_proj_b` before `.in_proj_a` (the name `.in_proj_b` becomes holds no `.in_proj_a`). And
+DeepSeek-V2/V3's multi-head latent attention (models/deepseek_v2.py `mla_params_mapping`: q_a_proj and
+kv_a_proj_with_mqa stack into `fused_qkv_a_proj` where the model has a q_lora_rank; mapped always here: every
+DeepSeek-V3 has one)."""
 _SHARDS = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}, ".in_proj_qkvz": {(0, 1, 2), 3},
            ".in_proj_ba": {0, 1}, ".fused_qkv_a_proj": {0, 1}}
-_DERIVED = re.compile(r"^(?P<attn>.*?)\.mla_attn\.(?:[\w.]*\.)?(?:W_UV|W_UK_T|W_UK_T_dcp_qrep|W_K|W_K_scale|W_V|W_V_scale)$")
-"""vLLM's multi-head latent attention parameters computed from `kv_b_proj` rather than loaded (`W_UV`, `W_UK_T`:
-layers/attention/mla_attention.py `MLAAttention.process_weights_after_loading`, which the reload runs again for
-every attention layer after all others are loaded, `reload/layerwise.py` `_finalize_attention_layer`): reached
-when their layer's kv_b_proj is."""
+_DERIVED = re.compile(
+    r"^(?P<attn>.*?)\.mla_attn\.(?:[\w.]*\.)?(?:W_UV|W_UK_T|W_UK_T_dcp_qrep|W_K|W_K_scale|W_V|W_V_scale)$")
+"""vLLM's multi-head latent attention parameters computed from `kv_b_proj` rather than loaded (`W_UV`,
+`W_UK_T`: layers/attention/mla_attention.py `MLAAttention.process_weights_after_loading`, which the reload
+runs again for every attention layer after all others are loaded, `reload/layerwise.py`
+`_finalize_attention_layer`): reached when their layer's kv_b_proj is."""
 
 
 def vllm_target(name: str) -> tuple[str, str | int | None]:
@@ -110,20 +114,23 @@ def vllm_target(name: str) -> tuple[str, str | int | None]:
     return name, shard
 
 
-_EXPERT_PARAMETER = re.compile(r"^(?P<experts>.*?\.mlp\.experts)\.(?:[\w.]*\.)?(?P<kind>(?:w13|w2)_(?:weight|bias))$")
+_EXPERT_PARAMETER = re.compile(
+    r"^(?P<experts>.*?\.mlp\.experts)\.(?:[\w.]*\.)?(?P<kind>(?:w13|w2)_(?:weight|bias))$")
 """vLLM's fused-MoE weights and biases (`model.layers.0.mlp.experts.routed_experts.w13_weight`,
-`...experts.w2_weight` before vLLM 0.32, GPT-OSS's `...w13_bias`): the HF experts module they load, and which."""
-_VLLM_PER_EXPERT = re.compile(r"^(?P<experts>(?:.*\.)?mlp\.experts)\.(?P<index>\d+)\.(?P<kind>(?:w13|w2)_(?:weight|bias))$")
+`...experts.w2_weight` before vLLM 0.32, GPT-OSS's `...w13_bias`): the HF experts module they load, and
+which."""
+_VLLM_PER_EXPERT = re.compile(
+    r"^(?P<experts>(?:.*\.)?mlp\.experts)\.(?P<index>\d+)\.(?P<kind>(?:w13|w2)_(?:weight|bias))$")
 """A per-expert tensor in vLLM's own names (GPT-OSS's streamed experts: `...mlp.experts.3.w13_weight`)."""
 _WHOLE = {"w13": ({"w1", "w3"}, {"w13"}), "w2": ({"w2"},)}
 """The shard sets that complete one expert of a w13 / w2 parameter: gate and up apart, or together."""
 
 
 def expert_target(name: str) -> tuple[tuple[str, str], tuple[int, str]] | None:
-    """((HF experts module, vLLM parameter 'w13_weight' | 'w2_weight' | 'w13_bias' | 'w2_bias'), (expert, shard
-    'w1' | 'w3' | 'w2' | 'w13')) a per-expert tensor loads into: an HF name (gate / up / down projection, shards
-    w1 / w3 / w2) or vLLM's own (`...experts.3.w13_weight`, the whole w13 or w2 of that expert); None for any
-    other name."""
+    """((HF experts module, vLLM parameter 'w13_weight' | 'w2_weight' | 'w13_bias' | 'w2_bias'), (expert,
+    shard 'w1' | 'w3' | 'w2' | 'w13')) a per-expert tensor loads into: an HF name (gate / up / down
+    projection, shards w1 / w3 / w2) or vLLM's own (`...experts.3.w13_weight`, the whole w13 or w2 of that
+    expert); None for any other name."""
     parsed = per_expert_name(name)
     if parsed is not None:
         experts, index, proj = parsed
@@ -135,16 +142,16 @@ def expert_target(name: str) -> tuple[tuple[str, str], tuple[int, str]] | None:
     return (match["experts"], match["kind"]), (int(match["index"]), match["kind"].split("_")[0])
 
 
-ENGINE_EXPERTS: dict[str | None, Callable[[Iterable[tuple[str, torch.Tensor]]],
-                                          tuple[Iterable[tuple[str, torch.Tensor]], Callable[[str], bool] | None]]] = {
-    None: lambda stream: (stream, None),
-    # per-expert names, which vLLM's MoE loaders map
-    "per_expert": lambda stream: (split_experts(stream), None),
-    # vLLM's GPT-OSS names, experts one by one, the sinks held out and copied after the reload
-    "gpt_oss": lambda stream: (to_vllm_gpt_oss(stream), is_sinks),
-}
-"""The stream of a family's tensors as vLLM loads them, by `Family.engine_experts` (models/hf.py), and the names
-held out of the reload (loaded after it)."""
+ENGINE_EXPERTS: dict[str | None, Callable[[Iterable[tuple[str, torch.Tensor]]], tuple[Iterable[tuple[
+    str, torch.Tensor]], Callable[[str], bool] | None]]] = {
+        None: lambda stream: (stream, None),
+        # per-expert names, which vLLM's MoE loaders map
+        "per_expert": lambda stream: (split_experts(stream), None),
+        # vLLM's GPT-OSS names, experts one by one, the sinks held out and copied after the reload
+        "gpt_oss": lambda stream: (to_vllm_gpt_oss(stream), is_sinks),
+    }
+"""The stream of a family's tensors as vLLM loads them, by `Family.engine_experts` (models/hf.py), and the
+names held out of the reload (loaded after it)."""
 
 
 class _Tracked:
@@ -202,9 +209,12 @@ class _Tracked:
             for index, shard in got:
                 per_expert.setdefault(index, set()).add(shard)
             whole = _WHOLE[match["kind"].split("_")[0]]
-            if set(per_expert) != set(range(count)) or any(shards not in whole for shards in per_expert.values()):
+            if set(per_expert) != set(range(count)) or any(shards not in whole
+                                                           for shards in per_expert.values()):
                 partial.append(name)
-        partial += [t for t, got in self.shards.items() if any(k in t and got != need for k, need in _SHARDS.items())]
+        partial += [
+            t for t, got in self.shards.items() if any(k in t and got != need for k, need in _SHARDS.items())
+        ]
         return missing, partial
 
 
@@ -213,9 +223,9 @@ def _parameter_names(model: torch.nn.Module) -> list[str]:
 
 
 def _model_facts(model: torch.nn.Module) -> tuple[list[str], int | None, str | None]:
-    """(parameter names, routed experts per layer, config.json model type) of vLLM's model: the expert count is
-    all ranks' together (vLLM's MixtureOfExperts interface; else the config's `num_local_experts`, GPT-OSS's,
-    whose vLLM model has no such interface), None for a dense model."""
+    """(parameter names, routed experts per layer, config.json model type) of vLLM's model: the expert count
+    is all ranks' together (vLLM's MixtureOfExperts interface; else the config's `num_local_experts`,
+    GPT-OSS's, whose vLLM model has no such interface), None for a dense model."""
     config = getattr(model, "config", None)
     experts = getattr(model, "num_logical_experts", None) or getattr(config, "num_local_experts", None)
     return _parameter_names(model), experts, getattr(config, "model_type", None)
@@ -223,8 +233,8 @@ def _model_facts(model: torch.nn.Module) -> tuple[list[str], int | None, str | N
 
 def _load_sinks(sinks: dict[str, torch.Tensor], model: torch.nn.Module) -> int:
     """Copy full [heads] attention-sinks tensors into vLLM's model in place, each rank its own heads (the
-    parameter holds heads / tensor-parallel size of them, rank r's from r times that on, as vLLM's GPT-OSS loader
-    narrows them); how many it copied."""
+    parameter holds heads / tensor-parallel size of them, rank r's from r times that on, as vLLM's GPT-OSS
+    loader narrows them); how many it copied."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     params = dict(model.named_parameters())
@@ -249,8 +259,10 @@ def _reprocess_tied_head(model: torch.nn.Module) -> bool:
 def _repack_cpu_experts(model: torch.nn.Module) -> int:
     """Prepack again, in place, the MoE weights vLLM's CPU experts kernel holds prepacked (see the module
     docstring); how many MoE layers it repacked (0 without vLLM's CPU MoE kernel)."""
-    layers = [(module, module.quant_method.moe_kernel.fused_experts) for module in model.modules()
-              if getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)]
+    layers = [
+        (module, module.quant_method.moe_kernel.fused_experts) for module in model.modules()
+        if getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    ]
     if not layers:
         return 0
     try:
@@ -276,7 +288,8 @@ def push_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     family = FAMILIES.get(model_type)
     named_tensors, hold = ENGINE_EXPERTS[family.engine_experts if family is not None else None](named_tensors)
     tracked = _Tracked(named_tensors, hold)
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tracked), "is_checkpoint_format": True})
+    llm.collective_rpc("reload_weights",
+                       kwargs={"weights_iterator": iter(tracked), "is_checkpoint_format": True})
     llm.apply_model(_reprocess_tied_head)
     if tracked.held:
         llm.apply_model(functools.partial(_load_sinks, tracked.held))

@@ -29,7 +29,8 @@ def task_num_val(cfg: DataConfig) -> int:
 
 def build_task_tokenizer(cfg: DataConfig) -> Any:
     """The tokenizer trained on the built-in task's text (deterministic)."""
-    return build_scratchpad_tokenizer(cfg.scratchpad) if cfg.task == "scratchpad" else build_toy_tokenizer(cfg.toy)
+    return build_scratchpad_tokenizer(cfg.scratchpad) if cfg.task == "scratchpad" else build_toy_tokenizer(
+        cfg.toy)
 
 
 def task_sft_examples(cfg: DataConfig, n: int, rng: random.Random) -> list[tuple[Record, str]]:

@@ -53,9 +53,10 @@ def scratchpad_problems(cfg: ScratchpadTaskConfig) -> tuple[list[Problem], list[
     capacity = _capacity(cfg)
     wanted = cfg.num_train + cfg.num_val
     if wanted > sum(capacity.values()):
-        raise ConfigError(f"{field_path(ScratchpadTaskConfig, 'num_train')}: num_train + num_val = {wanted} exceeds "
-                          f"the {sum(capacity.values())} distinct problems of {cfg.min_digits}..{cfg.max_digits} "
-                          "digits; lower them or raise data.scratchpad.max_digits")
+        raise ConfigError(
+            f"{field_path(ScratchpadTaskConfig, 'num_train')}: num_train + num_val = {wanted} exceeds "
+            f"the {sum(capacity.values())} distinct problems of {cfg.min_digits}..{cfg.max_digits} "
+            "digits; lower them or raise data.scratchpad.max_digits")
     rng = random.Random(cfg.seed)
     seen: dict[int, set[Problem]] = {d: set() for d in capacity}
     ordered: list[Problem] = []
@@ -103,7 +104,8 @@ class WorkedAnswer:
 def worked_answer(a: int, b: int, *, verbose: bool = False, slips: frozenset[int] = frozenset(),
                   slip_sign: int = 1) -> WorkedAnswer:
     """Column-by-column addition of a + b, right to left. Column k (0 = units) in `slips` writes its sum off
-    by `slip_sign` (kept in 0..19); later carries and the answer follow the written sums, as a person's would."""
+    by `slip_sign` (kept in 0..19); later carries and the answer follow the written sums, as a person's
+    would."""
     digits = max(len(str(a)), len(str(b)))
     xs, ys = str(a).zfill(digits)[::-1], str(b).zfill(digits)[::-1]
     lines = [f"{a}+{b}:"] if verbose else []
@@ -125,7 +127,8 @@ def worked_answer(a: int, b: int, *, verbose: bool = False, slips: frozenset[int
     return WorkedAnswer("\n".join(lines), answer)
 
 
-def scratchpad_sft_examples(cfg: ScratchpadTaskConfig, n: int, rng: random.Random) -> list[tuple[Record, str]]:
+def scratchpad_sft_examples(cfg: ScratchpadTaskConfig, n: int,
+                            rng: random.Random) -> list[tuple[Record, str]]:
     """`n` (prompt record, response) pairs from the train split: compact worked answers, long-hand with
     probability cfg.verbose_fraction, each column slipping with probability cfg.slip_fraction (long-hand ones:
     cfg.verbose_slip_fraction when set)."""
@@ -134,9 +137,11 @@ def scratchpad_sft_examples(cfg: ScratchpadTaskConfig, n: int, rng: random.Rando
     for i in range(n):
         a, b = train[rng.randrange(len(train))]
         columns = max(len(str(a)), len(str(b)))
-        draws = [rng.random() for _ in range(columns)]  # drawn before `verbose`: the default's stream unchanged
+        # drawn before `verbose`: the default's stream unchanged
+        draws = [rng.random() for _ in range(columns)]
         verbose = rng.random() < cfg.verbose_fraction
-        chance = cfg.verbose_slip_fraction if verbose and cfg.verbose_slip_fraction is not None else cfg.slip_fraction
+        verbose_slip = verbose and cfg.verbose_slip_fraction is not None
+        chance = cfg.verbose_slip_fraction if verbose_slip else cfg.slip_fraction
         slips = frozenset(k for k, u in enumerate(draws) if u < chance)
         worked = worked_answer(a, b, verbose=verbose, slips=slips, slip_sign=rng.choice((-1, 1)))
         out.append((_record((a, b), cfg, f"scratchpad:sft:{i}"), worked.text))
@@ -147,7 +152,8 @@ def scratchpad_sft_examples(cfg: ScratchpadTaskConfig, n: int, rng: random.Rando
 # Tokenizer
 
 
-def build_scratchpad_tokenizer(cfg: ScratchpadTaskConfig, vocab_size: int = TOY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def build_scratchpad_tokenizer(cfg: ScratchpadTaskConfig,
+                               vocab_size: int = TOY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
     """The toy's kind of tokenizer (byte-level BPE, digits split, ChatML) trained on this task's prompts and
     both styles of worked answer; deterministic."""
     train, val = scratchpad_problems(cfg)

@@ -53,14 +53,15 @@ def _answer(a: int, op: str, b: int) -> int:
 def toy_problems(cfg: ToyTaskConfig) -> tuple[list[Problem], list[Problem]]:
     """(train, val) problems. held_out_val: val takes distinct problems and train cycles through all the
     others; otherwise train cycles through every problem and val is a distinct sample of them."""
-    every = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)
-             if op != "-" or a >= b]
+    every = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1)
+             for b in range(cfg.max_operand + 1) if op != "-" or a >= b]
     limit = len(every) - 1 if cfg.held_out_val else len(every)
     if cfg.num_val > limit:
-        raise ConfigError(f"{field_path(ToyTaskConfig, 'num_val')}: expected at most {limit} for the {len(every)} "
-                          f"distinct problems of "
-                          f"max_operand={cfg.max_operand}, ops={cfg.ops!r} (held_out_val={cfg.held_out_val}), "
-                          f"got {cfg.num_val}")
+        raise ConfigError(
+            f"{field_path(ToyTaskConfig, 'num_val')}: expected at most {limit} for the {len(every)} "
+            f"distinct problems of "
+            f"max_operand={cfg.max_operand}, ops={cfg.ops!r} (held_out_val={cfg.held_out_val}), "
+            f"got {cfg.num_val}")
     random.Random(cfg.seed).shuffle(every)
     val = every[:cfg.num_val]
     pool = every[cfg.num_val:] if cfg.held_out_val else every
@@ -194,9 +195,14 @@ def build_toy_model(cfg: ModelConfig, vocab_size: int, max_positions: int, seed:
     """A tiny Qwen2 from a config (no download), initialized from `seed`, fp32."""
     toy = cfg.toy
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=toy.hidden_size, intermediate_size=toy.intermediate_size,
-        num_hidden_layers=toy.num_layers, num_attention_heads=toy.num_heads, num_key_value_heads=toy.num_kv_heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=toy.hidden_size,
+        intermediate_size=toy.intermediate_size,
+        num_hidden_layers=toy.num_layers,
+        num_attention_heads=toy.num_heads,
+        num_key_value_heads=toy.num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
         attn_implementation=resolved_attention(cfg.attn_implementation, None),
     )
     with torch.random.fork_rng():

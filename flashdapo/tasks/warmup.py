@@ -27,7 +27,8 @@ def supervised_warmup(policy: PolicyModel, tokenizer, examples: Sequence[tuple[R
         return []
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pairs = [(torch.tensor(chat_ids(tokenizer, rec.messages)),
-              torch.tensor(tokenizer.encode(text, add_special_tokens=False) + [eos])) for rec, text in examples]
+              torch.tensor(tokenizer.encode(text, add_special_tokens=False) + [eos]))
+             for rec, text in examples]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     device = next(policy.parameters()).device
     losses = []
@@ -49,10 +50,11 @@ def supervised_warmup(policy: PolicyModel, tokenizer, examples: Sequence[tuple[R
     return losses
 
 
-def warm_up_built_in(policy: PolicyModel, cfg: Config, tokenizer, log: Callable[[str], None] = print) -> list[float]:
+def warm_up_built_in(policy: PolicyModel, cfg: Config, tokenizer, log: Callable[[str],
+                                                                                None] = print) -> list[float]:
     """The supervised warm-up of the built-in task `cfg.data.task` with `cfg.model.toy`'s settings, seeded by
     `cfg.trainer.seed`: the same base model on every rank and in every run of the same config."""
     toy = cfg.model.toy
     examples = task_sft_examples(cfg.data, toy.sft_steps * toy.sft_batch, random.Random(cfg.trainer.seed))
-    return supervised_warmup(policy, tokenizer, examples, steps=toy.sft_steps, batch=toy.sft_batch, lr=toy.sft_lr,
-                             name=cfg.data.task, log=log)
+    return supervised_warmup(policy, tokenizer, examples, steps=toy.sft_steps, batch=toy.sft_batch,
+                             lr=toy.sft_lr, name=cfg.data.task, log=log)

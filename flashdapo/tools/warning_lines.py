@@ -100,7 +100,10 @@ class WarningLines:
             if count > 1:
                 first = self.first[key]
                 first = first if len(first) <= 160 else first[:157] + "..."
-                self.emit(f"flashdapo: warning: came {count - 1} more times (numbers aside), not printed again: {first}")
+                self.emit(
+                    f"flashdapo: warning: came {count - 1} more times (numbers aside), not printed again: "
+                    f"{first}"
+                )
         self.counts.clear()
 
 

@@ -42,7 +42,8 @@ class Group:
     origin: tuple[int, int, int] = (0, 0, 0)
     """(generation round, rank, position in the round) where it was sampled: names it across ranks."""
     versions: list[torch.Tensor] | None = None
-    """Per response, [len] int64: the policy version that sampled each token (streaming); None: this step's."""
+    """Per response, [len] int64: the policy version that sampled each token (streaming); None: this
+    step's."""
     members: tuple[int, ...] | None = None
     """Which responses of the group as generated these are (a piece dealt to a slot); None: all, in order."""
     advantages: torch.Tensor | None = None
@@ -63,10 +64,15 @@ class Group:
 
     def to_plain(self) -> dict[str, Any]:
         """The whole group as plain containers (tensors, lists, ints) for torch.save(weights_only): the one
-        codec of a group, used by streaming's state, split placement's wire message and its checkpoint parts."""
+        codec of a group, used by streaming's state, split placement's wire message and its checkpoint
+        parts."""
         if self.members is not None:
-            raise ValueError(f"group {self.origin}: a piece dealt to a slot is never saved or sent, only whole groups")
-        return {name: (list(self.origin) if name == "origin" else getattr(self, name)) for name in PLAIN_FIELDS}
+            raise ValueError(
+                f"group {self.origin}: a piece dealt to a slot is never saved or sent, only whole groups")
+        return {
+            name: (list(self.origin) if name == "origin" else getattr(self, name))
+            for name in PLAIN_FIELDS
+        }
 
     @classmethod
     def from_plain(cls, plain: dict[str, Any]) -> Group:
@@ -75,15 +81,16 @@ class Group:
                       for name in PLAIN_FIELDS if name in plain})
 
     def piece(self, members: Sequence[int], advantages: torch.Tensor) -> Group:
-        """The group's responses at `members` (positions in this group), with `advantages` of the whole group."""
+        """The group's responses at `members` (positions in this group), with `advantages` of the whole
+        group."""
         idx = list(members)
-        return Group(prompt=self.prompt, responses=[self.responses[i] for i in idx], scores=self.scores[idx],
-                     acc=self.acc[idx], truncated=self.truncated[idx],
-                     sampler_logprobs=None if self.sampler_logprobs is None else [self.sampler_logprobs[i] for i in idx],
-                     versions=None if self.versions is None else [self.versions[i] for i in idx],
-                     routes=None if self.routes is None else [self.routes[i] for i in idx],
-                     origin=self.origin, members=tuple(self.member_indices[i] for i in idx),
-                     advantages=advantages[idx])
+        return Group(
+            prompt=self.prompt, responses=[self.responses[i] for i in idx], scores=self.scores[idx],
+            acc=self.acc[idx], truncated=self.truncated[idx], sampler_logprobs=None
+            if self.sampler_logprobs is None else [self.sampler_logprobs[i] for i in idx],
+            versions=None if self.versions is None else [self.versions[i] for i in idx],
+            routes=None if self.routes is None else [self.routes[i] for i in idx], origin=self.origin,
+            members=tuple(self.member_indices[i] for i in idx), advantages=advantages[idx])
 
 
 PLAIN_FIELDS = ("prompt", "responses", "scores", "acc", "truncated", "sampler_logprobs", "origin", "versions",
@@ -133,11 +140,13 @@ class TrainBatch:
     def __post_init__(self) -> None:
         sizes = [len(r) for r in self.responses]
         if self.old_logprobs is not None and [len(t) for t in self.old_logprobs] != sizes:
-            raise ValueError(f"old_logprobs must hold one tensor per response of the same length ({len(sizes)} "
-                             f"responses), got lengths {[len(t) for t in self.old_logprobs]}")
+            raise ValueError(
+                f"old_logprobs must hold one tensor per response of the same length ({len(sizes)} "
+                f"responses), got lengths {[len(t) for t in self.old_logprobs]}")
         if [len(t) for t in self.rollout_weights] != sizes:
-            raise ValueError(f"rollout_weights must hold one tensor per response of the same length ({len(sizes)} "
-                             f"responses), got lengths {[len(t) for t in self.rollout_weights]}")
+            raise ValueError(
+                f"rollout_weights must hold one tensor per response of the same length ({len(sizes)} "
+                f"responses), got lengths {[len(t) for t in self.rollout_weights]}")
         for name in ("advantages", "loss_mask"):
             if tuple(getattr(self, name).shape) != (len(sizes),):
                 raise ValueError(f"{name} must be [{len(sizes)}] (one per response), got "
@@ -200,8 +209,10 @@ def build_train_batch(mini_batches: Sequence[Sequence[Group]], old_logprobs: Seq
         groups=groups,
         mini_batches=tuple(slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])),
         old_logprobs=None if old_logprobs is None else tuple(old_logprobs),
-        advantages=_cat([g.advantages if g.advantages is not None else whole_group_advantages(g, algo.advantage_eps)
-                         for g in groups], torch.float32),
+        advantages=_cat([
+            g.advantages if g.advantages is not None else whole_group_advantages(g, algo.advantage_eps)
+            for g in groups
+        ], torch.float32),
         loss_mask=response_loss_mask(truncated, algo),
         rollout_weights=_rollout_weights(groups, old_logprobs, correction, algo.rollout_correction_cap),
     )
@@ -223,8 +234,9 @@ def _rollout_weights(groups: Sequence[Group], old_logprobs: Sequence[torch.Tenso
         raise ValueError(f"algorithm.rollout_correction={mode} needs pi_old's log-probs before the update")
     sampled = [lp for g in groups for lp in (g.sampler_logprobs or [])]
     if len(sampled) != len(lengths):
-        raise ValueError(f"algorithm.rollout_correction={mode} needs the rollout engine's per-token log-probs, "
-                         f"and {len(lengths) - len(sampled)} of {len(lengths)} responses came without")
+        raise ValueError(
+            f"algorithm.rollout_correction={mode} needs the rollout engine's per-token log-probs, "
+            f"and {len(lengths) - len(sampled)} of {len(lengths)} responses came without")
     old = torch.cat(list(old_logprobs)) if old_logprobs else torch.zeros(0)
     rollout = torch.cat(sampled) if sampled else torch.zeros(0)
     weights = rollout_correction_weights(old, rollout, lengths, mode, cap)
@@ -285,7 +297,8 @@ def _first_fit_count(token_counts: list[int], budget: int) -> int:
 
 def mini_batch_normalizers(valid_tokens: torch.Tensor, algo: AlgorithmConfig, sequence_parallel: int = 1,
                            keys: Sequence[Any] | None = None) -> tuple[torch.Tensor, int]:
-    """This rank's part of a mini-batch -> (the loss normalizer of each of its responses, global valid tokens).
+    """This rank's part of a mini-batch -> (the loss normalizer of each of its responses, global valid
+    tokens).
 
     `valid_tokens` [b] counts the valid tokens of this rank's responses of the mini-batch; `keys` [b] name
     them, sorting into the order one rank would hold the whole mini-batch in (default: this rank's part

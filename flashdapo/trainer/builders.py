@@ -33,7 +33,8 @@ def checked_tokenizer(cfg: Config, log):
     # flash-attn's head-dim limit (Gemma 4's global layers), from config.json before any weights load
     config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
     check_flash_attention(config, cfg.model.attn_implementation, f"model.path={cfg.model.path}")
-    check = check_model(cfg.model.path, "model.path", cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+    check = check_model(cfg.model.path, "model.path",
+                        cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         "data.max_prompt_length + rollout.max_response_length")
     for note in check.notes:
         log(note)
@@ -74,17 +75,20 @@ def training_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer, e
                     log) -> RolloutEngine:
     """The engine that samples the policy during training (co-located, or split placement's rollout side):
     the torch engine over the policy itself, or an engine with its own weights whose every push is checked."""
-    push_check = PushCheck(policy, env.device, policy.config.vocab_size, log, tokenizer_size=len(tokenizer)) if engine_spec(
-        cfg.rollout.engine).own_weights else None
-    return build_engine(cfg.rollout, env, tokenizer, model=policy, model_path=cfg.model.path, dtype=cfg.model.dtype,
-                        seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+    push_check = PushCheck(policy, env.device, policy.config.vocab_size, log,
+                           tokenizer_size=len(tokenizer)) if engine_spec(
+                               cfg.rollout.engine).own_weights else None
+    return build_engine(cfg.rollout, env, tokenizer, model=policy, model_path=cfg.model.path,
+                        dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                        max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         shard_group=world_group(env), reshard_after_forward=cfg.trainer.reshard_after_forward,
                         verify_push=push_check, error_log=error_log,
                         record_routes=cfg.algorithm.routing_replay == "r3")
 
 
 def parameter_counts(policy: PolicyModel) -> str:
-    """'N parameters (M in this rank's shards)': a DTensor's numel is the full tensor's, to_local() its shard."""
+    """'N parameters (M in this rank's shards)': a DTensor's numel is the full tensor's, to_local() its
+    shard."""
     from torch.distributed.tensor import DTensor
 
     full = sum(p.numel() for p in policy.parameters())

@@ -75,14 +75,17 @@ def train(cfg) -> Run | None:
 
 
 def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
-    """The steps from the start (or the resumed step) to trainer.total_steps, with validation, metrics, plot and
-    checkpoints on their intervals; returns the step it stopped after on Ctrl-C (checkpoint saved), else None."""
+    """The steps from the start (or the resumed step) to trainer.total_steps, with validation, metrics, plot
+    and checkpoints on their intervals; returns the step it stopped after on Ctrl-C (checkpoint saved), else
+    None."""
     cfg = run.cfg
     truncation = TruncationWatch(run.tokenizer, cfg.model.path, cfg.rollout.max_response_length)
-    run.collector.begin(run.start_step)  # split placement: the rollout side starts generating batch start+1 now
+    # split placement: the rollout side starts generating batch start+1 now
+    run.collector.begin(run.start_step)
     if run.start_step == 0 and cfg.trainer.val_before_train:
         stop.phase = "the validation before step 1"
-        run.logger.log({"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0), **probe(run, 0)})
+        run.logger.log(
+            {"step": 0, **validate(run, 0, keep_awake=cfg.trainer.total_steps > 0), **probe(run, 0)})
         stop.check()
     for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
         stop.phase = f"step {step}"
@@ -100,13 +103,15 @@ def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:
             run.logger.plot(run.run_dir / "training_dynamics.png", f"flashdapo: {run.run_dir.name}")
         saving = last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)
         stopping = stop.agreed()  # every rank, every step: all stop after the same step
-        if not (stopping or last):  # a signal from here on (this step's save included) is taken after the next step
+        # a signal from here on (this step's save included) is taken after the next step
+        if not (stopping or last):
             stop.phase = f"step {step + 1}"
         if saving or stopping:
             save_checkpoint(run.run_dir, run.env, run.policy, run.optimizer, run.trainer_state(step),
                             cfg.checkpoint.keep_last, run.rank_state())
         if stopping:
-            if run.env.bridges is not None and run.env.is_main:  # split placement: the rollout side ends with it
+            # split placement: the rollout side ends with it
+            if run.env.bridges is not None and run.env.is_main:
                 run.env.bridges.announce_stop(stop.signum)
             return step
     return None
@@ -123,12 +128,14 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     beating = heartbeat(step, timer, cfg.logging.heartbeat_s, env.is_main and cfg.logging.progress)
     with profiling, timer("step"), beating:
         dump = dumping(cfg.logging.dump_rollouts_every, step)
-        collected = run.collector.collect(step, timer, keep_generated=dump)  # weight sync, gen, reward, filter
+        # weight sync, gen, reward, filter
+        collected = run.collector.collect(step, timer, keep_generated=dump)
         with timer("old_log_prob"):
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
         with timer("adv"):
             batch = build_train_batch(collected.mini_batches, old, cfg.algorithm, rollout_correction(cfg))
-        # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip it.
+        # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip
+        # it.
         recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
         rollout_check = {**logprob_agreement(step, batch, cfg.rollout, warn=env.is_main),
                          **rollout_correction_metrics(batch)} if recomputed else {}
@@ -144,16 +151,21 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         dump_train_rollouts(run.run_dir, step, collected.generated, batch, run.tokenizer, env,
                             past_target=run.collector.past_target)
     collector_metrics = run.collector.metrics(step, batch, timer)
-    run.totals.add(collected.generated_samples, collected.generated_tokens)  # checkpointed: resumes continue it
-    return {**step_metrics(step, batch, collected, update, timer, env, cfg.rollout.n), "actor/lr": lr,
-            **rollout_check, **collector_metrics, "train/generated_samples_cum": float(run.totals.generated_samples),
-            "train/generated_tokens_cum": float(run.totals.generated_tokens)}
+    # checkpointed: resumes continue it
+    run.totals.add(collected.generated_samples, collected.generated_tokens)
+    return {
+        **step_metrics(step, batch, collected, update, timer, env, cfg.rollout.n), "actor/lr": lr,
+        **rollout_check,
+        **collector_metrics, "train/generated_samples_cum": float(run.totals.generated_samples),
+        "train/generated_tokens_cum": float(run.totals.generated_tokens)
+    }
 
 
 def _rollout_rank(cfg) -> bool:
     """Whether this process is one of split placement's rollout ranks (the last rollout.rollout_ranks)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    return cfg.rollout.placement == "split" and int(os.environ.get("RANK", 0)) >= world - cfg.rollout.rollout_ranks
+    return cfg.rollout.placement == "split" and int(os.environ.get("RANK",
+                                                                   0)) >= world - cfg.rollout.rollout_ranks
 
 
 def stop_after_skips(run: Run, step: int, update: UpdateResult) -> None:
@@ -164,8 +176,10 @@ def stop_after_skips(run: Run, step: int, update: UpdateResult) -> None:
     limit = run.cfg.trainer.max_skipped_steps
     if run.skipped_in_a_row >= limit:
         raise NonFiniteError(
-            f"step {step}: {run.skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm and "
-            f"were skipped (trainer.max_skipped_steps={limit}); the weights are unchanged since the last good step. "
+            f"step {step}: {run.skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+            "norm and "
+            f"were skipped (trainer.max_skipped_steps={limit}); the weights are unchanged since the last "
+            "good step. "
             f"Newest good checkpoint: {latest_checkpoint(run.run_dir) or 'none'}. Check the rewards, "
             "rollout.temperature and optim.lr, then resume with --checkpoint.resume auto")
 
@@ -190,13 +204,12 @@ def validate(run: Run, step: int, keep_awake: bool = False) -> dict[str, float]:
     run.weights.wake(run.engine)
     # Round 0 of the step: training's generation rounds count from 1, so the streams never coincide.
     sampling = EvalSampling(k=rc.val_n, temperature=rc.val_temperature, top_p=rc.val_top_p,
-                            max_new_tokens=rc.max_response_length, seed=derive_seed(run.cfg.trainer.seed, step, 0),
-                            prompts_per_call=-(-len(run.val_prompts) // env.world_size))
+                            max_new_tokens=rc.max_response_length,
+                            seed=derive_seed(run.cfg.trainer.seed, step,
+                                             0), prompts_per_call=-(-len(run.val_prompts) // env.world_size))
     results = sample_prompts(run.engine, run.val_prompts, run.tokenizer, run.verifier, sampling,
                              Shard(env.rank, env.world_size))
     run.engine.sleep(keep_awake)
     if dumping(run.cfg.logging.dump_rollouts_every, step):
         dump_validation(run.run_dir, step, results, env.is_main)
     return {**summarize(results).metrics("val"), "timing_s/val": time.perf_counter() - start}
-
-

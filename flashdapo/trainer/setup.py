@@ -137,11 +137,13 @@ class Run:
         return self.collector.rank_state()
 
     def trainer_state(self, step: int) -> TrainerState:
-        return TrainerState(step=step, scheduler=self.scheduler.state_dict(), sampler=self.sampler.state_dict(),
-                            run_id=self.run_id, settings=self.settings, totals=dataclasses.asdict(self.totals))
+        return TrainerState(step=step, scheduler=self.scheduler.state_dict(),
+                            sampler=self.sampler.state_dict(), run_id=self.run_id, settings=self.settings,
+                            totals=dataclasses.asdict(self.totals))
 
     def export_config(self):
-        """The policy's HF config, saying the dtype `weights.export()` writes (config.json matches the tensors)."""
+        """The policy's HF config, saying the dtype `weights.export()` writes (config.json matches the
+        tensors)."""
         config = copy.deepcopy(self.policy.config)
         config.dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
         return config
@@ -168,8 +170,9 @@ def setup_run(cfg: Config, checkpoint: Callable[[], None] = lambda: None) -> Run
     try:
         checkpoint()
         # On GPUs, what `flashdapo plan` would refuse for memory is refused here, before anything is built.
-        check_launch_memory(cfg, env.world_size, torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
-                            else None, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+        check_launch_memory(cfg, env.world_size,
+                            torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
+                            int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
         plan = agree_on_start(cfg, env, run_dir, log)
         check_profile_dir(cfg.profile, run_dir, env.rank)  # before the model loads, not at the profiled step
         attach_run(run_dir / "warnings.log", env.rank, env.world_size, cfg.logging.warnings_as_errors)
@@ -211,8 +214,8 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     sampler = PromptSampler(train_set, cfg.trainer.gen_batch, cfg.trainer.seed, cfg.data.shuffle, env.rank,
                             env.world_size)
     logger = MetricsLogger(run_dir, env.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
-                           cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps, cfg.to_dict(),
-                           WandbRun.from_config(cfg.logging))
+                           cfg.logging.wandb_project, cfg.logging.progress, cfg.trainer.total_steps,
+                           cfg.to_dict(), WandbRun.from_config(cfg.logging))
     start_step, run_id = 0, plan.dir_run_id or all_gather_objects(new_run_id())[0]
     settings = run_settings(cfg, policy.hf, tokenizer)
     checkpoint()
@@ -228,7 +231,8 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
         log(describe_resume(resumed, lr, cfg.checkpoint.allow_changes))
         if start_step >= cfg.trainer.total_steps:
             log(f"step {start_step} is {'past' if start_step > cfg.trainer.total_steps else 'at'} "
-                f"trainer.total_steps={cfg.trainer.total_steps}: nothing to train (raise --trainer.total-steps to "
+                f"trainer.total_steps={cfg.trainer.total_steps}: nothing to train (raise "
+                "--trainer.total-steps to "
                 "train on)")
     dropped = logger.truncate_after(start_step if resumed is not None else -1)
     if dropped:
@@ -239,20 +243,21 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     # rollout side holds the run's engine: docs/split.md); co-located, the run's engine samples everything.
     sampler_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="torch")) \
         if cfg.rollout.placement == "split" else cfg
-    engine = training_engine(sampler_cfg, env, policy, tokenizer, run_dir / f"vllm-error.rank{env.rank}.log", log)
+    engine = training_engine(sampler_cfg, env, policy, tokenizer, run_dir / f"vllm-error.rank{env.rank}.log",
+                             log)
     log(f"world size {env.world_size} on {env.device}; {parameter_counts(policy)}; run dir {run_dir}; "
         f"{library_versions()}")
-    run = Run(cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy,
-              weights=policy_weights(policy.hf, cfg.model.dtype), optimizer=optimizer,
-               scheduler=scheduler, engine=engine, verifier=get_verifier(judging_verifier(cfg.algorithm.verifier)),
-               sampler=sampler,
-               val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
-               pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
-               settings=settings, resumed=resumed,
-               profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank, env.device),
-               totals=RunTotals(**resumed.state.totals) if resumed is not None else RunTotals(),
-               probe=(build_probe_set(val_set.prompts if val_set is not None else train_set.prompts, tokenizer,
-                                      cfg.logging.probe_prompts) if cfg.logging.probe_every else None))
+    run = Run(
+        cfg=cfg, env=env, run_dir=run_dir, tokenizer=tokenizer, policy=policy,
+        weights=policy_weights(policy.hf, cfg.model.dtype), optimizer=optimizer, scheduler=scheduler,
+        engine=engine, verifier=get_verifier(judging_verifier(cfg.algorithm.verifier)), sampler=sampler,
+        val_prompts=list(val_set.prompts) if val_set is not None else [], logger=logger,
+        pad_id=tokenizer.pad_token_id, start_step=start_step, failfast=failfast, run_id=run_id,
+        settings=settings, resumed=resumed, profiler=StepProfiler.configured(cfg.profile, run_dir, env.rank,
+                                                                             env.device),
+        totals=RunTotals(**resumed.state.totals) if resumed is not None else RunTotals(),
+        probe=(build_probe_set(val_set.prompts if val_set is not None else train_set.prompts, tokenizer,
+                               cfg.logging.probe_prompts) if cfg.logging.probe_every else None))
     run.collector = build_collector(run, log)
     return run
 
@@ -262,26 +267,30 @@ def build_collector(run: Run, log) -> Collector:
     checkpoint's cut queued), or a co-located one sampling the policy's current weights."""
     cfg, env = run.cfg, run.env
     if cfg.rollout.placement == "split":
-        split = SplitTrainer(env, cfg, run.policy, PushCheck(run.policy, env.device, run.policy.config.vocab_size, log,
-                                                             tokenizer_size=len(run.tokenizer)))
+        split = SplitTrainer(
+            env, cfg, run.policy,
+            PushCheck(run.policy, env.device, run.policy.config.vocab_size, log,
+                      tokenizer_size=len(run.tokenizer)))
         split.run_id = run.run_id
         if run.resumed is not None and run.start_step < cfg.trainer.total_steps:
             split.resume(cut_dir(run.resumed.path), run.start_step)  # its parts: the checkpoint's run dir's
         return split
     algo = cfg.algorithm
-    random = RandomReward(algo.random_reward_p, cfg.trainer.seed) if algo.verifier == RANDOM_VERIFIER else None
+    random = RandomReward(algo.random_reward_p,
+                          cfg.trainer.seed) if algo.verifier == RANDOM_VERIFIER else None
     sampling = Sampling(run.engine, run.weights, run.sampler,
                         run.tokenizer, lambda: random if random is not None else run.verifier, cfg, env)
     if cfg.rollout.streaming:
         return StreamingCollector(sampling, _resumed_stream(run.resumed, cfg, env, log))
-    if run.resumed is not None and env.is_main and (line := dropped_streams_line(_stream_states(run.resumed.path))):
+    if run.resumed is not None and env.is_main and (line := dropped_streams_line(
+            _stream_states(run.resumed.path))):
         log(line)
     return RoundsCollector(sampling)
 
 
 def _stream_states(path: Path) -> list[dict[str, Any] | None]:
-    """Every rank's streaming state saved with the checkpoint at `path` (whatever world size wrote it; none for a
-    checkpoint without streaming). One that does not load is None: it could only be dropped anyway."""
+    """Every rank's streaming state saved with the checkpoint at `path` (whatever world size wrote it; none
+    for a checkpoint without streaming). One that does not load is None: it could only be dropped anyway."""
     states: list[dict[str, Any] | None] = []
     for file in sorted(path.glob(f"{RANK_STATE}*.pt")):
         try:
@@ -293,7 +302,8 @@ def _stream_states(path: Path) -> list[dict[str, Any] | None]:
 
 def _resumed_stream(resumed: Resumed | None, cfg: Config, env: DistEnv, log) -> StreamState:
     """The streaming sampler's carried work from the checkpoint (this rank's); empty for a fresh start. A
-    checkpoint written at another world size cannot give each rank its own: that work is dropped, said once."""
+    checkpoint written at another world size cannot give each rank its own: that work is dropped, said
+    once."""
     if resumed is None or not cfg.rollout.streaming:
         return StreamState()
     plain = load_rank_state(resumed.path, env)

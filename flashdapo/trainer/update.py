@@ -87,8 +87,8 @@ def compute_old_logprobs(policy: PolicyModel, groups: list[Group], cfg: Config, 
     all_responses = flat_responses(groups)
     routes = flat_routes(groups)
     out: list[torch.Tensor | None] = [None] * len(all_responses)
-    for indices, prompts, responses in micro_batches(flat_prompts(groups), all_responses, _budget(policy, cfg),
-                                                      pad_id, not policy.packed_layout):
+    for indices, prompts, responses in micro_batches(flat_prompts(groups), all_responses,
+                                                     _budget(policy, cfg), pad_id, not policy.packed_layout):
         packed = policy.token_batch(prompts, responses, device,
                                     None if routes is None else [routes[i] for i in indices])
         logp, _ = policy(packed)
@@ -118,10 +118,11 @@ class UpdateResult:
     losses: list[float] = field(default_factory=list)
     """Per optimizer step taken, the loss backpropagated: pg_loss plus the routers' term (MoE)."""
     router_aux_losses: list[float] = field(default_factory=list)
-    """MoE: per optimizer step taken, the routers' load-balancing loss, the mean over the mini-batch's sequences
-    (before the coefficient); empty for a dense policy."""
+    """MoE: per optimizer step taken, the routers' load-balancing loss, the mean over the mini-batch's
+    sequences (before the coefficient); empty for a dense policy."""
     expert_load: torch.Tensor | None = None
-    """MoE: [sparse layers, experts] top-k picks of each expert in this rank's update forwards; None: dense."""
+    """MoE: [sparse layers, experts] top-k picks of each expert in this rank's update forwards; None:
+    dense."""
     route_agreement: tuple[int, int] | None = None
     """Routing replay: (positions x sparse layers where the trainer's own top-k equalled the engine's, those
     recorded) on this rank, over the step's forwards before its first optimizer step; None: no replay."""
@@ -141,11 +142,12 @@ def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: T
     result = UpdateResult([], [], LossStats.zeros(), [], expert_load=None if router is None else router.load)
     for _ in range(cfg.trainer.ppo_epochs):
         for groups in batch.mini_batches:
-            outcome = _mini_batch_step(policy, optimizer, batch, batch.response_slices(groups), cfg, env, pad_id,
-                                       router)
+            outcome = _mini_batch_step(policy, optimizer, batch, batch.response_slices(groups), cfg, env,
+                                       pad_id, router)
             if outcome is None:
                 continue
-            if policy.route_replay is not None:  # the weights moved: the engine's routes are no longer comparable
+            # the weights moved: the engine's routes are no longer comparable
+            if policy.route_replay is not None:
                 policy.route_replay.counting = False
             loss, aux, grad_norm, stats = outcome
             finite = math.isfinite(loss) and math.isfinite(aux) and math.isfinite(grad_norm)
@@ -188,15 +190,16 @@ class RouterTerm:
         `num_sequences` sequences, divided by the mini-batch's global sequence count `sequences`; adds the
         forward's picks to `load`. Differentiable only when the coefficient is on."""
         with torch.set_grad_enabled(self.coef > 0 and torch.is_grad_enabled()):
-            ids = token_sequences(num_sequences, packed.bounds, packed.attention_mask, policy.sp, policy.sp_rank)
+            ids = token_sequences(num_sequences, packed.bounds, packed.attention_mask, policy.sp,
+                                  policy.sp_rank)
             balance = load_balancing(routing.layers, ids, num_sequences, self.top_k,
                                      policy.sp_group if policy.sp > 1 else None, routing.chosen)
             self.load += balance.load
             return balance.loss_sum / sequences
 
 
-def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Config, env: DistEnv, pad_id: int,
-                     router: RouterTerm | None = None):
+def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Config, env: DistEnv,
+                     pad_id: int, router: RouterTerm | None = None):
     prompts, responses = batch.prompts[rows], batch.responses[rows]
     routes = None if batch.routes is None else batch.routes[rows]
     old = None if batch.old_logprobs is None else batch.old_logprobs[rows]
@@ -206,14 +209,16 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
     weights = batch.rollout_weights[rows]
     # A token masked by the rollout correction (weight 0) leaves the loss and its normalizer.
     token_mask = [(w > 0) & bool(m) for w, m in zip(weights, loss_mask.tolist())]
-    normalizers, num_tokens = mini_batch_normalizers(torch.tensor([int(m.sum()) for m in token_mask]), cfg.algorithm,
-                                                     env.sequence_parallel, batch.response_keys[rows])
+    normalizers, num_tokens = mini_batch_normalizers(torch.tensor([int(m.sum()) for m in token_mask]),
+                                                     cfg.algorithm, env.sequence_parallel,
+                                                     batch.response_keys[rows])
     if num_tokens == 0:
         # No valid token on any rank (all ranks agree: the count is global). An optimizer step on zero
         # gradients would still move the weights (Adam momentum, weight decay): skip it.
         return None
     optimizer.zero_grad(set_to_none=True)
-    if router is not None:  # the mini-batch's sequences over all ranks (a sequence-parallel group's count once)
+    # the mini-batch's sequences over all ranks (a sequence-parallel group's count once)
+    if router is not None:
         sequences = all_reduce(torch.tensor([float(len(prompts))], dtype=torch.float64, device=env.device))
         sequences = sequences.to(env.device) / env.sequence_parallel
     # [pg loss, router loss, *stats] summed on the device: no host sync per micro-batch, one all-reduce per
@@ -223,7 +228,8 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
                                                             not policy.packed_layout):
         packed = policy.token_batch(mb_prompts, mb_responses, env.device,
                                     None if routes is None else [routes[i] for i in indices])
-        routing = RouterLogits() if router is not None else None  # MoE: the forward puts its router logits here
+        # MoE: the forward puts its router logits here
+        routing = RouterLogits() if router is not None else None
         if indices:  # per response token of the micro-batch; under sequence parallelism this rank's shard
             per_token = [(advantages[i].expand(len(responses[i])), token_mask[i], weights[i],
                           normalizers[i].expand(len(responses[i])), correct[i].expand(len(responses[i])))
@@ -234,7 +240,8 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
         else:
             old_t = None
             adv_t, weight_t, norm_t = (packed.local(torch.zeros(1, device=env.device)) for _ in range(3))
-            mask_t, correct_t = (packed.local(torch.zeros(1, dtype=torch.bool, device=env.device)) for _ in range(2))
+            mask_t, correct_t = (packed.local(torch.zeros(1, dtype=torch.bool, device=env.device))
+                                 for _ in range(2))
         if indices and policy.fused_loss(env.device):  # log-probs and the loss gradient in one sweep
             def loss_fn(lp, r, old_t=old_t, adv_t=adv_t, mask_t=mask_t, weight_t=weight_t, norm_t=norm_t):
                 return token_loss(lp, None if old_t is None else old_t[r], adv_t[r].float(), mask_t[r],
@@ -242,12 +249,15 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
 
             loss, logp, entropy = policy(packed, loss_fn=loss_fn, keep=mask_t, routing=routing)
             with torch.no_grad():
-                _, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
-                                            weights=weight_t, entropy=entropy, correct=correct_t)
+                _, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm,
+                                            normalizer=norm_t, weights=weight_t, entropy=entropy,
+                                            correct=correct_t)
         else:
-            logp, entropy = policy(packed, with_entropy=True, keep=mask_t if indices else None, routing=routing)
-            loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm, normalizer=norm_t,
-                                           weights=weight_t, entropy=entropy.detach(), correct=correct_t)
+            logp, entropy = policy(packed, with_entropy=True, keep=mask_t if indices else None,
+                                   routing=routing)
+            loss, micro_stats = token_loss(logp, old_t, adv_t.float(), mask_t, cfg.algorithm,
+                                           normalizer=norm_t, weights=weight_t, entropy=entropy.detach(),
+                                           correct=correct_t)
         aux = torch.zeros((), dtype=torch.float64, device=env.device)
         if router is not None:
             aux = router.micro_batch(policy, routing, packed, len(indices), sequences)
@@ -256,7 +266,8 @@ def _mini_batch_step(policy, optimizer, batch: TrainBatch, rows: slice, cfg: Con
                              micro_stats.as_vector()])
     totals = all_reduce(totals).cpu()
     grad_norm = _clip_grad_norm(policy, cfg.optim.grad_clip)
-    if math.isfinite(grad_norm) and math.isfinite(totals[:2].sum().item()):  # global values: every rank agrees
+    # global values: every rank agrees
+    if math.isfinite(grad_norm) and math.isfinite(totals[:2].sum().item()):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # free the gradients now, not at the next mini-batch
     return totals[0].item(), totals[1].item(), grad_norm, LossStats.from_vector(totals[2:])

@@ -12,5 +12,7 @@ from .router import (
     routers,
 )
 
-__all__ = ["Balance", "RouterLogits", "check_router_aux_coef", "is_moe", "load_balancing", "loss_routers", "router_aux_coef",
-           "router_logits_kwargs", "routers", "token_sequences"]
+__all__ = [
+    "Balance", "RouterLogits", "check_router_aux_coef", "is_moe", "load_balancing", "loss_routers",
+    "router_aux_coef", "router_logits_kwargs", "routers", "token_sequences"
+]

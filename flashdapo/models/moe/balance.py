@@ -50,10 +50,11 @@ def token_sequences(num_sequences: int, bounds: DocumentBounds | None, attention
                     sp: int = 1, sp_rank: int = 0) -> torch.Tensor:
     """[tokens] which of the `num_sequences` sequences each token of this rank's forward belongs to, in the
     router logits' row order; -1 for padding (padded layout: `attention_mask` [B, L]) and for the filler a
-    packed row gets under sequence parallelism (packed: the row's `bounds`; this is rank `sp_rank`'s shard), and
-    for every row past the first `num_sequences` (0: a placeholder micro-batch, nothing counts)."""
+    packed row gets under sequence parallelism (packed: the row's `bounds`; this is rank `sp_rank`'s shard),
+    and for every row past the first `num_sequences` (0: a placeholder micro-batch, nothing counts)."""
     if bounds is None:
-        rows = torch.arange(attention_mask.shape[0], device=attention_mask.device)[:, None].expand_as(attention_mask)
+        rows = torch.arange(attention_mask.shape[0],
+                            device=attention_mask.device)[:, None].expand_as(attention_mask)
         return torch.where(attention_mask.bool() & (rows < num_sequences), rows, -1).reshape(-1)
     lengths = torch.diff(torch.tensor(bounds.offsets))
     ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
@@ -64,8 +65,8 @@ def token_sequences(num_sequences: int, bounds: DocumentBounds | None, attention
     return ids.to(bounds.cu_seqlens.device)
 
 
-def load_balancing(router_logits: tuple[torch.Tensor, ...], sequence: torch.Tensor, num_sequences: int, top_k: int,
-                   sp_group: dist.ProcessGroup | None = None,
+def load_balancing(router_logits: tuple[torch.Tensor, ...], sequence: torch.Tensor, num_sequences: int,
+                   top_k: int, sp_group: dist.ProcessGroup | None = None,
                    chosen: tuple[torch.Tensor, ...] | None = None) -> Balance:
     """Per-sequence load-balancing losses (summed) and per-layer expert load of one forward.
 
@@ -88,8 +89,8 @@ def load_balancing(router_logits: tuple[torch.Tensor, ...], sequence: torch.Tens
         p = torch.softmax(logits[keep].to(dtype), dim=-1)
         picked = torch.topk(p, top_k, dim=-1).indices if chosen is None else chosen[layer][keep].long()
         with torch.no_grad():
-            picks.index_put_((seq[:, None].expand_as(picked), picked), torch.ones((), dtype=dtype, device=p.device),
-                             accumulate=True)
+            picks.index_put_((seq[:, None].expand_as(picked), picked),
+                             torch.ones((), dtype=dtype, device=p.device), accumulate=True)
             load[layer] = torch.bincount(picked.reshape(-1), minlength=num_experts).to(load.dtype)
         probs = probs.index_add(0, seq, p)
     rows = torch.bincount(seq, minlength=num_sequences).to(dtype) * len(router_logits)

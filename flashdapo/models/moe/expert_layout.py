@@ -14,13 +14,14 @@ or on a stream of (name, tensor) such as `models.weights.iter_full_state_dict` y
   per-expert names; only some take the fused ones) and what a per-expert checkpoint holds. Each per-expert
   tensor is a view of the fused one (no copy).
 - `fuse_experts` turns per-expert tensors back into fused ones, buffering one layer's experts at a time.
-- `checkpoint_expert_layout` says which layout a model directory's safetensors use, from the tensor names alone
-  (the index json or the files' headers), so that the HF export can write the layout its source had.
+- `checkpoint_expert_layout` says which layout a model directory's safetensors use, from the tensor names
+  alone (the index json or the files' headers), so that the HF export can write the layout its source had.
 
-Not every family's fused tensors are these: GPT-OSS's `mlp.experts.gate_up_proj` is [E, H, 2I] with gate and up
-interleaved, and its checkpoints are fused too. So splitting is for the families whose transformers conversion
-is the one above (the registry says which: `Family.engine_experts` "per_expert", models/hf.py); their fused
-tensors are never on disk in the Hub's checkpoints, and vLLM's loaders for them all take per-expert names.
+Not every family's fused tensors are these: GPT-OSS's `mlp.experts.gate_up_proj` is [E, H, 2I] with gate and
+up interleaved, and its checkpoints are fused too. So splitting is for the families whose transformers
+conversion is the one above (the registry says which: `Family.engine_experts` "per_expert", models/hf.py);
+their fused tensors are never on disk in the Hub's checkpoints, and vLLM's loaders for them all take
+per-expert names.
 
 Shared experts (Qwen2-MoE's `mlp.shared_expert`, DeepSeek-V3's `mlp.shared_experts`) are plain MLPs, not
 fused, and pass through unchanged; so do the router (`mlp.gate`) and every other tensor.
@@ -50,14 +51,16 @@ _FUSED_OF = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj"
 
 def per_expert_name(name: str) -> tuple[str, int, str] | None:
     """(experts module path, expert index, projection) of a per-expert tensor name
-    (`model.layers.3.mlp.experts.7.up_proj.weight` -> ('model.layers.3.mlp.experts', 7, 'up_proj')), else None."""
+    (`model.layers.3.mlp.experts.7.up_proj.weight` -> ('model.layers.3.mlp.experts', 7, 'up_proj')), else
+    None."""
     match = _PER_EXPERT_NAME.match(name)
     return (match["experts"], int(match["index"]), match["proj"]) if match else None
 
 
 def fused_expert_name(name: str) -> tuple[str, str] | None:
     """(experts module path, projection) of a fused expert tensor name
-    (`model.layers.3.mlp.experts.gate_up_proj` -> ('model.layers.3.mlp.experts', 'gate_up_proj')), else None."""
+    (`model.layers.3.mlp.experts.gate_up_proj` -> ('model.layers.3.mlp.experts', 'gate_up_proj')), else
+    None."""
     match = _FUSED_NAME.match(name)
     return (match["experts"], match["proj"]) if match else None
 
@@ -73,7 +76,8 @@ def split_fused(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor
     if proj == "down_proj":
         return [(f"{experts}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
     if tensor.shape[1] % 2:
-        raise ValueError(f"{name!r} {tuple(tensor.shape)}: gate_up_proj's dim 1 (2 x intermediate) must be even")
+        raise ValueError(
+            f"{name!r} {tuple(tensor.shape)}: gate_up_proj's dim 1 (2 x intermediate) must be even")
     half = tensor.shape[1] // 2
     out = []
     for e in range(tensor.shape[0]):
@@ -112,7 +116,8 @@ class _Pending:
         missing = [f"{self.experts}.{e}.{p}.weight" for e in range(count) for p in _FUSED_OF
                    if (e, p) not in self.tensors]
         if missing:
-            raise ValueError(f"per-expert tensors missing for {self.experts} ({count} experts): {missing[:6]}")
+            raise ValueError(
+                f"per-expert tensors missing for {self.experts} ({count} experts): {missing[:6]}")
         gate_up = torch.stack([torch.cat([self.tensors[(e, "gate_proj")], self.tensors[(e, "up_proj")]])
                                for e in range(count)])
         down = torch.stack([self.tensors[(e, "down_proj")] for e in range(count)])
@@ -121,10 +126,10 @@ class _Pending:
 
 def fuse_experts(named_tensors: Iterable[tuple[str, torch.Tensor]],
                  num_experts: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stream with each experts module's per-expert tensors replaced by the two fused tensors (gate_up_proj
-    then down_proj, where its last expert tensor was); every other tensor unchanged, in order. With
-    `num_experts` a module is emitted as soon as its experts are complete (modules may interleave), else when
-    the stream moves past its tensors. ValueError on a missing or repeated expert tensor."""
+    """The stream with each experts module's per-expert tensors replaced by the two fused tensors
+    (gate_up_proj then down_proj, where its last expert tensor was); every other tensor unchanged, in order.
+    With `num_experts` a module is emitted as soon as its experts are complete (modules may interleave), else
+    when the stream moves past its tensors. ValueError on a missing or repeated expert tensor."""
     pending: dict[str, _Pending] = {}
     for name, tensor in named_tensors:
         parsed = per_expert_name(name)
@@ -152,8 +157,9 @@ def _safetensors_names(path: Path) -> list[str]:
 
 
 def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
-    """Every tensor name of a model directory's safetensors checkpoint, read from `model.safetensors.index.json`
-    when there is one, else from the headers of its `*.safetensors` files (no tensor is loaded)."""
+    """Every tensor name of a model directory's safetensors checkpoint, read from
+    `model.safetensors.index.json` when there is one, else from the headers of its `*.safetensors` files (no
+    tensor is loaded)."""
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -162,13 +168,14 @@ def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
 
 
 def checkpoint_expert_layout(model_dir: str | Path) -> str | None:
-    """FUSED or PER_EXPERT: how the routed experts of the safetensors checkpoint in `model_dir` are stored, from
-    its tensor names; None when it holds no expert tensor (a dense model, or no safetensors at all)."""
+    """FUSED or PER_EXPERT: how the routed experts of the safetensors checkpoint in `model_dir` are stored,
+    from its tensor names; None when it holds no expert tensor (a dense model, or no safetensors at all)."""
     fused = per_expert = False
     for name in checkpoint_tensor_names(model_dir):
         fused = fused or fused_expert_name(name) is not None
         per_expert = per_expert or per_expert_name(name) is not None
     if fused and per_expert:
-        raise ValueError(f"{model_dir}: the checkpoint holds both fused ('...mlp.experts.gate_up_proj') and "
-                         "per-expert ('...mlp.experts.<e>.gate_proj.weight') expert tensors; expected one layout")
+        raise ValueError(
+            f"{model_dir}: the checkpoint holds both fused ('...mlp.experts.gate_up_proj') and "
+            "per-expert ('...mlp.experts.<e>.gate_proj.weight') expert tensors; expected one layout")
     return FUSED if fused else PER_EXPERT if per_expert else None

@@ -18,9 +18,9 @@ The choices, before the code:
   each "efsdp" rank gets at least one expert of the local ones, else their dim 1.
 - **Gradients.** The all-to-all's backward is the reverse exchange (`_AllToAll`: an autograd Function around
   `dist.all_to_all_single`, as torchtitan's; torch's functional all_to_all_single_autograd grew memory step on
-  step under activation checkpointing there), so rank i's expert gradients sum the contributions of every token
-  of its "ep" group routed to them; FSDP2 then sums them over "efsdp". Together: the sum over every rank's
-  tokens, as for every other parameter (flashdapo sums, never averages).
+  step under activation checkpointing there), so rank i's expert gradients sum the contributions of every
+  token of its "ep" group routed to them; FSDP2 then sums them over "efsdp". Together: the sum over every
+  rank's tokens, as for every other parameter (flashdapo sums, never averages).
 - **Collectives in step.** Every rank of an "ep" group must run each MoE layer as often as the others: the
   same rule FSDP2's all-gathers already impose (the update's and the torch engine's padding micro-batches and
   one-token steps). A rank whose experts receive no token still runs them on zero rows, so its expert
@@ -70,22 +70,25 @@ def check_expert_parallel(experts: list[nn.Module], expert_parallel: int) -> Non
                                       f"num_experts {module.num_experts}")
         if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True) or \
                 not getattr(module, "has_gate", True):
-            raise ExpertParallelError(f"trainer.expert_parallel={expert_parallel}: {type(module).__name__} stores "
-                                      "its experts transposed, interleaved or without a gate, which expert "
-                                      "parallelism does not handle (gate_up_proj [E, 2I, H] then down_proj "
-                                      "[E, H, I]); use 1")
+            raise ExpertParallelError(
+                f"trainer.expert_parallel={expert_parallel}: {type(module).__name__} stores "
+                "its experts transposed, interleaved or without a gate, which expert "
+                "parallelism does not handle (gate_up_proj [E, 2I, H] then down_proj "
+                "[E, H, I]); use 1")
         extra = sorted(n for n, _ in module.named_parameters() if n not in EXPERT_PARAMETERS)
         if extra:
-            raise ExpertParallelError(f"trainer.expert_parallel={expert_parallel}: {type(module).__name__} has "
-                                      f"parameters beyond {'/'.join(EXPERT_PARAMETERS)} ({', '.join(extra)}), "
-                                      "which expert parallelism does not shard; use 1")
+            raise ExpertParallelError(
+                f"trainer.expert_parallel={expert_parallel}: {type(module).__name__} has "
+                f"parameters beyond {'/'.join(EXPERT_PARAMETERS)} ({', '.join(extra)}), "
+                "which expert parallelism does not shard; use 1")
 
 
 def parallelize_experts(model: nn.Module, env: DistEnv, expert_parallel: int, **fsdp_options) -> None:
     """Expert parallelism over `env`'s ranks (E = `expert_parallel`): each experts module of `model` keeps its
     ranks' experts and becomes an FSDP2 unit over the ranks holding the same ones (`fsdp_options`: those of
     `fully_shard`). Call before the decoder blocks' `fully_shard`. E = 1: checks only (a dense model is fine).
-    Split placement's rollout side trains nothing: its experts stay whole (E = 1), as its sequence parallelism."""
+    Split placement's rollout side trains nothing: its experts stay whole (E = 1), as its sequence
+    parallelism."""
     if env.role == "rollout":
         expert_parallel = 1
     experts = expert_modules(model)
@@ -99,8 +102,8 @@ def parallelize_experts(model: nn.Module, env: DistEnv, expert_parallel: int, **
         # torchtitan's rule: dim 0 holds num_experts / E experts; fewer than the "efsdp" ranks would leave
         # some ranks empty shards (padding), so the experts' dim 1 is sharded then.
         split_rows = replicas * expert_parallel > module.num_experts
-        fully_shard(module, mesh=mesh["efsdp"], shard_placement_fn=(lambda _p: Shard(1)) if split_rows else None,
-                    **fsdp_options)
+        fully_shard(module, mesh=mesh["efsdp"],
+                    shard_placement_fn=(lambda _p: Shard(1)) if split_rows else None, **fsdp_options)
 
 
 def shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -148,7 +151,8 @@ def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor, top_
     return combine(returned, top_k_weights, order, sent).to(hidden_states.dtype)
 
 
-def combine(returned: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor, sent: int) -> torch.Tensor:
+def combine(returned: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor,
+            sent: int) -> torch.Tensor:
     """[tokens, H] the sum over each token's k slots of weight x expert output, without atomics: `returned`
     holds the first `sent` pairs of `order` (the flattened [tokens * k] pairs sorted by expert), the rest
     (HF's "no expert") add nothing. The rows go back to pair order through the inverse permutation (a gather)
@@ -202,10 +206,10 @@ def clip_grad_norm_over_meshes(params: list[nn.Parameter], max_norm: float) -> f
 
 
 def _sharded_norm(grads: list[DTensor], mesh: DeviceMesh) -> torch.Tensor:
-    """The global 2-norm of DTensor gradients on a multi-dimensional mesh: each placement pattern's sum of local
-    squares, summed over the mesh dimensions it is sharded on (a replicated dimension holds copies: not summed).
-    torch's get_total_norm stacks per-tensor norms as partial DTensors and reduces them over both dimensions
-    at once, with a warning on every rank that it cannot merge the two all-reduces."""
+    """The global 2-norm of DTensor gradients on a multi-dimensional mesh: each placement pattern's sum of
+    local squares, summed over the mesh dimensions it is sharded on (a replicated dimension holds copies: not
+    summed). torch's get_total_norm stacks per-tensor norms as partial DTensors and reduces them over both
+    dimensions at once, with a warning on every rank that it cannot merge the two all-reduces."""
     squares: dict[tuple, torch.Tensor] = {}
     dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp32 at least; float64 stays float64
     for grad in grads:
@@ -216,7 +220,8 @@ def _sharded_norm(grads: list[DTensor], mesh: DeviceMesh) -> torch.Tensor:
     for placements, square in squares.items():  # the same order on every rank: parameters' order
         for dim, placement in enumerate(placements):
             if placement.is_partial():
-                raise ValueError(f"a gradient placed {placements} on the expert mesh: reduced gradients expected")
+                raise ValueError(
+                    f"a gradient placed {placements} on the expert mesh: reduced gradients expected")
             if not placement.is_replicate():  # Shard, or FSDP2's _StridedShard over an already-sharded dim
                 dist.all_reduce(square, group=mesh.get_group(dim))
         total = total + square
@@ -288,6 +293,8 @@ def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return out
 
 
-__all__ = ["EXPERT_PARAMETERS", "all_to_all_rows", "check_expert_parallel", "clip_grad_norm_over_meshes", "combine",
-           "expert_modules", "expert_parallel_forward", "full_tensor_by_dim", "local_experts", "parallelize_experts",
-           "shard_experts"]
+__all__ = [
+    "EXPERT_PARAMETERS", "all_to_all_rows", "check_expert_parallel", "clip_grad_norm_over_meshes", "combine",
+    "expert_modules", "expert_parallel_forward", "full_tensor_by_dim", "local_experts", "parallelize_experts",
+    "shard_experts"
+]

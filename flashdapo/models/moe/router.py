@@ -64,23 +64,24 @@ def router_logits_kwargs(config, record: bool = False) -> dict[str, bool]:
 
 
 def check_router_aux_coef(override: float | None, config) -> None:
-    """ConfigError for `model.router_aux_loss_coef` above 0 on a dense model (no router to balance) or on an MoE
-    family whose routers no load-balancing loss balances (DeepSeek-V3's bias-corrected sigmoid routers): run
-    before the launch (preflight.check_model_settings) and at start-up (models/parallelize.py)."""
+    """ConfigError for `model.router_aux_loss_coef` above 0 on a dense model (no router to balance) or on an
+    MoE family whose routers no load-balancing loss balances (DeepSeek-V3's bias-corrected sigmoid routers):
+    run before the launch (preflight.check_model_settings) and at start-up (models/parallelize.py)."""
     family = family_entry(config)
     if override and family is not None and family.routers is None:
         raise ConfigError(f"model.router_aux_loss_coef={override}: {family.model_type} is a dense model (no "
                           "mixture-of-experts router to balance); leave it unset or 0")
     if override and family is not None and family.routers is not None and not family.router_loss:
-        raise ConfigError(f"model.router_aux_loss_coef={override}: {family.model_type}'s routers are not balanced by "
-                          f"a load-balancing loss (transformers has none for them); leave it unset or 0")
+        raise ConfigError(
+            f"model.router_aux_loss_coef={override}: {family.model_type}'s routers are not balanced by "
+            f"a load-balancing loss (transformers has none for them); leave it unset or 0")
 
 
 def router_aux_coef(override: float | None, config) -> float:
     """The load-balancing loss coefficient of a run: `model.router_aux_loss_coef` when set (0: off), else the
     model config's `router_aux_loss_coef` where its `output_router_logits` switch is on, else 0 (what a
-    transformers ...ForCausalLM adds to its own training loss). Always 0 for a dense model; a ConfigError for a
-    coefficient above 0 on a family whose routers no such loss balances (DeepSeek-V3)."""
+    transformers ...ForCausalLM adds to its own training loss). Always 0 for a dense model; a ConfigError for
+    a coefficient above 0 on a family whose routers no such loss balances (DeepSeek-V3)."""
     check_router_aux_coef(override, config)
     if not is_moe(config) or not family_entry(config).router_loss:
         return 0.0
@@ -91,4 +92,7 @@ def router_aux_coef(override: float | None, config) -> float:
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-__all__ = ["RouterLogits", "check_router_aux_coef", "is_moe", "loss_routers", "router_aux_coef", "router_logits_kwargs", "routers"]
+__all__ = [
+    "RouterLogits", "check_router_aux_coef", "is_moe", "loss_routers", "router_aux_coef",
+    "router_logits_kwargs", "routers"
+]

@@ -101,7 +101,8 @@ class RoundsCollector:
 
 @dataclass
 class StreamingCollector:
-    """Co-located streaming dynamic sampling (streaming.py): `state` carries work across steps and checkpoints."""
+    """Co-located streaming dynamic sampling (streaming.py): `state` carries work across steps and
+    checkpoints."""
 
     sampling: Sampling
     state: StreamState = field(default_factory=StreamState)
@@ -117,8 +118,9 @@ class StreamingCollector:
         with timer("weight_sync"):
             s.weights.wake(s.engine)
         # The policy version sampling this step is the step itself: tokens' lags count from it.
-        collected, self.stats = stream_groups(step, self.state, s.sampler, s.engine, s.tokenizer, s.reward(), s.cfg,
-                                              s.env, timer, version=step, keep_generated=keep_generated)
+        collected, self.stats = stream_groups(step, self.state, s.sampler, s.engine, s.tokenizer, s.reward(),
+                                              s.cfg, s.env, timer, version=step,
+                                              keep_generated=keep_generated)
         s.engine.sleep()
         return collected
 

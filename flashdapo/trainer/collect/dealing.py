@@ -34,7 +34,8 @@ def deal_kept(kept_per_round: list[list[Group]], cfg: Config, env: DistEnv, with
     every global mini-batch (the ranks of a sequence-parallel group share a slot: the same responses).
     `with_leftover`: also this rank's own kept groups that did not make the cut, in order."""
     everyone = all_gather_objects(kept_per_round) if env.world_size > 1 else [kept_per_round]
-    ordered = sorted((g for rank_rounds in everyone for rnd in rank_rounds for g in rnd), key=lambda g: g.origin)
+    ordered = sorted((g for rank_rounds in everyone for rnd in rank_rounds for g in rnd),
+                     key=lambda g: g.origin)
     usable = min(len(ordered), cfg.trainer.train_batch) // env.dp_size * env.dp_size
     dealt = deal_to_slots(ordered[:usable], cfg.trainer.mini_batch, env.dp_size, env.dp_rank,
                           cfg.algorithm.advantage_eps)

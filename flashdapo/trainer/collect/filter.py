@@ -51,9 +51,10 @@ def check_shortfall(step: int, found: int, search: str, cfg: Config, env: DistEn
                                    "algorithm.max_gen_batches, or set algorithm.on_max_gen_batches=continue")
     if env.is_main:
         usable = min(found, tc.train_batch) // env.dp_size * env.dp_size
-        warnings.warn(message + f"; training on what was found (on_max_gen_batches=continue): {usable} groups "
-                      f"in {-(-usable // tc.mini_batch)} mini-batches of up to {tc.mini_batch} (instead of "
-                      f"{tc.train_batch // tc.mini_batch})", stacklevel=3)
+        warnings.warn(
+            message + f"; training on what was found (on_max_gen_batches=continue): {usable} groups "
+            f"in {-(-usable // tc.mini_batch)} mini-batches of up to {tc.mini_batch} (instead of "
+            f"{tc.train_batch // tc.mini_batch})", stacklevel=3)
 
 
 UNBOUNDED_WARN_EVERY = 20
@@ -70,15 +71,17 @@ def report_round(step: int, rounds: int, kept: int, cfg: Config, elapsed_s: floa
     so a search that cannot end is visible."""
     tc = cfg.trainer
     if cfg.logging.progress and elapsed_s >= ROUND_LINE_AFTER_S:
-        print(f"flashdapo: step {step}: generation round {rounds + 1}: {kept} of {tc.train_batch} informative "
-              "groups kept so far", flush=True)
+        print(
+            f"flashdapo: step {step}: generation round {rounds + 1}: {kept} of {tc.train_batch} informative "
+            "groups kept so far", flush=True)
     if cfg.algorithm.max_gen_batches <= 0 and rounds % UNBOUNDED_WARN_EVERY == 0:
         rate = kept / (rounds * tc.gen_batch)
         outlook = (f"about {-(-(tc.train_batch - kept) * rounds // kept)} more rounds at this rate" if kept
                    else "it may never end")
-        warnings.warn(f"step {step}: {rounds} generation rounds kept {kept} of {rounds * tc.gen_batch} groups "
-                      f"({rate:.1%}); train_batch needs {tc.train_batch}: {outlook}. algorithm.max_gen_batches=0 is "
-                      "unbounded: set it to a bound to stop or continue at that bound", stacklevel=3)
+        warnings.warn(
+            f"step {step}: {rounds} generation rounds kept {kept} of {rounds * tc.gen_batch} groups "
+            f"({rate:.1%}); train_batch needs {tc.train_batch}: {outlook}. algorithm.max_gen_batches=0 is "
+            "unbounded: set it to a bound to stop or continue at that bound", stacklevel=3)
 
 
 __all__ = ["DynamicSamplingError", "check_shortfall", "is_informative", "report_round", "unanimous"]

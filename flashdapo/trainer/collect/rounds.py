@@ -6,8 +6,8 @@ keeps its informative groups (their `algorithm.filter_metric` values not all equ
 counts are summed over ranks; rounds repeat until `train_batch` groups are kept in total (bounded by
 `max_gen_batches`). The kept groups are then ordered (round, rank, position), truncated to exactly
 `train_batch`, cut into global mini-batches as one rank would, and each mini-batch's responses dealt to the
-data-parallel slots balanced by tokens (`dealing.py`): the optimizer steps are those one rank would take. Without dynamic sampling every generated group trains (the config
-requires gen_batch = train_batch).
+data-parallel slots balanced by tokens (`dealing.py`): the optimizer steps are those one rank would take.
+Without dynamic sampling every generated group trains (the config requires gen_batch = train_batch).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ ROUNDS_KEY, STREAM_KEY = 1, 2
 
 @dataclass
 class Collected:
-    """This rank's share of the step's kept groups, per mini-batch, and what the search cost (global figures)."""
+    """This rank's share of the step's kept groups, per mini-batch, and what the search cost (global
+    figures)."""
 
     mini_batches: list[list[Group]]
     """This rank's groups (or pieces of them) of each mini-batch, as `dealing.deal_to_slots` dealt them."""
@@ -49,9 +50,11 @@ class Collected:
     gen_truncated: float
     """Fraction of all generated responses that hit the max length."""
     groups_all_equal: int = 0
-    """Finished groups whose filter values were all equal (dynamic sampling drops them; counted without it too)."""
+    """Finished groups whose filter values were all equal (dynamic sampling drops them; counted without it
+    too)."""
     groups_all_correct: int = 0
-    """Finished groups of two or more responses all judged correct (counted with or without dynamic sampling)."""
+    """Finished groups of two or more responses all judged correct (counted with or without dynamic
+    sampling)."""
     groups_all_wrong: int = 0
     """Finished groups of two or more responses all judged wrong."""
     generated_samples: int = 0
@@ -81,8 +84,8 @@ class Collected:
 _GROUP_FIELDS = ("mini_batches", "generated")
 
 
-def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier: Verifier | RandomReward, cfg: Config,
-                 keys: Sequence[tuple[int, ...]] = ()) -> list[Group]:
+def score_groups(rollouts: Rollouts, prompts: list[Prompt], tokenizer, verifier: Verifier | RandomReward,
+                 cfg: Config, keys: Sequence[tuple[int, ...]] = ()) -> list[Group]:
     """Verify every response, add the overlong penalty, and bundle responses per prompt. A RandomReward
     `verifier` draws each response's verdict from its prompt's key in `keys` (one per prompt, naming it in
     the run) and its member index, not from its text."""
@@ -122,12 +125,14 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
                    carried: Sequence[Group] = (), deal=None) -> Collected:
     """Generate rounds until train_batch informative groups are kept (globally), then deal them out.
     `keep_generated` also returns every generated group (Collected.generated). Split placement
-    (trainer/split/rollout_side.py): `carried`, this rank's informative groups kept past the last batch's target, first
-    in line (round 0); no round runs when they already fill train_batch; `deal` replaces `deal_kept`."""
+    (trainer/split/rollout_side.py): `carried`, this rank's informative groups kept past the last batch's
+    target, first in line (round 0); no round runs when they already fill train_batch; `deal` replaces
+    `deal_kept`."""
     tc, algo = cfg.trainer, cfg.algorithm
     kept_per_round: list[list[Group]] = [list(carried)] if carried else []
     generated: list[tuple[Group, bool]] = []
-    # Every rank of split placement's rollout side passes `deal` (and its carried groups, maybe none) together.
+    # Every rank of split placement's rollout side passes `deal` (and its carried groups, maybe none)
+    # together.
     total_kept = int(all_reduce(torch.tensor([len(carried)])).item()) if deal is not None else 0
     carried_total = total_kept
     rounds = all_equal = 0
@@ -146,8 +151,12 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
             keys = [(ROUNDS_KEY, step, rounds, env.rank, i) for i in range(len(prompts))]
             groups = score_groups(rollouts, prompts, tokenizer, verifier, cfg, keys)
         for g in groups:
-            gen_sums += torch.tensor([g.acc.sum().item(), g.scores.sum().item(), g.truncated.sum().item(), g.size,
-                                      sum(len(r) for r in g.responses)], dtype=torch.float64)
+            gen_sums += torch.tensor([
+                g.acc.sum().item(),
+                g.scores.sum().item(),
+                g.truncated.sum().item(), g.size,
+                sum(len(r) for r in g.responses)
+            ], dtype=torch.float64)
         for i, g in enumerate(groups):
             g.origin = (rounds, env.rank, i)
         informative = [g for g in groups if is_informative(g, algo.filter_metric)]
@@ -162,7 +171,8 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         if total_kept >= tc.train_batch or not algo.dynamic_sampling:
             break
         if 0 < algo.max_gen_batches <= rounds:
-            check_shortfall(step, total_kept, f"{rounds} generation rounds ({rounds * tc.gen_batch} prompts)", cfg, env)
+            check_shortfall(step, total_kept, f"{rounds} generation rounds ({rounds * tc.gen_batch} prompts)",
+                            cfg, env)
             break
         if env.is_main:
             report_round(step, rounds, total_kept, cfg, time.perf_counter() - started)
@@ -185,5 +195,3 @@ def collect_groups(step: int, sampler: PromptSampler, engine: RolloutEngine, tok
         generated_tokens=int(totals[4].item()),
         generated=generated,
     )
-
-

@@ -103,11 +103,17 @@ class StreamState:
 
     def to_plain(self) -> dict[str, Any]:
         """Plain containers (tensors, lists, dicts) for torch.save(weights_only)."""
-        return {"pending": {k: {"prompt": _prompt_plain(g.prompt), "origin": list(g.origin),
-                                "responses": [vars(r).copy() for r in g.responses]} for k, g in self.pending.items()},
-                "ready": [g.to_plain() for g in self.ready],
-                "queue": [[list(origin), _prompt_plain(p)] for origin, p in self.queue],
-                "next_key": self.next_key, "pulls": self.pulls}
+        return {
+            "pending": {
+                k: {
+                    "prompt": _prompt_plain(g.prompt), "origin": list(g.origin),
+                    "responses": [vars(r).copy() for r in g.responses]
+                }
+                for k, g in self.pending.items()
+            }, "ready": [g.to_plain() for g in self.ready],
+            "queue": [[list(origin), _prompt_plain(p)] for origin, p in self.queue],
+            "next_key": self.next_key, "pulls": self.pulls
+        }
 
     @classmethod
     def from_plain(cls, data: dict[str, Any]) -> StreamState:
@@ -119,18 +125,23 @@ class StreamState:
 
 
 def dropped_streams_line(states: list[dict[str, Any] | None]) -> str | None:
-    """The one line of a resume with rollout.streaming off from a checkpoint whose streams (`StreamState.to_plain`
-    of every rank; None for a rank that saved none) hold work: how many pending and ready groups (and queued
-    prompts) are dropped, and why. None when they hold nothing."""
+    """The one line of a resume with rollout.streaming off from a checkpoint whose streams
+    (`StreamState.to_plain` of every rank; None for a rank that saved none) hold work: how many pending and
+    ready groups (and queued prompts) are dropped, and why. None when they hold nothing."""
     found = [s for s in states if s is not None]
-    pending, ready, queued = (sum(len(s.get(part) or ()) for s in found) for part in ("pending", "ready", "queue"))
+    pending, ready, queued = (sum(len(s.get(part) or ()) for s in found)
+                              for part in ("pending", "ready", "queue"))
     if not (pending or ready or queued):
         return None
     queue = f", {_count(queued, 'queued prompt')}" if queued else ""
-    return (f"rollout.streaming is off (checkpoint.allow_changes): the checkpoint's streams are dropped, not trained: "
-            f"{_count(pending, 'pending group')}{' (their responses sampled so far)' if pending else ''}, "
-            f"{_count(ready, 'ready group')}"
-            f"{queue} (a rounds collector keeps no work between steps; their prompts are not drawn again this epoch)")
+    return (
+        "rollout.streaming is off (checkpoint.allow_changes): the checkpoint's streams are dropped, not "
+        "trained: "
+        f"{_count(pending, 'pending group')}{' (their responses sampled so far)' if pending else ''}, "
+        f"{_count(ready, 'ready group')}"
+        f"{queue} (a rounds collector keeps no work between steps; their prompts are not drawn again this "
+        "epoch)"
+    )
 
 
 def _count(n: int, what: str) -> str:
@@ -164,8 +175,8 @@ class StreamStats:
     that kept a group in that engine step (the others did not record its time: `_Window`)."""
 
 
-def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine, tokenizer, verifier: Verifier,
-                  cfg: Config, env: DistEnv, timer: StageTimer, version: int,
+def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine, tokenizer,
+                  verifier: Verifier, cfg: Config, env: DistEnv, timer: StageTimer, version: int,
                   deal=deal_kept, keep_generated: bool = False) -> tuple[Collected, StreamStats]:
     """Stream until train_batch informative groups are kept (globally), then deal them out; `state` carries
     what is left into the next step. `version`: the policy version sampling this step. `deal`: split
@@ -182,8 +193,8 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     with timer("gen"):
         engine.open_stream(sampling)
         engine.submit(_resubmissions(state, version, cfg, stats, env.rank, step))
-    pulls, met = _until_enough(step, state, sampler, engine, kept, generated, gen_sums, stats, tokenizer, verifier,
-                               cfg, env, timer, version)
+    pulls, met = _until_enough(step, state, sampler, engine, kept, generated, gen_sums, stats, tokenizer,
+                               verifier, cfg, env, timer, version)
     with timer("gen"):
         _carry(state, engine.abort(), cfg, stats, version)
     if met is not None:
@@ -197,14 +208,15 @@ def stream_groups(step: int, state: StreamState, sampler: PromptSampler, engine,
     _reduce(stats)
     totals = all_reduce(gen_sums)
     count = max(totals[3].item(), 1.0)
-    collected = Collected(mini_batches=mini_batches, num_gen_batches=pulls, groups_generated=stats.finished_groups,
-                          groups_informative=stats.finished_groups - stats.all_equal_groups
-                          if cfg.algorithm.dynamic_sampling else stats.finished_groups,
-                          gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
-                          gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups,
-                          groups_all_correct=stats.all_correct_groups, groups_all_wrong=stats.all_wrong_groups,
-                          generated_samples=int(totals[3].item()), generated_tokens=stats.generated_tokens,
-                          generated=generated if keep_generated else [])
+    collected = Collected(
+        mini_batches=mini_batches, num_gen_batches=pulls, groups_generated=stats.finished_groups,
+        groups_informative=stats.finished_groups -
+        stats.all_equal_groups if cfg.algorithm.dynamic_sampling else stats.finished_groups,
+        gen_acc=totals[0].item() / count, gen_score=totals[1].item() / count,
+        gen_truncated=totals[2].item() / count, groups_all_equal=stats.all_equal_groups,
+        groups_all_correct=stats.all_correct_groups, groups_all_wrong=stats.all_wrong_groups,
+        generated_samples=int(totals[3].item()), generated_tokens=stats.generated_tokens,
+        generated=generated if keep_generated else [])
     return collected, stats
 
 
@@ -229,20 +241,29 @@ def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine,
             if due or window.steps >= every:  # agree: the first time, after a pull, then every `every` steps
                 due = False
                 need_pull = more and not state.queue and len(state.pending) < per_rank
-                totals = all_reduce(torch.tensor([len(kept), engine.pending(), int(need_pull), len(state.pending),
-                                                  int(submitted)]))
+                totals = all_reduce(
+                    torch.tensor(
+                        [len(kept),
+                         engine.pending(),
+                         int(need_pull),
+                         len(state.pending),
+                         int(submitted)]))
                 if int(totals[0]) >= target:
                     return pulls, window.met(target)
                 window = _Window(_clock(), len(kept))
-                if int(totals[2]) and (cfg.algorithm.max_gen_batches <= 0 or pulls < cfg.algorithm.max_gen_batches):
-                    if pulls and env.is_main:  # a progress line on long steps; a warning every 20 unbounded pulls
+                if int(totals[2]) and (cfg.algorithm.max_gen_batches <= 0 or
+                                       pulls < cfg.algorithm.max_gen_batches):
+                    # a progress line on long steps; a warning every 20 unbounded pulls
+                    if pulls and env.is_main:
                         report_round(step, pulls, int(totals[0]), cfg, time.perf_counter() - started)
                     state.pulls += 1  # some rank is out of prompts: every rank pulls the next batch
-                    state.queue += [((state.pulls, env.rank, i), p) for i, p in enumerate(sampler.next_batch())]
+                    state.queue += [((state.pulls, env.rank, i), p)
+                                    for i, p in enumerate(sampler.next_batch())]
                     pulls += 1
                     due = True  # agree again before the next engine step
                     continue
-                if int(totals[1]) == 0 and not int(totals[4]):  # nothing in flight anywhere, nothing submitted
+                # nothing in flight anywhere, nothing submitted
+                if int(totals[1]) == 0 and not int(totals[4]):
                     return pulls, None
             stats.ticks += 1
             finished = engine.step()
@@ -264,9 +285,9 @@ def _until_enough(step: int, state: StreamState, sampler: PromptSampler, engine,
 
 @dataclass
 class _Window:
-    """The engine steps since the ranks' last agreement, in memory that does not grow with rollout.agree_every:
-    the kept count and clock at the agreement, and (step, kept count, clock) after each engine step that kept
-    a group (at most one entry per group kept in the window)."""
+    """The engine steps since the ranks' last agreement, in memory that does not grow with
+    rollout.agree_every: the kept count and clock at the agreement, and (step, kept count, clock) after each
+    engine step that kept a group (at most one entry per group kept in the window)."""
 
     clock: float
     kept: int
@@ -281,8 +302,8 @@ class _Window:
 
     def met(self, target: int) -> tuple[int, float | None]:
         """The target of kept groups (over all ranks) was met within the window: (engine steps run since the
-        first step after which it was, this rank's clock at that step's end, None if this rank kept no group in
-        it). Every rank calls this together: the ranks' rises are gathered (one collective)."""
+        first step after which it was, this rank's clock at that step's end, None if this rank kept no group
+        in it). Every rank calls this together: the ranks' rises are gathered (one collective)."""
         everyone = all_gather_objects((self.kept, [(s, k) for s, k, _ in self.rises]))
         first = first_step_reaching(target, everyone)
         if first == 0:
@@ -321,9 +342,11 @@ def _reduce(stats: StreamStats) -> None:
     summed = all_reduce(torch.tensor([stats.finished_groups, stats.all_equal_groups, stats.all_correct_groups,
                                       stats.all_wrong_groups, stats.carried, stats.restarted, stats.dropped,
                                       stats.generated_tokens]))
-    (stats.finished_groups, stats.all_equal_groups, stats.all_correct_groups, stats.all_wrong_groups, stats.carried,
-     stats.restarted, stats.dropped, stats.generated_tokens) = (int(v) for v in summed.tolist())
-    peaks = all_reduce(torch.tensor([stats.carried_age_max, stats.wait_after_target_s], dtype=torch.float64), "max")
+    (stats.finished_groups, stats.all_equal_groups, stats.all_correct_groups, stats.all_wrong_groups,
+     stats.carried, stats.restarted, stats.dropped, stats.generated_tokens) = (int(v)
+                                                                               for v in summed.tolist())
+    peaks = all_reduce(torch.tensor([stats.carried_age_max, stats.wait_after_target_s], dtype=torch.float64),
+                       "max")
     stats.carried_age_max, stats.wait_after_target_s = int(peaks[0].item()), peaks[1].item()
 
 
@@ -352,9 +375,10 @@ def _top_up(state: StreamState, engine, per_rank: int, cfg: Config, rank: int, s
         origin, prompt = state.queue.pop(0)
         key = state.next_key
         state.next_key += 1
-        state.pending[key] = PendingGroup(prompt, [Response(torch.zeros(0, dtype=torch.long), torch.zeros(0),
-                                                            torch.zeros(0, dtype=torch.long)) for _ in range(n)],
-                                          origin)
+        state.pending[key] = PendingGroup(prompt, [
+            Response(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0, dtype=torch.long))
+            for _ in range(n)
+        ], origin)
         requests += [Request(_key(key, m, n), tuple(prompt.ids), (), limit,
                              derive_seed(cfg.trainer.seed, step, rank, key, m)) for m in range(n)]
         submitted += 1
@@ -374,7 +398,8 @@ def _resubmissions(state: StreamState, version: int, cfg: Config, stats: StreamS
             age = version - int(r.versions.min()) if len(r.versions) else 0
             if age > cfg.rollout.max_carry_steps:
                 stats.restarted += 1
-                r.tokens, r.logprobs, r.versions, r.routes = r.tokens[:0], r.logprobs[:0], r.versions[:0], None
+                r.tokens, r.logprobs, r.versions, r.routes = r.tokens[:0], r.logprobs[:0], r.versions[:
+                                                                                                      0], None
             stats.carried_age_max = max(stats.carried_age_max, age if len(r.tokens) else 0)
             out.append(Request(_key(key, m, n), tuple(group.prompt.ids), tuple(r.tokens.tolist()),
                                limit - len(r.tokens), derive_seed(cfg.trainer.seed, step, rank, key, m)))
@@ -395,8 +420,10 @@ def _finish(state: StreamState, completions: list[Completion], version: int, tok
             continue
         del state.pending[key]
         scored = _score(group, tokenizer, verifier, cfg)
-        gen_sums += torch.tensor([scored.acc.sum().item(), scored.scores.sum().item(), scored.truncated.sum().item(),
-                                  scored.size], dtype=torch.float64)
+        gen_sums += torch.tensor(
+            [scored.acc.sum().item(),
+             scored.scores.sum().item(),
+             scored.truncated.sum().item(), scored.size], dtype=torch.float64)
         done.append(scored)
     return done
 
@@ -404,7 +431,8 @@ def _finish(state: StreamState, completions: list[Completion], version: int, tok
 def _extend(response: Response, c: Completion, version: int) -> None:
     response.tokens = torch.cat([response.tokens, c.tokens])
     response.logprobs = torch.cat([response.logprobs, c.logprobs.float()])
-    response.versions = torch.cat([response.versions, torch.full((len(c.tokens),), version, dtype=torch.long)])
+    response.versions = torch.cat(
+        [response.versions, torch.full((len(c.tokens), ), version, dtype=torch.long)])
     response.finished, response.truncated = c.finished, c.truncated
     if c.routes is not None:  # covers the whole sequence so far (a carried prefix re-prefilled included)
         response.routes = c.routes
@@ -419,13 +447,15 @@ def _score(group: PendingGroup, tokenizer, verifier: Verifier, cfg: Config) -> G
                         routes=[r.routes for r in group.responses] if all(r.routes is not None for r in
                                                                           group.responses) else None)
     # origin = (pull, rank, position): the pull count runs on over steps (and resumes), so it names the group.
-    scored = score_groups(rollouts, [group.prompt], tokenizer, verifier, cfg, [(STREAM_KEY, *group.origin)])[0]
+    scored = score_groups(rollouts, [group.prompt], tokenizer, verifier, cfg,
+                          [(STREAM_KEY, *group.origin)])[0]
     scored.versions = [r.versions for r in group.responses]
     scored.origin = group.origin
     return scored
 
 
-def _carry(state: StreamState, aborted: list[Completion], cfg: Config, stats: StreamStats, version: int) -> None:
+def _carry(state: StreamState, aborted: list[Completion], cfg: Config, stats: StreamStats,
+           version: int) -> None:
     """Keep what the aborted requests sampled (partial rollouts), or drop their groups."""
     n = cfg.rollout.n
     for c in aborted:
@@ -457,22 +487,25 @@ def stream_metrics(stats: StreamStats, batch, step: int, env: DistEnv) -> dict[s
     sums = all_reduce(torch.tensor([flat.numel() * speaks, flat.sum().item() * speaks], dtype=torch.float64))
     peak = int(all_reduce(torch.tensor([int(flat.max()) if flat.numel() else 0]), "max").item())
     trained = sums[0].item()
-    return {**per_lag_metrics(batch, flat, speaks), "stream/ticks": float(stats.ticks),
-            "stream/generated_tokens": float(stats.generated_tokens), "stream/trained_tokens": trained,
-            "stream/generated_per_trained": stats.generated_tokens / max(trained, 1.0),
-            "stream/carried": float(stats.carried), "stream/restarted": float(stats.restarted),
-            "stream/dropped_groups": float(stats.dropped), "stream/carried_age_max": float(stats.carried_age_max),
-            "stream/lag_mean": sums[1].item() / max(trained, 1.0), "stream/lag_max": float(peak),
-            "stream/ticks_after_target": float(stats.ticks_after_target),
-            "timing_s/wait_after_target": stats.wait_after_target_s,
-            "stream/all_equal_fraction": stats.all_equal_groups / max(stats.finished_groups, 1)}
+    return {
+        **per_lag_metrics(batch, flat, speaks), "stream/ticks": float(stats.ticks),
+        "stream/generated_tokens": float(stats.generated_tokens), "stream/trained_tokens": trained,
+        "stream/generated_per_trained": stats.generated_tokens / max(trained, 1.0),
+        "stream/carried": float(stats.carried), "stream/restarted": float(stats.restarted),
+        "stream/dropped_groups": float(stats.dropped), "stream/carried_age_max": float(stats.carried_age_max),
+        "stream/lag_mean": sums[1].item() / max(trained, 1.0), "stream/lag_max": float(peak),
+        "stream/ticks_after_target": float(stats.ticks_after_target),
+        "timing_s/wait_after_target": stats.wait_after_target_s,
+        "stream/all_equal_fraction": stats.all_equal_groups / max(stats.finished_groups, 1)
+    }
 
 
 def per_lag_metrics(batch, lags: torch.Tensor, speaks: float) -> dict[str, float]:
     """The rollout correction's mean weight and the engine/trainer k3 KL over trained tokens sampled by this
     step's weights (lag 0) and by older ones (lag >= 1); empty without pi_old or engine log-probs."""
     sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
-    if batch.old_logprobs is None or len(sampled) != len(batch.responses) or len(lags) != sum(map(len, sampled)):
+    if batch.old_logprobs is None or len(sampled) != len(batch.responses) or len(lags) != sum(
+            map(len, sampled)):
         return {}
     def cat(parts: list[torch.Tensor]) -> torch.Tensor:  # a rank may hold no response (a short batch)
         return torch.cat(parts) if parts else torch.zeros(0)

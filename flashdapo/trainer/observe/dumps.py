@@ -64,7 +64,8 @@ def dump_train_rollouts(run_dir: Path, step: int, generated: list[tuple[Group, b
     trained: dict[tuple[int, int, int], dict[int, float]] = {}  # origin -> {response in the group: advantage}
     start = 0
     for g in batch.groups:  # a group's responses may train on several slots: each holds some of them
-        trained.setdefault(g.origin, {}).update(zip(g.member_indices, batch.advantages[start:start + g.size].tolist()))
+        trained.setdefault(g.origin,
+                           {}).update(zip(g.member_indices, batch.advantages[start:start + g.size].tolist()))
         start += g.size
     rows = [{"step": step, "round": g.origin[0], "rank": g.origin[1], "index": g.origin[2],
              "kept": kept,
@@ -80,7 +81,8 @@ def dump_train_rollouts(run_dir: Path, step: int, generated: list[tuple[Group, b
         for origin, by_member in part.items():
             merged.setdefault(origin, {}).update(by_member)
     advantages = {origin: [by_member[m] for m in sorted(by_member)] for origin, by_member in merged.items()}
-    out = sorted((row for part, _ in everyone for row in part), key=lambda r: (r["round"], r["rank"], r["index"]))
+    out = sorted((row for part, _ in everyone for row in part), key=lambda r:
+                 (r["round"], r["rank"], r["index"]))
     for row in out:
         adv = advantages.get((row["round"], row["rank"], row["index"]))
         row["status"] = "trained" if adv is not None else past_target if row.pop("kept") else "filtered"

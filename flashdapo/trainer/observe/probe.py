@@ -50,15 +50,18 @@ def build_probe_set(prompts: Sequence[Prompt], tokenizer, size: int) -> ProbeSet
         if tuple(prompt.ids) not in seen:
             seen.add(tuple(prompt.ids))
             chosen.append(prompt)
-    responses = [tokenizer.encode(PROBE_RESPONSE.format(answer=p.ground_truth), add_special_tokens=False) + [eos]
-                 for p in chosen]
+    responses = [
+        tokenizer.encode(PROBE_RESPONSE.format(answer=p.ground_truth), add_special_tokens=False) + [eos]
+        for p in chosen
+    ]
     return ProbeSet(prompts=tuple(torch.tensor(p.ids, dtype=torch.long) for p in chosen),
                     responses=tuple(torch.tensor(r, dtype=torch.long) for r in responses))
 
 
 def probe_due(every: int, step: int) -> bool:
     """Whether step `step` (0: before training) is probed: every `every` steps (0: never). Not at a run's last
-    step as such: a run stopped early and resumed then logs the same steps as one that ran straight through."""
+    step as such: a run stopped early and resumed then logs the same steps as one that ran straight
+    through."""
     return every > 0 and step % every == 0
 
 

@@ -18,14 +18,38 @@ import torch
 from ...errors import FlashdapoError
 
 REQUIRED_KEYS = (
-    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
-    "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
-    "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
-    "prompt_length/mean", "prompt_length/max", "actor/pg_loss", "actor/entropy", "actor/pg_clipfrac",
-    "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/token_prob", "actor/skipped_steps",
-    "train/num_gen_batches", "train/kept_fraction",
-    "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
-    "timing_s/step", "perf/throughput", "perf/max_memory_allocated_gb",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/advantages/max",
+    "critic/advantages/min",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/min",
+    "response_length/clip_ratio",
+    "prompt_length/mean",
+    "prompt_length/max",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/lr",
+    "actor/token_prob",
+    "actor/skipped_steps",
+    "train/num_gen_batches",
+    "train/kept_fraction",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/throughput",
+    "perf/max_memory_allocated_gb",
 )
 
 
@@ -39,7 +63,9 @@ def describe(prefix: str, values: torch.Tensor) -> dict[str, float]:
     v = values.double()
     if v.numel() == 0:
         return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
-    return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
+    return {
+        f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()
+    }
 
 
 class MetricsError(FlashdapoError, ValueError):
@@ -58,12 +84,14 @@ def read_history(path: Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             if number == len(lines):
-                print(f"flashdapo: warning: {path}: dropping the torn last line {number} (a crash mid-write): "
-                      f"{line[:60]!r}", flush=True)
+                print(
+                    f"flashdapo: warning: {path}: dropping the torn last line {number} (a crash mid-write): "
+                    f"{line[:60]!r}", flush=True)
                 break
             raise MetricsError(f"{path}: line {number} is not JSON ({err.msg}); repair or remove it") from err
         if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
-            raise MetricsError(f"{path}: line {number} is not a metrics record with a step; repair or remove it")
+            raise MetricsError(
+                f"{path}: line {number} is not a metrics record with a step; repair or remove it")
         history.append(record)
     return history
 
@@ -91,7 +119,8 @@ class MetricsLogger:
             self._wandb = _start_wandb(wandb_run or WandbRun(wandb_project), run_dir, config_dict)
 
     def truncate_after(self, step: int) -> int:
-        """Forget steps after `step` (resume from a checkpoint taken at `step`); returns how many records went."""
+        """Forget steps after `step` (resume from a checkpoint taken at `step`); returns how many records
+        went."""
         if not self.enabled:
             return 0
         kept = [m for m in self.history if m["step"] <= step]
@@ -144,8 +173,10 @@ class MetricsLogger:
 
     def _failed(self, path: Path, err: BaseException) -> None:
         if path not in self._unwritten:
-            print(f"flashdapo: warning: cannot write {path} ({type(err).__name__}: {err}); training goes on, and "
-                  "the file is written again at its next update", flush=True)
+            print(
+                f"flashdapo: warning: cannot write {path} ({type(err).__name__}: {err}); training goes on, "
+                "and "
+                "the file is written again at its next update", flush=True)
         self._unwritten.add(path)
 
     def close(self) -> None:
@@ -187,7 +218,8 @@ def format_line(m: dict, total_steps: int) -> str:
 def _val_part(m: dict) -> str:
     """Pooled mean@k / pass@k / maj@k, then each data source's mean@k (every key is in metrics.jsonl)."""
     pooled = [f"val/acc/{name}@k" for name in ("mean", "pass", "maj")]
-    per_source = sorted(k for k in m if k.startswith("val/") and k.endswith("/acc/mean@k") and k not in pooled)
+    per_source = sorted(k for k in m
+                        if k.startswith("val/") and k.endswith("/acc/mean@k") and k not in pooled)
     return " ".join(f"{k[4:]} {m[k]:.3f}" for k in pooled + per_source if k in m)
 
 
@@ -222,9 +254,11 @@ def _start_wandb(settings: WandbRun, run_dir: Path, config_dict: dict):
     try:
         import wandb
     except ImportError as err:  # preflight.check_launch refuses this before the run starts
-        raise MetricsError("logging.wandb: true needs the wandb package (pip install wandb); or set it false") from err
-    return wandb.init(project=settings.project, entity=settings.entity or None, name=settings.name or run_dir.name,
-                      tags=list(settings.tags) or None, mode=settings.mode, dir=str(run_dir), config=config_dict)
+        raise MetricsError(
+            "logging.wandb: true needs the wandb package (pip install wandb); or set it false") from err
+    return wandb.init(project=settings.project, entity=settings.entity or None, name=settings.name or
+                      run_dir.name, tags=list(settings.tags) or None, mode=settings.mode, dir=str(run_dir),
+                      config=config_dict)
 
 
 PLOT_PANELS = (

@@ -46,7 +46,8 @@ def part_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_steps(cfg, start: int) -> list[int]:
-    """The trainer's checkpoint steps after `start` that are known in advance: every save_every, and the last."""
+    """The trainer's checkpoint steps after `start` that are known in advance: every save_every, and the
+    last."""
     total, every = cfg.trainer.total_steps, cfg.checkpoint.save_every
     return [c for c in range(start + 1, total + 1) if c == total or (every and c % every == 0)]
 
@@ -58,7 +59,8 @@ def parts_due(batch: int, cfg, start: int) -> list[int]:
 
 
 RUN_ID = "RUN_ID"
-"""A part's file naming the run that wrote it (the trainer's run id): a resume takes only its own run's parts."""
+"""A part's file naming the run that wrote it (the trainer's run id): a resume takes only its own run's
+parts."""
 
 
 def write_part(run_dir: Path, step: int, boundary: int, rank: int, state: dict[str, Any],
@@ -98,10 +100,11 @@ def _writing(final: Path, tmp: Path) -> Iterator[None]:
     except (OSError, RuntimeError) as err:
         reason = write_failure(err, tmp.parent)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot write {final} (the rollout side's part of the cut of step "
-                              f"{int(final.name.rsplit('_', 1)[1])}): {reason}. The trainer's checkpoints are intact; "
-                              "free disk space (or fix the error), then continue with --checkpoint.resume auto (it "
-                              "resumes from the newest checkpoint whose part is complete)") from err
+        raise CheckpointError(
+            f"cannot write {final} (the rollout side's part of the cut of step "
+            f"{int(final.name.rsplit('_', 1)[1])}): {reason}. The trainer's checkpoints are intact; "
+            "free disk space (or fix the error), then continue with --checkpoint.resume auto (it "
+            "resumes from the newest checkpoint whose part is complete)") from err
 
 
 def _prune(run_dir: Path) -> None:
@@ -111,8 +114,8 @@ def _prune(run_dir: Path) -> None:
 
 
 def cut_dir(checkpoint: Path) -> Path:
-    """The run dir whose parts complete `checkpoint` (RUN_DIR/checkpoints/step_XXXXXXXX): the checkpoint's own,
-    also when it is resumed into another run dir (--checkpoint.resume PATH)."""
+    """The run dir whose parts complete `checkpoint` (RUN_DIR/checkpoints/step_XXXXXXXX): the checkpoint's
+    own, also when it is resumed into another run dir (--checkpoint.resume PATH)."""
     return Path(checkpoint).parent.parent
 
 
@@ -126,9 +129,10 @@ def require_part(run_dir: Path, step: int, checkpoint: Path, run_id: str | None 
                               "missing: the rollout side had not reached its boundary when the run stopped")
     owner = (part / RUN_ID).read_text().strip() if (part / RUN_ID).is_file() else None
     if run_id and owner and owner != run_id:
-        raise CheckpointError(f"{checkpoint.name}: the rollout side's part of this cut ({part}) was written by run "
-                              f"{owner}, not by this checkpoint's run {run_id}: another run's files are in "
-                              f"{run_dir}; move {part.parent} aside (the resume then takes an older checkpoint)")
+        raise CheckpointError(
+            f"{checkpoint.name}: the rollout side's part of this cut ({part}) was written by run "
+            f"{owner}, not by this checkpoint's run {run_id}: another run's files are in "
+            f"{run_dir}; move {part.parent} aside (the resume then takes an older checkpoint)")
     read_boundary(run_dir, step)
     read_queue(run_dir, step)
     for file in sorted(part.glob("rank*.pt")):
@@ -146,39 +150,44 @@ def read_boundary(run_dir: Path, step: int) -> int:
 def _load(path: Path, what: str) -> Any:
     """torch.load(weights_only=True) of a part's file; CheckpointError naming it and why it does not load."""
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing ({what}); remove {path.parent} (the resume then takes an older "
-                              "checkpoint)")
+        raise CheckpointError(
+            f"{path}: missing ({what}); remove {path.parent} (the resume then takes an older "
+            "checkpoint)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a pickled object, a truncated zip, an I/O error
-        raise CheckpointError(f"{path} ({what}): {load_failure(err)}; remove {path.parent} (the resume then takes "
-                              "an older checkpoint)") from err
+        raise CheckpointError(
+            f"{path} ({what}): {load_failure(err)}; remove {path.parent} (the resume then takes "
+            "an older checkpoint)") from err
 
 
 def read_queue(run_dir: Path, step: int) -> list[bytes]:
-    """The packed batches queued at the cut of `step`, in order; each is unpacked once here, so a batch that does
-    not read back (a file flashdapo did not write) is refused at the resume, not when its step comes."""
+    """The packed batches queued at the cut of `step`, in order; each is unpacked once here, so a batch that
+    does not read back (a file flashdapo did not write) is refused at the resume, not when its step comes."""
     path = part_dir(run_dir, step) / "queue.pt"
     tensors = _load(path, "the queued batches")
     if not isinstance(tensors, list) or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise CheckpointError(f"{path}: not a file flashdapo wrote, or a corrupted one (expected a list of byte "
-                              f"tensors, got {type(tensors).__name__}); remove {path.parent} (the resume then takes "
-                              "an older checkpoint)")
+        raise CheckpointError(
+            f"{path}: not a file flashdapo wrote, or a corrupted one (expected a list of byte "
+            f"tensors, got {type(tensors).__name__}); remove {path.parent} (the resume then takes "
+            "an older checkpoint)")
     payloads = [t.numpy().tobytes() for t in tensors]
     for i, payload in enumerate(payloads):
         try:
             unpack(payload)
         except Exception as err:
-            raise CheckpointError(f"{path}: queued batch {step + 1 + i}: {load_failure(err)}; remove {path.parent} "
-                                  "(the resume then takes an older checkpoint)") from err
+            raise CheckpointError(
+                f"{path}: queued batch {step + 1 + i}: {load_failure(err)}; remove {path.parent} "
+                "(the resume then takes an older checkpoint)") from err
     return payloads
 
 
 def read_rank_state(run_dir: Path, step: int, rank: int) -> dict[str, Any]:
     path = part_dir(run_dir, step) / f"rank{rank}.pt"
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing (the state of rollout rank {rank}); was the run split over another "
-                              "number of rollout ranks?")
+        raise CheckpointError(
+            f"{path}: missing (the state of rollout rank {rank}); was the run split over another "
+            "number of rollout ranks?")
     return _load(path, "the rollout side's state")
 
 

@@ -59,7 +59,8 @@ class TrainerCut:
         self.slots = trainer_slots
         self.leftover: list[Group] = []
 
-    def __call__(self, kept_per_round: list[list[Group]], cfg: Config, env: DistEnv, with_leftover: bool = False):
+    def __call__(self, kept_per_round: list[list[Group]], cfg: Config, env: DistEnv,
+                 with_leftover: bool = False):
         everyone = all_gather_objects(kept_per_round)
         ordered = sorted((g for rounds in everyone for rnd in rounds for g in rnd), key=lambda g: g.origin)
         usable = min(len(ordered), cfg.trainer.train_batch) // self.slots * self.slots
@@ -78,13 +79,16 @@ def run_rollout_side(cfg: Config) -> None:
     failfast = FailFast.connect(env.global_rank, env.global_world_size, role=f"rollout rank {env.rank}",
                                 watch_peers=True)  # a dead trainer rank fails no collective here
     failfast.watch()
-    signal.signal(signal.SIGTERM, lambda signum, frame: failfast.end_if_lost() or _sigterm_notice(signum, frame))
+    signal.signal(signal.SIGTERM,
+                  lambda signum, frame: failfast.end_if_lost() or _sigterm_notice(signum, frame))
     me = env.bridges.layout.describe(env.global_rank)
-    live = Liveness(env.bridges.store, env.global_rank, stop_line=f"flashdapo: {me} stops with the trainer side")
+    live = Liveness(env.bridges.store, env.global_rank,
+                    stop_line=f"flashdapo: {me} stops with the trainer side")
     try:
         _generate_all(cfg, env)
     except BaseException as err:
-        live.stop_if_announced()  # an error right after the trainer side's stop (its closed sockets) is that stop
+        # an error right after the trainer side's stop (its closed sockets) is that stop
+        live.stop_if_announced()
         failfast.end(err)
         raise
     live.close()
@@ -92,14 +96,15 @@ def run_rollout_side(cfg: Config) -> None:
 
 
 def _sigterm_notice(signum, frame) -> None:
-    """SIGTERM on a rollout rank: one notice, and generation goes on. The rollout side writes no checkpoint of its
-    own (its parts are written at fixed boundaries): the run stops, with its checkpoint, when the trainer side is
-    signalled (a scheduler signals every rank), and this rank then ends with it. Once fail-fast is up, a SIGTERM
-    that follows another rank's failure or death (torchrun's, to the survivors) ends this rank first, in the line
-    naming that rank (FailFast.end_if_lost): the trainer side will not stop in order."""
-    line = (f"flashdapo: rank {os.environ.get('RANK', '?')} (a rollout rank) got {signal.Signals(signum).name}: "
-            "the rollout side saves nothing and stops when the trainer side does; signal the trainer ranks (or "
-            "Ctrl-C) to stop the run after its step, with a checkpoint\n")
+    """SIGTERM on a rollout rank: one notice, and generation goes on. The rollout side writes no checkpoint of
+    its own (its parts are written at fixed boundaries): the run stops, with its checkpoint, when the trainer
+    side is signalled (a scheduler signals every rank), and this rank then ends with it. Once fail-fast is up,
+    a SIGTERM that follows another rank's failure or death (torchrun's, to the survivors) ends this rank
+    first, in the line naming that rank (FailFast.end_if_lost): the trainer side will not stop in order."""
+    line = (
+        f"flashdapo: rank {os.environ.get('RANK', '?')} (a rollout rank) got {signal.Signals(signum).name}: "
+        "the rollout side saves nothing and stops when the trainer side does; signal the trainer ranks (or "
+        "Ctrl-C) to stop the run after its step, with a checkpoint\n")
     try:
         os.write(2, line.encode())
     except OSError:
@@ -125,7 +130,8 @@ class RolloutSide:
     def __post_init__(self) -> None:
         algo = self.cfg.algorithm
         self.verifier = training_reward(algo.verifier, algo.random_reward_p, self.cfg.trainer.seed)
-        self.check = PushCheck(self.policy, self.env.device, self.policy.config.vocab_size, tokenizer_size=len(self.tokenizer))
+        self.check = PushCheck(self.policy, self.env.device, self.policy.config.vocab_size,
+                               tokenizer_size=len(self.tokenizer))
         self.cut = TrainerCut(self.env.bridges.layout.trainers // self.cfg.trainer.sequence_parallel)
 
     def load(self, w: int) -> dict[str, float]:
@@ -140,7 +146,8 @@ class RolloutSide:
         return {"wait_weights_s": waited, "load_s": time.perf_counter() - began, "push_check_max": worst}
 
     def collect(self, b: int, w: int, timer: StageTimer) -> tuple[Collected, StreamStats | None, list[Group]]:
-        """Batch b with θ_w: the collector's result, its stream figures, the groups cut for the trainer side."""
+        """Batch b with θ_w: the collector's result, its stream figures, the groups cut for the trainer
+        side."""
         cfg, env, version = self.cfg, self.env, w + 1  # streaming's numbering: θ_w is version w + 1
         # vLLM loads θ_w from the policy copy (its own push check against that copy); the torch engine samples
         # from the copy itself.
@@ -178,7 +185,8 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
     stage.start()
     side = RolloutSide(cfg, env, tokenizer, sampler, policy, engine, stage)
     if plan["resume"]:
-        cut_from = Path(plan.get("cut_dir") or run_dir)  # the checkpoint's run dir (resume PATH into a new one)
+        # the checkpoint's run dir (resume PATH into a new one)
+        cut_from = Path(plan.get("cut_dir") or run_dir)
         side.stream, side.carried = _restore(read_rank_state(cut_from, start, env.rank), sampler, cfg)
         if env.rank == 0 and not cfg.rollout.streaming and (line := dropped_streams_line(
                 [read_rank_state(cut_from, start, r)["stream"] for r in range(env.world_size)])):
@@ -191,9 +199,11 @@ def _generate_all(cfg: Config, env: DistEnv) -> None:
         loading = side.load(w)
         timer = StageTimer(env.device)
         collected, stats, groups = side.collect(b, w, timer)
-        figures = {"gen_s": timer.seconds.get("gen", 0.0), "reward_s": timer.seconds.get("reward", 0.0), **loading,
-                   "busy_s": time.perf_counter() - began - loading["wait_weights_s"],
-                   "staged_max": float(stage.max_staged)}
+        figures = {
+            "gen_s": timer.seconds.get("gen", 0.0), "reward_s": timer.seconds.get("reward", 0.0),
+            **loading, "busy_s": time.perf_counter() - began - loading["wait_weights_s"],
+            "staged_max": float(stage.max_staged)
+        }
         figures = RolloutFigures(**dict(zip(figures, _rollout_max(list(figures.values())))))
         if sender is not None:
             summary = Collected.from_figures(collected.figures(), [])
@@ -237,7 +247,8 @@ def _rollout_max(values: list[float]) -> list[float]:
 
 
 def _carried(leftover: list[Group], rank: int) -> list[Group]:
-    """This rank's groups past the cut, renamed to round 0 of the next batch (ahead of its fresh rounds), in order."""
+    """This rank's groups past the cut, renamed to round 0 of the next batch (ahead of its fresh rounds), in
+    order."""
     for i, g in enumerate(leftover):
         g.origin = (0, rank, i)
     return leftover

@@ -73,7 +73,8 @@ class SplitTrainer:
         return self.cfg.rollout.max_lag
 
     def collect(self, step: int, timer: StageTimer, keep_generated: bool = False) -> Collected:
-        """Batch `step` from the rollout side (the step's wait_batch stage); nothing generated here to dump."""
+        """Batch `step` from the rollout side (the step's wait_batch stage); nothing generated here to
+        dump."""
         with timer("wait_batch"):
             collected, self.stream, self.message = self.receive(step)
         return collected
@@ -112,7 +113,8 @@ class SplitTrainer:
             self.last_push = PushStats()
 
     def receive(self, step: int) -> tuple[Collected, StreamStats | None, BatchMessage]:
-        """Batch `step` from the rollout side, dealt to this rank's slot as the co-located collector deals it."""
+        """Batch `step` from the rollout side, dealt to this rank's slot as the co-located collector deals
+        it."""
         env, bridges, cfg = self.env, self.env.bridges, self.cfg
         rollout_ranks = list(range(bridges.layout.trainers, bridges.layout.world_size))
         queued = step <= self.queue_end
@@ -153,18 +155,24 @@ class SplitTrainer:
         r = message.rollout
         step_s = max(timer.seconds.get("step", 0.0), 1e-9)
         rollout_s = max(r.busy_s + r.wait_weights_s, 1e-9)
-        out = {"split/lag_mean": sums[-1].item() / max(tokens, 1.0), "split/lag_max": float(peak),
-               "split/lag_min": float(low) if tokens else -1.0, "split/trained_tokens": tokens,
-               **{f"split/lag_hist_{j}{'+' if j == LAG_BINS else ''}": sums[j].item() for j in range(LAG_BINS + 1)},
-               "split/weights_step": float(message.weights_step), "split/older_responses": older,
-               "split/trainer_idle": self.waited_s / step_s, "split/rollout_idle": r.wait_weights_s / rollout_s,
-               "split/weight_push_s": self.last_push.seconds, "split/weight_push_bytes": float(self.last_push.bytes),
-               "split/batch_transfer_s": self.transfer_s, "split/batch_bytes": float(self.transfer_bytes),
-               "split/staged_max": r.staged_max, "split/push_check_max": r.push_check_max,
-               "timing_s/rollout_gen": r.gen_s, "timing_s/rollout_reward": r.reward_s,
-               "timing_s/rollout_wait_weights": r.wait_weights_s, "timing_s/rollout_load": r.load_s}
+        out = {
+            "split/lag_mean": sums[-1].item() / max(tokens, 1.0), "split/lag_max": float(peak),
+            "split/lag_min": float(low) if tokens else -1.0, "split/trained_tokens": tokens, **{
+                f"split/lag_hist_{j}{'+' if j == LAG_BINS else ''}": sums[j].item()
+                for j in range(LAG_BINS + 1)
+            }, "split/weights_step": float(message.weights_step), "split/older_responses": older,
+            "split/trainer_idle": self.waited_s / step_s, "split/rollout_idle": r.wait_weights_s / rollout_s,
+            "split/weight_push_s": self.last_push.seconds,
+            "split/weight_push_bytes": float(self.last_push.bytes), "split/batch_transfer_s": self.transfer_s,
+            "split/batch_bytes": float(self.transfer_bytes), "split/staged_max": r.staged_max,
+            "split/push_check_max": r.push_check_max, "timing_s/rollout_gen": r.gen_s,
+            "timing_s/rollout_reward": r.reward_s, "timing_s/rollout_wait_weights": r.wait_weights_s,
+            "timing_s/rollout_load": r.load_s
+        }
         # The correction's mean weight and the engine/trainer k3 KL, for lag 0 and lag >= 1 tokens.
-        out.update({k.replace("stream/", "split/"): v for k, v in per_lag_metrics(batch, lags, speaks).items()})
+        out.update(
+            {k.replace("stream/", "split/"): v
+             for k, v in per_lag_metrics(batch, lags, speaks).items()})
         return out
 
 

@@ -1,4 +1,5 @@
-"""Split placement's batches on the wire: what the rollout side sends the trainer side for each batch, as bytes.
+"""Split placement's batches on the wire: what the rollout side sends the trainer side for each batch, as
+bytes.
 
 A batch travels as plain containers (tensors, numbers, strings, lists, dicts) written with `torch.save` and
 read with `torch.load(weights_only=True)`, so a peer's bytes never unpickle arbitrary objects. The rollout
@@ -32,7 +33,8 @@ class BatchMessage:
     weights_step: int
     """The trainer step whose weights sampled this batch's fresh groups (the schedule's b - 1 - k)."""
     groups: list[Group]
-    """The whole groups to train, in canonical order, as many as the trainer's data-parallel slots can share."""
+    """The whole groups to train, in canonical order, as many as the trainer's data-parallel slots can
+    share."""
     collected: Collected
     """What the search cost (global over the rollout side), without groups: the trainer deals `groups`."""
     rollout: RolloutFigures = field(default_factory=lambda: RolloutFigures())
@@ -61,10 +63,12 @@ class RolloutFigures:
 
 def pack(message: BatchMessage) -> bytes:
     """The message as bytes: plain containers only (each part through its own codec)."""
-    plain = {"batch": message.batch, "weights_step": message.weights_step, "collected": message.collected.figures(),
-             "rollout": dataclasses.asdict(message.rollout),
-             "stream": dataclasses.asdict(message.stream) if message.stream is not None else None,
-             "groups": [g.to_plain() for g in message.groups]}
+    plain = {
+        "batch": message.batch, "weights_step": message.weights_step,
+        "collected": message.collected.figures(), "rollout": dataclasses.asdict(message.rollout),
+        "stream": dataclasses.asdict(message.stream) if message.stream is not None else None,
+        "groups": [g.to_plain() for g in message.groups]
+    }
     buffer = io.BytesIO()
     torch.save(plain, buffer)
     return buffer.getvalue()
@@ -84,7 +88,8 @@ def ready_key(batch: int) -> str:
 
 
 class Sender:
-    """The rollout side's rank 0: sends packed batches to trainer rank 0 in order, from a thread of its own."""
+    """The rollout side's rank 0: sends packed batches to trainer rank 0 in order, from a thread of its
+    own."""
 
     def __init__(self, bridges: Bridges):
         self.bridges = bridges
@@ -103,7 +108,8 @@ class Sender:
             batch, payload = item
             try:
                 self.bridges.set(ready_key(batch), str(len(payload)))
-                self.bridges.send_bytes(payload, dst=0, tag=batch, what=f"trainer rank 0 to take batch {batch}")
+                self.bridges.send_bytes(payload, dst=0, tag=batch,
+                                        what=f"trainer rank 0 to take batch {batch}")
             except BaseException as err:  # raised on the main thread at the next put / close
                 self.error = err
                 return

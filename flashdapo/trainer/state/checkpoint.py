@@ -2,8 +2,8 @@
 
 A checkpoint is a directory `checkpoints/step_XXXXXXXX/` holding a `torch.distributed.checkpoint`
 (DCP) save of model + optimizer (sharded, so it reloads at any world size and any trainer.expert_parallel: a
-MoE layer's experts are DTensors of the whole [num_experts, ...] tensors, models/moe/), `trainer_state.pt` (step,
-run id, LR schedule, data position, the run's settings: run_settings.py), one `rng_rank{r}.pt` per rank
+MoE layer's experts are DTensors of the whole [num_experts, ...] tensors, models/moe/), `trainer_state.pt`
+(step, run id, LR schedule, data position, the run's settings: run_settings.py), one `rng_rank{r}.pt` per rank
 (torch, CUDA, numpy, python), and a `COMPLETE` marker (JSON: step, world size, run id). It is written
 under `step_XXXXXXXX.tmp/` and renamed into place only once every rank has finished and rank 0 sees every
 rank's files (where nodes do not share the run directory, a rank's shards land on its own disk: refused),
@@ -13,11 +13,12 @@ removes its temporary directory and leaves every older checkpoint as it was.
 `trainer_state.pt`, the RNG files and the per-rank states (`stream_rank<r>.pt`) hold only tensors, numbers,
 strings, lists and dicts, and are read with `torch.load(weights_only=True)`: loading a checkpoint never
 unpickles arbitrary objects (a crafted file cannot run code; it is named as not a file flashdapo wrote).
-`--resume auto` tries the complete checkpoints newest first and resumes from the first that loads, warning about each one it skips (resume.py decides which run's checkpoints qualify and
-checks the settings). A damaged checkpoint (a file missing or truncated, a marker that does not parse, as a
-failing disk or a half-finished copy leaves them; any of its files, this rank's state included) is one that
-does not load: it is skipped with a line naming it and what is wrong. A write that fails for a full disk
-says so (torch's own writer reports only "unexpected pos"). Weights holding NaN or inf are never saved.
+`--resume auto` tries the complete checkpoints newest first and resumes from the first that loads, warning
+about each one it skips (resume.py decides which run's checkpoints qualify and checks the settings). A damaged
+checkpoint (a file missing or truncated, a marker that does not parse, as a failing disk or a half-finished
+copy leaves them; any of its files, this rank's state included) is one that does not load: it is skipped with
+a line naming it and what is wrong. A write that fails for a full disk says so (torch's own writer reports
+only "unexpected pos"). Weights holding NaN or inf are never saved.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _size(n: int) -> str:
 
 
 def disk_space(where: Path) -> tuple[int, int] | None:
-    """(free, total) bytes of the filesystem holding `where` (its nearest existing parent), None if unknown."""
+    """(free, total) bytes of the filesystem holding `where` (its nearest existing parent), None if
+    unknown."""
     path = Path(where)
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -156,13 +158,14 @@ def write_failure(err: BaseException, where: Path | None = None) -> str:
 
 def load_failure(err: BaseException) -> str:
     """Why a file read with torch.load(weights_only=True) does not load, on one line: 'cannot load it, <the
-    error>', or for a pickled object what that means. torch refuses one (good) but suggests weights_only=False,
-    which would run it: say instead that flashdapo never writes such a file."""
+    error>', or for a pickled object what that means. torch refuses one (good) but suggests
+    weights_only=False, which would run it: say instead that flashdapo never writes such a file."""
     name = refused_pickle(err)
     if name is not None:
         named = f", {name}," if name else ""
-        return (f"not a file flashdapo wrote, or a corrupted one: it holds a pickled Python object{named} where "
-                "flashdapo writes only tensors and plain data; not loaded, since unpickling it could run code")
+        return (
+            f"not a file flashdapo wrote, or a corrupted one: it holds a pickled Python object{named} where "
+            "flashdapo writes only tensors and plain data; not loaded, since unpickling it could run code")
     return f"cannot load it, {one_line(err)}"
 
 
@@ -209,8 +212,9 @@ def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: to
     tmp = final.with_name(final.name + ".tmp")
     if not all_finite(model):
         newest = latest_checkpoint(run_dir)
-        raise CheckpointError(f"step {state.step}: the weights hold NaN or inf, so no checkpoint was written; "
-                              f"the newest good checkpoint is {newest or 'none'}")
+        raise CheckpointError(
+            f"step {state.step}: the weights hold NaN or inf, so no checkpoint was written; "
+            f"the newest good checkpoint is {newest or 'none'}")
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
@@ -228,11 +232,14 @@ def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: to
     def publish() -> None:
         unseen = unseen_shards(tmp, env.world_size)
         if unseen:
-            raise CheckpointError(f"rank 0 does not see every rank's files in {tmp} (missing: {', '.join(unseen[:4])}"
-                                  f"{', ...' if len(unseen) > 4 else ''}): each rank wrote its shard into a directory "
-                                  "of the same name on its own disk; the run directory must be one storage every "
-                                  "rank sees (a filesystem all nodes share, an absolute logging.run_dir)")
-        marker = {"step": state.step, "world_size": env.world_size, "run_id": state.run_id, "time": time.time()}
+            raise CheckpointError(
+                f"rank 0 does not see every rank's files in {tmp} (missing: {', '.join(unseen[:4])}"
+                f"{', ...' if len(unseen) > 4 else ''}): each rank wrote its shard into a directory "
+                "of the same name on its own disk; the run directory must be one storage every "
+                "rank sees (a filesystem all nodes share, an absolute logging.run_dir)")
+        marker = {
+            "step": state.step, "world_size": env.world_size, "run_id": state.run_id, "time": time.time()
+        }
         _write_synced(tmp / MARKER, json.dumps(marker))
         if final.exists():  # this run's own checkpoint of the same step (resumed from an older one)
             shutil.rmtree(final)
@@ -247,7 +254,8 @@ def save_checkpoint(run_dir: Path, env: DistEnv, model: nn.Module, optimizer: to
 
 
 def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """DCP's (model, optimizer) state dicts, without the trace torch leaves on an optimizer that has not stepped.
+    """DCP's (model, optimizer) state dicts, without the trace torch leaves on an optimizer that has not
+    stepped.
 
     To have state to save, torch initialises a fresh optimizer by taking one step with zero gradients at lr 0
     (`torch.distributed.checkpoint.state_dict._init_optim_state`). The weights and AdamW's moments stay as
@@ -275,14 +283,14 @@ def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path,
         if action is not None:
             action()
     except (OSError, RuntimeError, ValueError, CheckpointException) as err:
-        # A second Ctrl-C stops at once: the stop itself, not a failed write (inside dcp.save it comes wrapped in a
-        # CheckpointException); the next save clears the temporary directory.
+        # A second Ctrl-C stops at once: the stop itself, not a failed write (inside dcp.save it comes wrapped
+        # in a CheckpointException); the next save clears the temporary directory.
         stop = interruption_of(err)
         if stop is not None:
             raise stop from None
         error = err
-    reasons = all_gather_objects("" if error is None else
-                                 str(error) if isinstance(error, CheckpointError) else write_failure(error, tmp.parent))
+    reasons = all_gather_objects("" if error is None else str(error)
+                                 if isinstance(error, CheckpointError) else write_failure(error, tmp.parent))
     failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason]
     if not failed:
         return
@@ -291,8 +299,9 @@ def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path,
         shutil.rmtree(tmp, ignore_errors=True)
     rank, reason = failed[0]
     where = f" (rank {rank})" if env.world_size > 1 else ""
-    raise CheckpointError(f"cannot write checkpoint {final}{where}: {reason}. Older checkpoints are intact; free "
-                          f"disk space (or fix the error), then continue with --checkpoint.resume auto") from error
+    raise CheckpointError(
+        f"cannot write checkpoint {final}{where}: {reason}. Older checkpoints are intact; free "
+        f"disk space (or fix the error), then continue with --checkpoint.resume auto") from error
 
 
 def unseen_shards(path: Path, world_size: int) -> list[str]:
@@ -339,7 +348,8 @@ def read_marker(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"{file}: does not parse ({one_line(err)})") from err
     if not isinstance(marker, dict) or not isinstance(marker.get("run_id", ""), str):
-        raise CheckpointError(f"{file}: not a checkpoint marker (expected a JSON object with a string run_id)")
+        raise CheckpointError(
+            f"{file}: not a checkpoint marker (expected a JSON object with a string run_id)")
     return marker
 
 
@@ -368,7 +378,8 @@ def _missing(path: Path) -> list[str]:
 
 
 def _step_dirs(root: Path) -> list[Path]:
-    """Checkpoint directories under root, complete or not, oldest first (temporary `.tmp` ones never count)."""
+    """Checkpoint directories under root, complete or not, oldest first (temporary `.tmp` ones never
+    count)."""
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
@@ -385,16 +396,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def resume_candidates(resume: str, run_dir: Path, warn: Callable[[str], None] = lambda _m: None) -> list[Path]:
+def resume_candidates(resume: str, run_dir: Path, warn: Callable[[str],
+                                                                 None] = lambda _m: None) -> list[Path]:
     """'' -> [] (fresh); 'auto' -> the complete checkpoints, newest first, warning about each step directory
-    skipped for a missing file; a path -> [that checkpoint], validated, with an error naming what is missing."""
+    skipped for a missing file; a path -> [that checkpoint], validated, with an error naming what is
+    missing."""
     if not resume:
         return []
     if resume == "auto":
         found = _step_dirs(checkpoint_root(run_dir))[::-1]
         for path in found:
             if missing := _missing(path):
-                warn(f"warning: skipping checkpoint {path.name}, it is damaged (missing {', '.join(missing)})")
+                warn(
+                    f"warning: skipping checkpoint {path.name}, it is damaged (missing {', '.join(missing)})")
         return [p for p in found if not _missing(p)]
     path = Path(resume)
     if not path.is_dir():
@@ -406,10 +420,12 @@ def resume_candidates(resume: str, run_dir: Path, warn: Callable[[str], None] = 
     return [path]
 
 
-def load_first_loadable(candidates: list[Path], env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        warn: Callable[[str], None], check: StateCheck | None = None) -> tuple[Path, TrainerState] | None:
+def load_first_loadable(candidates: list[Path], env: DistEnv, model: nn.Module,
+                        optimizer: torch.optim.Optimizer, warn: Callable[[str], None],
+                        check: StateCheck | None = None) -> tuple[Path, TrainerState] | None:
     """Load the first candidate that loads, warning about each one skipped; None when there are none.
-    Raises CheckpointError when candidates exist but none loads; `check`'s errors propagate (never skipped)."""
+    Raises CheckpointError when candidates exist but none loads; `check`'s errors propagate (never
+    skipped)."""
     errors = []
     for path in candidates:
         try:
@@ -417,7 +433,9 @@ def load_first_loadable(candidates: list[Path], env: DistEnv, model: nn.Module, 
         except CheckpointError as err:
             errors.append(err)
             if path is not candidates[-1]:
-                warn(f"warning: skipping checkpoint {path.name}, it does not load ({err}); trying an older one")
+                warn(
+                    f"warning: skipping checkpoint {path.name}, it does not load ({err}); trying an older one"
+                )
     if errors:
         raise CheckpointError(f"no checkpoint loads ({len(errors)} tried; the last: {errors[-1]}). Move the "
                               "damaged ones aside or start a fresh run in another logging.run_dir")
@@ -473,6 +491,7 @@ def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch
         dcp.load(state_dict, checkpoint_id=str(path))
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path}: cannot load model/optimizer ({one_line(err)})") from err
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
+                   optim_state_dict=state_dict["optim"])
     _set_rng_state(rng)
     return state

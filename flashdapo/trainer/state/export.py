@@ -5,9 +5,9 @@ Sharded safetensors (+ index), config (with `architectures`), generation config 
 `export/.flashdapo-export.json`): a user's own files there are kept.
 
 What came with the source model directory (model.path) is exported as it came (docs/usage.md, checkpoints):
-- **generation_config.json** is the source's file, byte for byte (its eos ids and sampling defaults: vLLM stops
-  on its eos ids and samples with its defaults). A source without one exports none. The built-in toy model
-  has no source: its export gets one written from the run's stop set (`eos_token_id`: the ids training
+- **generation_config.json** is the source's file, byte for byte (its eos ids and sampling defaults: vLLM
+  stops on its eos ids and samples with its defaults). A source without one exports none. The built-in toy
+  model has no source: its export gets one written from the run's stop set (`eos_token_id`: the ids training
   stopped responses on, tokenizer.eos_token_ids) and its pad id, and no sampling defaults.
 - **The tokenizer** is the source's files, copied byte for byte (`save_pretrained` would rewrite them:
   transformers 5 renames tokenizer_class, adds loader keys and re-serialises tokenizer.json), with no pad
@@ -43,7 +43,8 @@ EXPORT_MANIFEST = ".flashdapo-export.json"
 
 ADDED_CHAT_TEMPLATE = "flashdapo_chat_template.jinja"
 """In export/: the chat template training rendered prompts with, where the source's tokenizer has none (or
-another): `tokenizer.chat_template = Path(export, ADDED_CHAT_TEMPLATE).read_text()`, or vLLM's `--chat-template`."""
+another): `tokenizer.chat_template = Path(export, ADDED_CHAT_TEMPLATE).read_text()`, or vLLM's
+`--chat-template`."""
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
@@ -91,8 +92,8 @@ def export_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config, toke
 def in_source_expert_layout(named_tensors: Iterable[tuple[str, torch.Tensor]],
                             source: str | Path | None) -> Iterable[tuple[str, torch.Tensor]]:
     """A MoE model's tensors in the expert layout of the checkpoint in `source` (the model directory training
-    started from: `source_dir`, else the config's `name_or_path`): per-expert tensors when its safetensors hold
-    per-expert ones (the Hub's Qwen3-MoE, DeepSeek-V3), fused ones when they hold fused ones
+    started from: `source_dir`, else the config's `name_or_path`): per-expert tensors when its safetensors
+    hold per-expert ones (the Hub's Qwen3-MoE, DeepSeek-V3), fused ones when they hold fused ones
     (models/moe/expert_layout.py), so that the export is a drop-in replacement of its source. Without a source
     directory, or for a dense model, the stream as the model names it."""
     layout = checkpoint_expert_layout(source) if source and Path(source).is_dir() else None
@@ -171,14 +172,16 @@ def write_tokenizer(tmp: Path, source: Path | None, tokenizer) -> dict[str, str]
     if not isinstance(template, str) or template == _source_chat_template(source):
         return {}
     (tmp / ADDED_CHAT_TEMPLATE).write_text(template, encoding="utf-8")
-    return {ADDED_CHAT_TEMPLATE: f"the chat template training rendered prompts with; the tokenizer of {source} "
-                                 "has none (or another), and its files are exported unchanged"}
+    return {
+        ADDED_CHAT_TEMPLATE: f"the chat template training rendered prompts with; the tokenizer of {source} "
+        "has none (or another), and its files are exported unchanged"
+    }
 
 
 def copy_tokenizer_files(source: Path, tmp: Path, tokenizer) -> list[str]:
-    """Copy the source's tokenizer files (TOKENIZER_FILES and the tokenizer class's vocab files) into `tmp`, byte
-    for byte; returns their names ([] when the source has no tokenizer_config.json nor tokenizer.json, i.e.
-    no tokenizer of its own)."""
+    """Copy the source's tokenizer files (TOKENIZER_FILES and the tokenizer class's vocab files) into `tmp`,
+    byte for byte; returns their names ([] when the source has no tokenizer_config.json nor tokenizer.json,
+    i.e. no tokenizer of its own)."""
     if not any((source / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
         return []
     names = dict.fromkeys([*TOKENIZER_FILES, *(getattr(tokenizer, "vocab_files_names", None) or {}).values()])
@@ -188,7 +191,8 @@ def copy_tokenizer_files(source: Path, tmp: Path, tokenizer) -> list[str]:
         if path.is_dir() and not path.is_symlink():
             shutil.copytree(path, tmp / name)
         elif path.is_file():
-            shutil.copyfile(path, tmp / name)  # a symlink (a hub cache's) is followed: the export holds the bytes
+            # a symlink (a hub cache's) is followed: the export holds the bytes
+            shutil.copyfile(path, tmp / name)
         else:
             continue
         copied.append(name)
@@ -210,12 +214,14 @@ def _source_of(tokenizer) -> Path | None:
     return Path(found) if found is not None else None
 
 
-def _publish_export(tmp: Path, out_dir: Path, step: int | None = None, added: dict[str, str] | None = None) -> None:
-    """Move a finished export from `tmp` into `out_dir`, replacing the previous export's files and nothing else.
+def _publish_export(tmp: Path, out_dir: Path, step: int | None = None,
+                    added: dict[str, str] | None = None) -> None:
+    """Move a finished export from `tmp` into `out_dir`, replacing the previous export's files and nothing
+    else.
 
-    The previous export's files are those its manifest (EXPORT_MANIFEST) lists; an export without one (an older
-    flashdapo's) counts its weight files, model*.safetensors and their index. A user's own files stay. The
-    manifest is removed first and written last, so an interrupted publish never claims a mixed directory.
+    The previous export's files are those its manifest (EXPORT_MANIFEST) lists; an export without one (an
+    older flashdapo's) counts its weight files, model*.safetensors and their index. A user's own files stay.
+    The manifest is removed first and written last, so an interrupted publish never claims a mixed directory.
     `added`: files flashdapo wrote beside the source's (ADDED_CHAT_TEMPLATE), said in the manifest."""
     written = sorted(p.name for p in tmp.iterdir())
     manifest_text = {"files": written, "step": step, **({"added": added} if added else {})}

@@ -62,17 +62,19 @@ def own_checkpoints(candidates: list[Path], dir_run_id: str | None, explicit: bo
     if explicit:
         (path,), (run,) = candidates, runs
         if dir_run_id is not None and run != dir_run_id:
-            raise ResumeRefused(f"checkpoint {path} belongs to run {run or '(unrecorded)'}, but this run directory "
-                                f"holds run {dir_run_id} (its run.json); resuming it would splice two runs: resume it "
-                                "in a run directory of its own (an empty --logging.run-dir)")
+            raise ResumeRefused(
+                f"checkpoint {path} belongs to run {run or '(unrecorded)'}, but this run directory "
+                f"holds run {dir_run_id} (its run.json); resuming it would splice two runs: resume it "
+                "in a run directory of its own (an empty --logging.run-dir)")
         return candidates
     if len(runs) > 1 or (dir_run_id is not None and dir_run_id not in runs):
         named = "; ".join(f"run {run or '(unrecorded)'}: {', '.join(names)}" for run, names in runs.items())
         record = (f"its run.json records run {dir_run_id}" if dir_run_id is not None else
                   "no run.json says which run this directory holds")
-        raise ResumeRefused(f"{candidates[0].parent} holds checkpoints of {len(runs)} run(s) ({named}) and {record}; "
-                            "resuming would splice two runs: move the other run's checkpoints out of checkpoints/ (or "
-                            "resume one of them with --checkpoint.resume PATH in a run directory of its own)")
+        raise ResumeRefused(
+            f"{candidates[0].parent} holds checkpoints of {len(runs)} run(s) ({named}) and {record}; "
+            "resuming would splice two runs: move the other run's checkpoints out of checkpoints/ (or "
+            "resume one of them with --checkpoint.resume PATH in a run directory of its own)")
     return candidates
 
 
@@ -82,13 +84,16 @@ def restore_sampler(sampler: PromptSampler, resumed: Resumed, log: Callable[[str
     this run's data, said in one line. Without such a change a different order is refused (DataError)."""
     state, mine = resumed.state.sampler, sampler.state_dict()
     differ = [key for key in _ORDER_KEYS if key in state and state[key] != mine[key]]
-    new_data = [p for p, _, _ in resumed.changes if p in ("data.train_files", "data.task") or p.count(".") >= 2 and
-                p.startswith("data.")]
+    new_data = [
+        p for p, _, _ in resumed.changes
+        if p in ("data.train_files", "data.task") or p.count(".") >= 2 and p.startswith("data.")
+    ]
     accepted = [p for p, _, _ in resumed.changes if p.startswith("data.") or p == "trainer.seed"]
     if not accepted or not (differ or new_data):
         sampler.load_state_dict(state)
         return
-    log(f"{', '.join(accepted)} changed (checkpoint.allow_changes): the prompt order restarts at the first prompt of "
+    log(f"{', '.join(accepted)} changed (checkpoint.allow_changes): the prompt order restarts at the first "
+        "prompt of "
         f"this run's data ({mine['num_prompts']} prompts) instead of the checkpoint's position (epoch "
         f"{state.get('epoch')}, prompt {state.get('position')} of {state.get('num_prompts', '?')})")
 
@@ -123,21 +128,25 @@ def apply_optim_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     base_lr * lambda(last_epoch): for an unchanged lr it is the checkpoint's rate, bit for bit."""
     scheduler.base_lrs = [oc.lr for _ in optimizer.param_groups]
     for group, lmbda in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-        group.update(initial_lr=oc.lr, lr=oc.lr * lmbda(scheduler.last_epoch), betas=tuple(oc.betas), eps=oc.eps,
-                     weight_decay=oc.weight_decay)
-    # get_last_lr() (the loop's actor/lr) reads this private copy, which the schedule refreshes only in step().
+        group.update(initial_lr=oc.lr, lr=oc.lr * lmbda(scheduler.last_epoch), betas=tuple(oc.betas),
+                     eps=oc.eps, weight_decay=oc.weight_decay)
+    # get_last_lr() (the loop's actor/lr) reads this private copy, which the schedule refreshes only in
+    # step().
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return optimizer.param_groups[0]["lr"]
 
 
 def describe_resume(resumed: Resumed, lr: float, allowed: list[str]) -> str:
     """The log line of a resume: where, which step and run, the lr in use, and any accepted change."""
-    line = f"resumed from {resumed.path} at step {resumed.state.step} (run {resumed.state.run_id}); lr {lr:.6g}"
+    state = resumed.state
+    line = f"resumed from {resumed.path} at step {state.step} (run {state.run_id}); lr {lr:.6g}"
     if resumed.changes:
         line += (f"; settings changed from the checkpoint's (checkpoint.allow_changes={' '.join(allowed)}): "
                  f"{describe_changes(resumed.changes)}")
     return line
 
 
-__all__ = ["Resumed", "ResumeRefused", "apply_optim_config", "describe_resume", "load_resume", "own_checkpoints",
-           "restore_sampler"]
+__all__ = [
+    "Resumed", "ResumeRefused", "apply_optim_config", "describe_resume", "load_resume", "own_checkpoints",
+    "restore_sampler"
+]

@@ -4,9 +4,9 @@ A resumed run must continue the run that wrote the checkpoint, not splice a seco
 checkpoint records, as a flat `{field path: plain value}` dict (`trainer_state.pt`, key `settings`):
 
 - the model: its class (`model.architecture`), the shape fields of its HF config (`model.config.*`), the
-  names and shapes of its parameters (`model.parameters`, a hash: catches a dropped bias), the fields of its HF
-  config that change the function the same weights compute (`model.function.*`: rope, norm epsilon, windows and
-  layer types, softcaps, activation, routing; the family registry's `function_keys`, models/hf.py) and
+  names and shapes of its parameters (`model.parameters`, a hash: catches a dropped bias), the fields of its
+  HF config that change the function the same weights compute (`model.function.*`: rope, norm epsilon, windows
+  and layer types, softcaps, activation, routing; the family registry's `function_keys`, models/hf.py) and
   `model.dtype`;
 - the tokenizer: a hash of its vocabulary (`tokenizer.vocab`), its special ids, a hash of its chat template;
 - the training data: each train file's content hash (`data.train_files`, sha256 of the bytes, in order; a
@@ -24,9 +24,10 @@ intervals, devices and world size, kernels and micro-batch sizes (numerics only)
 
 A resume whose settings differ is refused with one line naming each field `old -> new`, unless
 `checkpoint.allow_changes` lists it (a field path, or a section such as `optim` for all its fields); the
-model's architecture and shapes cannot be allowed (the weights would not fit the new model), its function fields
-can (`model.function.rope_parameters`, or `model.function` for all: a deliberate change of rope scaling, say). A
-setting the checkpoint does not record (one written before flashdapo recorded it) is unknown, not changed.
+model's architecture and shapes cannot be allowed (the weights would not fit the new model), its function
+fields can (`model.function.rope_parameters`, or `model.function` for all: a deliberate change of rope
+scaling, say). A setting the checkpoint does not record (one written before flashdapo recorded it) is unknown,
+not changed.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from ...models.hf import config_keys, function_keys
 from ...tokenizer import eos_token_ids
 
 FIXED_PREFIXES = ("model.architecture", "model.config.", "model.parameters")
-"""Settings checkpoint.allow_changes cannot allow: the checkpoint's weights only fit the model they came from."""
+"""Settings checkpoint.allow_changes cannot allow: the checkpoint's weights only fit the model they came
+from."""
 
 _TRAINER_FIELDS = ("train_batch", "gen_batch", "mini_batch", "ppo_epochs", "seed")
 _ROLLOUT_FIELDS = ("n", "temperature", "top_p", "top_k", "max_response_length", "streaming", "max_in_flight",
@@ -55,7 +57,8 @@ _DATA_FIELDS = ("max_prompt_length", "truncation", "dedup", "shuffle")
 
 
 class ResumeRefused(FlashdapoError, RuntimeError):
-    """A resume that would splice two runs (changed settings, another run's checkpoint); never skipped over."""
+    """A resume that would splice two runs (changed settings, another run's checkpoint); never skipped
+    over."""
 
 
 def file_sha256(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
@@ -77,13 +80,22 @@ def _plain(value: Any) -> Any:
 
 
 def model_settings(hf_model, dtype: str) -> dict[str, Any]:
-    """The model's class, shape fields, parameter names/shapes (global shapes under FSDP2) and function fields."""
+    """The model's class, shape fields, parameter names/shapes (global shapes under FSDP2) and function
+    fields."""
     config = hf_model.config
     shapes = [[name, list(p.shape)] for name, p in hf_model.named_parameters()]
-    found = {f"model.config.{key}": getattr(config, key) for key in config_keys(config) if hasattr(config, key)}
-    function = {f"model.function.{key}": getattr(config, key) for key in function_keys(config) if hasattr(config, key)}
-    return {"model.architecture": type(hf_model).__name__, **found, "model.parameters": _sha(shapes), **function,
-            "model.dtype": dtype}
+    found = {
+        f"model.config.{key}": getattr(config, key)
+        for key in config_keys(config) if hasattr(config, key)
+    }
+    function = {
+        f"model.function.{key}": getattr(config, key)
+        for key in function_keys(config) if hasattr(config, key)
+    }
+    return {
+        "model.architecture": type(hf_model).__name__, **found, "model.parameters": _sha(shapes),
+        **function, "model.dtype": dtype
+    }
 
 
 def tokenizer_settings(tokenizer) -> dict[str, Any]:
@@ -108,7 +120,8 @@ def run_settings(cfg: Config, hf_model, tokenizer) -> dict[str, Any]:
     found.update({f"trainer.{k}": getattr(cfg.trainer, k) for k in _TRAINER_FIELDS})
     found.update({f"rollout.{k}": getattr(cfg.rollout, k) for k in _ROLLOUT_FIELDS})
     found["rollout.placement"] = cfg.rollout.placement
-    if cfg.rollout.placement == "split":  # which weights sampled which batch: the run's numbers depend on them
+    # which weights sampled which batch: the run's numbers depend on them
+    if cfg.rollout.placement == "split":
         found.update({f"rollout.{k}": getattr(cfg.rollout, k) for k in _SPLIT_FIELDS})
     found.update({f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()})
     found.update({f"optim.{k}": v for k, v in asdict(cfg.optim).items()})
@@ -130,21 +143,24 @@ def compare_settings(old: dict[str, Any], new: dict[str, Any], allowed: Sequence
                                 f"{', '.join(sorted({p.split('.')[0] for p in new}))} and their fields, e.g. "
                                 "optim.lr, trainer.train_batch, data.train_files")
         if any(_allows(entry, path) and path.startswith(FIXED_PREFIXES) for path in new):
-            raise ResumeRefused(f"checkpoint.allow_changes: {entry!r} cannot be allowed: a checkpoint's weights "
-                                "only fit the model architecture and shapes they were trained in")
+            raise ResumeRefused(
+                f"checkpoint.allow_changes: {entry!r} cannot be allowed: a checkpoint's weights "
+                "only fit the model architecture and shapes they were trained in")
     changes = [(path, old[path], value) for path, value in new.items() if path in old and old[path] != value]
     refused = [c for c in changes if not any(_allows(entry, c[0]) for entry in allowed)]
     if refused:
         fixed = [path for path, _, _ in refused if path.startswith(FIXED_PREFIXES)]
         allowable = [path for path, _, _ in refused if path not in fixed]
         # Only suggest what checkpoint.allow_changes would accept: never a fixed field.
-        accept = (f", or accept the change with --checkpoint.allow-changes {' '.join(allowable)}" if allowable and
-                  not fixed else "")
+        accept = (f", or accept the change with --checkpoint.allow-changes {' '.join(allowable)}"
+                  if allowable and not fixed else "")
         cannot = (f" ({', '.join(fixed)} cannot be allowed: the checkpoint's weights only fit the model "
                   "architecture and shapes they were trained in)" if fixed else "")
         raise ResumeRefused(
-            f"cannot resume from {where}: this run's settings differ from the checkpoint's, and resuming would "
-            f"splice two runs: {describe_changes(refused)}{cannot}. Restore them, or start a fresh run (another "
+            f"cannot resume from {where}: this run's settings differ from the checkpoint's, and resuming "
+            "would "
+            f"splice two runs: {describe_changes(refused)}{cannot}. Restore them, or start a fresh run "
+            "(another "
             f"--logging.run-dir, or --logging.move-old-run true){accept}")
     return changes
 

@@ -89,7 +89,8 @@ def claim_run_dir(path: Path, resume: str, move_old_run: bool) -> RunDirClaim:
         path.mkdir(parents=True, exist_ok=True)
         lock = (path / LOCK_NAME).open("a+")
     except OSError as err:
-        raise RunDirError(f"logging.run_dir={path}: cannot create it or its lock file ({err.strerror})") from err
+        raise RunDirError(
+            f"logging.run_dir={path}: cannot create it or its lock file ({err.strerror})") from err
     _lock(lock, path)
     moved_to = None
     found = previous_run(path)
@@ -97,8 +98,10 @@ def claim_run_dir(path: Path, resume: str, move_old_run: bool) -> RunDirClaim:
         if not move_old_run:
             lock.close()
             raise RunDirError(
-                f"logging.run_dir={path} holds a previous run ({found}); continue it with --checkpoint.resume auto, "
-                f"start over with --logging.move-old-run true (moves its files to {path.name}.old-<time>/, deletes "
+                f"logging.run_dir={path} holds a previous run ({found}); continue it with "
+                "--checkpoint.resume auto, "
+                f"start over with --logging.move-old-run true (moves its files to {path.name}.old-<time>/, "
+                "deletes "
                 "nothing), or choose another --logging.run-dir")
         moved_to = _move_aside(path)
     try:
@@ -110,9 +113,9 @@ def claim_run_dir(path: Path, resume: str, move_old_run: bool) -> RunDirClaim:
 
 
 def check_writable(path: Path) -> None:
-    """Create and remove a file in the run directory and in its checkpoints/ and export/ where they exist (else
-    the run creates them in the run directory); RunDirError naming the first that refuses, so a read-only
-    directory stops the run before any work."""
+    """Create and remove a file in the run directory and in its checkpoints/ and export/ where they exist
+    (else the run creates them in the run directory); RunDirError naming the first that refuses, so a
+    read-only directory stops the run before any work."""
     for directory in (path, path / "checkpoints", path / "export"):
         if directory != path and not directory.exists():
             continue
@@ -120,13 +123,14 @@ def check_writable(path: Path) -> None:
             with tempfile.TemporaryFile(dir=directory, prefix=".flashdapo-write-check-"):
                 pass
         except OSError as err:
-            raise RunDirError(f"{directory} is not writable ({err.strerror}); a run writes its checkpoints, "
-                              "metrics and export there: fix the permissions or choose another --logging.run-dir"
-                              ) from err
+            raise RunDirError(
+                f"{directory} is not writable ({err.strerror}); a run writes its checkpoints, "
+                "metrics and export there: fix the permissions or choose another --logging.run-dir") from err
 
 
 def recorded_run_id(path: Path) -> str | None:
-    """The run id recorded in `<path>/run.json`, None without one (a new directory, or an older flashdapo's)."""
+    """The run id recorded in `<path>/run.json`, None without one (a new directory, or an older
+    flashdapo's)."""
     record = _read_record(path)
     return record["run_id"] if record else None
 
@@ -142,8 +146,9 @@ def _read_record(path: Path) -> dict[str, Any] | None:
                           "restore it, or start a fresh run in another --logging.run-dir") from err
     if not isinstance(record, dict) or not isinstance(record.get("run_id"), str) or not isinstance(
             record.get("starts", []), list):
-        raise RunDirError(f"{file}: not a flashdapo run record (expected run_id and starts); restore it, or start "
-                          "a fresh run in another --logging.run-dir")
+        raise RunDirError(
+            f"{file}: not a flashdapo run record (expected run_id and starts); restore it, or start "
+            "a fresh run in another --logging.run-dir")
     return record
 
 
@@ -154,8 +159,8 @@ def record_start(path: Path, run_id: str, step: int, config_yaml: str, resumed_f
     A fresh run (checkpoint.resume empty; claim_run_dir found no run data here) starts a new record, and so
     does the first start of `checkpoint.resume auto` in a directory without a run record that found no
     checkpoint to resume (`flashdapo ablate` starts every run so); a config.yaml already there is then kept:
-    the config this start was given, written beforehand (the ablation writes each run's, `auto` fields and all,
-    so that it reruns the run alone)."""
+    the config this start was given, written beforehand (the ablation writes each run's, `auto` fields and
+    all, so that it reruns the run alone)."""
     first = fresh or (resumed_from is None and _read_record(path) is None)
     name = "config.yaml"
     if not first and (path / name).exists():
@@ -183,8 +188,9 @@ def _lock(lock: IO[str], path: Path) -> None:
         lock.seek(0)
         holder = lock.read().strip() or "unknown"
         lock.close()
-        raise RunDirError(f"logging.run_dir={path} is in use by a live run ({holder}); wait for it to end or stop "
-                          "it, or choose another --logging.run-dir") from None
+        raise RunDirError(
+            f"logging.run_dir={path} is in use by a live run ({holder}); wait for it to end or stop "
+            "it, or choose another --logging.run-dir") from None
     lock.seek(0)
     lock.truncate()
     lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
@@ -208,10 +214,10 @@ def _move_aside(path: Path) -> Path:
 def stop_if_launcher_dies(rank: int, poll_s: float = 0.5) -> None:
     """Under torchrun, end this worker soon after the torchrun launcher (its parent) dies.
 
-    torchrun starts workers in process groups of their own, so a SIGKILL of the launcher alone leaves them running
-    (and holding the run directory). A daemon thread compares os.getppid() with the launcher's pid: once the
-    worker is re-parented it exits. Checkpoints are written to a temporary directory and renamed, so an
-    exit at any moment leaves the run resumable."""
+    torchrun starts workers in process groups of their own, so a SIGKILL of the launcher alone leaves them
+    running (and holding the run directory). A daemon thread compares os.getppid() with the launcher's pid:
+    once the worker is re-parented it exits. Checkpoints are written to a temporary directory and renamed, so
+    an exit at any moment leaves the run resumable."""
     watcher = "flashdapo-launcher-watch"
     if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == watcher for t in threading.enumerate()):
         return
@@ -220,7 +226,8 @@ def stop_if_launcher_dies(rank: int, poll_s: float = 0.5) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
-        exit_with_line(f"flashdapo: error: rank {rank}: the torchrun launcher (pid {launcher}) died; this worker stops "
-                       "instead of training on alone. Resume with --checkpoint.resume auto")
+        exit_with_line(
+            f"flashdapo: error: rank {rank}: the torchrun launcher (pid {launcher}) died; this worker stops "
+            "instead of training on alone. Resume with --checkpoint.resume auto")
 
     threading.Thread(target=watch, name=watcher, daemon=True).start()

@@ -40,9 +40,10 @@ from .resume import own_checkpoints
 from .rundir import RunDirClaim, RunDirError, claim_run_dir, recorded_run_id, stop_if_launcher_dies
 
 TOKEN_PREFIX = ".flashdapo-storage-check-"
-SHARED_STORAGE_ADVICE = ("every rank must see one run directory (each rank writes its checkpoint shards there "
-                         "and rank 0 reads them): put logging.run_dir on a filesystem every node shares and give it "
-                         "as an absolute path (a relative one resolves in each launcher's working directory)")
+SHARED_STORAGE_ADVICE = (
+    "every rank must see one run directory (each rank writes its checkpoint shards there "
+    "and rank 0 reads them): put logging.run_dir on a filesystem every node shares and give it "
+    "as an absolute path (a relative one resolves in each launcher's working directory)")
 
 
 @dataclass
@@ -70,11 +71,12 @@ def agree_on_start(cfg: Config, env: DistEnv, run_dir: Path, log) -> StartPlan:
         if claim is not None:
             claim.release()
         if isinstance(err, RuntimeError) and _timed_out(err):
-            raise StartTimeout(f"rank {env.rank}: the start-up checks waited trainer.setup_timeout_s="
-                               f"{cfg.trainer.setup_timeout_s} s for the other ranks, in vain: a rank is stuck "
-                               "before them (a slow mount, a hung data or model path) or was started apart from "
-                               "this job; see the other ranks' output, or raise trainer.setup_timeout_s where every "
-                               "start is this slow") from err
+            raise StartTimeout(
+                f"rank {env.rank}: the start-up checks waited trainer.setup_timeout_s="
+                f"{cfg.trainer.setup_timeout_s} s for the other ranks, in vain: a rank is stuck "
+                "before them (a slow mount, a hung data or model path) or was started apart from "
+                "this job; see the other ranks' output, or raise trainer.setup_timeout_s where every "
+                "start is this slow") from err
         raise
     return StartPlan(claim=claim, dir_run_id=dir_run_id, candidates=candidates)
 
@@ -145,8 +147,9 @@ def check_shared_storage(run_dir: Path, env: DistEnv) -> None:
     if blind:
         rank, host, where, why = blind[0]
         more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
-        raise RunDirError(f"logging.run_dir={run_dir}: rank {rank} on host {host} does not see the run directory "
-                          f"rank 0 writes on host {seen[0][0]} ({where}: {why}){more}; {SHARED_STORAGE_ADVICE}")
+        raise RunDirError(
+            f"logging.run_dir={run_dir}: rank {rank} on host {host} does not see the run directory "
+            f"rank 0 writes on host {seen[0][0]} ({where}: {why}){more}; {SHARED_STORAGE_ADVICE}")
 
 
 def choose_resume(cfg: Config, env: DistEnv, run_dir: Path, log) -> tuple[str | None, list[Path]]:
@@ -155,7 +158,8 @@ def choose_resume(cfg: Config, env: DistEnv, run_dir: Path, log) -> tuple[str | 
     decided: tuple[str | None, list[str]] | FlashdapoError | None = None
     if env.is_main:
         try:
-            dir_run_id = recorded_run_id(run_dir) if cfg.checkpoint.resume else None  # a fresh run is a new run
+            # a fresh run is a new run
+            dir_run_id = recorded_run_id(run_dir) if cfg.checkpoint.resume else None
             found = resume_candidates(cfg.checkpoint.resume, run_dir, log)
             chosen = own_checkpoints(found, dir_run_id, cfg.checkpoint.resume != "auto")
             decided = (dir_run_id, [str(p) for p in chosen])
@@ -179,9 +183,10 @@ def check_visible(candidates: list[Path], env: DistEnv) -> None:
     blind = [(rank, host, gone) for rank, (host, gone) in enumerate(seen) if gone]
     if blind:
         rank, host, gone = blind[0]
-        raise CheckpointError(f"rank {rank} on host {host} cannot see the checkpoint rank 0 resumes from (no "
-                              f"{gone[0]} there{f', and {len(gone) - 1} more file(s)' if len(gone) > 1 else ''}); "
-                              f"{SHARED_STORAGE_ADVICE}")
+        raise CheckpointError(
+            f"rank {rank} on host {host} cannot see the checkpoint rank 0 resumes from (no "
+            f"{gone[0]} there{f', and {len(gone) - 1} more file(s)' if len(gone) > 1 else ''}); "
+            f"{SHARED_STORAGE_ADVICE}")
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -192,5 +197,7 @@ def set_collective_timeout(seconds: float) -> None:
         _set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
-__all__ = ["StartPlan", "StartTimeout", "agree_on_start", "check_shared_storage", "check_visible", "choose_resume",
-           "set_collective_timeout", "TOKEN_PREFIX"]
+__all__ = [
+    "StartPlan", "StartTimeout", "agree_on_start", "check_shared_storage", "check_visible", "choose_resume",
+    "set_collective_timeout", "TOKEN_PREFIX"
+]
