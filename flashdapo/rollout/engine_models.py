@@ -42,21 +42,19 @@ def check_engine_model(engine: str, config: dict[str, Any], where: str, registry
 def check_quantized(spec: Any, config: dict[str, Any], where: str, on_gpu: bool, pushed: bool = True) -> None:
     """A quantized checkpoint (config.json `quantization_config`): a quant_method flashdapo does not
     dequantize is refused for every engine (`quant_format`, naming it and the supported ones). An engine with
-    its own weights (vLLM) builds quantized layers from the directory's quantization_config: refused where it
-    gets the policy by the push (training), whose dequantized plain weights those layers cannot take; and on a
-    machine without CUDA, where vLLM's CPU build cannot load the checkpoint: it refuses fp8 in float32, the
-    dtype flashdapo runs it in on CPU (measured, vLLM 0.32: "torch.float32 is not supported for quantization
-    method fp8"), and has no mxfp4 layers (model_executor/layers/quantization/mxfp4.py: CUDA capability 8.0,
-    no CPU path). Loading from disk on a GPU (eval, generate) is left to vLLM. The torch engine samples the
-    dequantized model itself."""
+    its own weights (vLLM) that gets the policy by the push (training) builds the model plain, without the
+    quantization (rollout/vllm_engine.py `_without_quantization`), and takes the dequantized weights the
+    trainer holds; one that loads the checkpoint from disk (eval, generate: `pushed` False) builds quantized
+    layers, which vLLM's CPU build cannot: it refuses fp8 in float32, the dtype flashdapo runs it in on CPU
+    (measured, vLLM 0.32: "torch.float32 is not supported for quantization method fp8"), and has no mxfp4
+    layers (model_executor/layers/quantization/mxfp4.py: CUDA capability 8.0, no CPU path); refused there.
+    Loading from disk on a GPU is left to vLLM. The torch engine samples the dequantized model itself."""
     fmt = quant_format(config, where)
-    if fmt is None or not spec.own_weights or (on_gpu and not pushed):
+    if fmt is None or not spec.own_weights or pushed or on_gpu:
         return
     cpu = ("its CPU build refuses fp8 in float32, the dtype flashdapo runs it in on CPU"
            if fmt.method == "fp8" else "its CPU build has no mxfp4 layers")
-    reason = (
-        f"builds {fmt.method} layers from its quantization_config, which the push of the dequantized policy "
-        f"cannot fill{'' if on_gpu else ', and ' + cpu}") if pushed else f"cannot load it: {cpu}"
+    reason = f"cannot load it: {cpu}"
     raise ConfigError(
         f"rollout.engine {spec.name}: {where} is an {fmt.describe()} checkpoint: {engine_named(spec)} "
         f"{reason}; use --rollout.engine torch")

@@ -225,6 +225,18 @@ def _cuda_empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def _without_quantization(model_path: str) -> dict[str, Any]:
+    """vLLM's config override that builds a quantized checkpoint's model plain (`quantization_config` None):
+    its weights come by the push, as the trainer holds them (dequantized: models/quantized.py), never from the
+    checkpoint's quantized tensors (the engine starts on dummy weights); {} for a plain checkpoint."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return {}
+    quantized = isinstance(config, dict) and "quantization_config" in config
+    return {"quantization_config": None} if quantized else {}
+
+
 class VLLMEngine:
     """RolloutEngine over a co-located `vllm.LLM` (see the module docstring for the protocol)."""
 
@@ -264,7 +276,8 @@ class VLLMEngine:
                       max_num_batched_tokens=config.max_num_batched_tokens,
                       logprobs_mode="processed_logprobs", dtype=dtype, enable_prefix_caching=True,
                       seed=derive_seed(seed, self.dp_group) % 2**31,  # same in a TP group; < 2**31 for NumPy
-                      hf_overrides={"head_dtype": "float32", **llm_kwargs.pop("hf_overrides", {})})
+                      hf_overrides={"head_dtype": "float32", **_without_quantization(model_path),
+                                    **llm_kwargs.pop("hf_overrides", {})})
         kwargs.update(self._version_kwargs(engine_arg_names(self._vllm)))
         if record_routes and not platform.is_cpu():  # vLLM's own records (Model Runner V2; module docstring)
             kwargs["enable_return_routed_experts"] = True

@@ -79,10 +79,11 @@ def _write(model, quantized: dict[str, torch.Tensor], drop: set[str], qconfig: d
 
 
 @torch.no_grad()
-def fp8_qwen3_dir(path: Path, twin: Path, seed: int = 0) -> tuple[Path, Path]:
-    """A tiny Qwen3 (hidden 64, intermediate 72, 2 layers) in the fp8 16 x 16 block format, and its twin."""
+def fp8_qwen3_dir(path: Path, twin: Path, seed: int = 0, head_dim: int = 16) -> tuple[Path, Path]:
+    """A tiny Qwen3 (hidden 64, intermediate 72, 2 layers) in the fp8 16 x 16 block format, and its twin
+    (`head_dim` 32: a size vLLM's CPU attention takes)."""
     torch.manual_seed(seed)
-    config = family_config("qwen3", hidden_size=64, intermediate_size=72, head_dim=16)
+    config = family_config("qwen3", hidden_size=64, intermediate_size=72, head_dim=head_dim)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     quantized, drop = {}, set()
     for name, param in model.named_parameters():

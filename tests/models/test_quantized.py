@@ -7,7 +7,9 @@ each beside its dequantized twin (a plain directory of the same values).
 - `flashdapo train --model.path` trains 2 steps on 1 rank (packed; fp8 also padded), saying the dequantization in
   one line, and its export (no quantization_config) reloads in plain transformers to the trained weights; on 2 FSDP2
   ranks under torchrun (slow, distributed);
-- `flashdapo plan` counts the plain model; vLLM and an unsupported quant_method are refused in one line.
+- `flashdapo plan` counts the plain model; an unsupported quant_method is refused in one line, and so is vLLM
+  loading one from disk on a CPU (eval, generate); training's vLLM builds the model plain and takes the pushed
+  weights, every push checked (slow, vllm).
 
 Wall time here (2 cores shared with other test runs, 2026-12-07): 37-71 s for the 11 tests without the slow ones, by
 the load; the 3 torchrun launches (slow) 32-79 s each (the whole file with them: 192 s)."""
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,7 @@ from flashdapo.trainer.loop import train
 from tests.helpers.family_configs import VOCAB
 from tests.helpers.quantized_dirs import fp8_qwen3_dir, mxfp4_gpt_oss_dir, quantize_fp8, quantize_mxfp4
 from tests.helpers.runs import torchrun
+from tests.helpers.vllm_runs import run_checked
 
 TEMPERATURE = 0.7
 ATTENTION = {"fp8": "sdpa", "mxfp4": "eager"}  # GPT-OSS: eager (its sinks)
@@ -195,22 +199,41 @@ def test_plan_counts_the_dequantized_model(dirs, fmt, capsys):
     assert counts[0] == counts[1], counts
 
 
-def test_vllm_is_refused_for_a_quantized_checkpoint_in_one_line(dirs):
-    """rollout.engine vllm with either format: one line naming the format, the reason and --rollout.engine torch
-    (training: the push; on this machine without CUDA also vLLM's CPU build, which eval's load from disk meets too);
-    the torch engine passes."""
+def test_vllm_loading_a_quantized_checkpoint_from_disk_on_a_cpu_is_refused_in_one_line(dirs):
+    """Training's vLLM builds the model plain and takes the pushed weights (accepted; run below); eval and generate
+    load the checkpoint from disk, which vLLM's CPU build cannot: one line naming the format, the reason and
+    --rollout.engine torch. The torch engine passes either way."""
     for fmt, (path, _twin) in dirs.items():
         config = json.loads((path / "config.json").read_text())
         check_engine_model("torch", config, f"model.path={path}")
-        with pytest.raises(ConfigError) as err:
-            check_engine_model("vllm", config, f"model.path={path}")
-        message = str(err.value)
-        assert "\n" not in message and f"model.path={path} is an {fmt}" in message, message
-        assert "quantization_config" in message and message.endswith("use --rollout.engine torch")
+        check_engine_model("vllm", config, f"model.path={path}", registry=False)  # training: pushed
         cpu = "refuses fp8 in float32" if fmt == "fp8" else "has no mxfp4 layers"
-        assert cpu in message, message
-        with pytest.raises(ConfigError, match=f"--model={path} is an {fmt}.*cannot load it: its CPU build {cpu}"):
+        with pytest.raises(ConfigError) as err:
             check_engine_model("vllm", config, f"--model={path}", pushed=False)  # eval, generate: from disk
+        message = str(err.value)
+        assert "\n" not in message and re.search(f"--model={path} is an {fmt}.*cannot load it: its CPU build {cpu}",
+                                                 message) and message.endswith("use --rollout.engine torch"), message
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_trains_an_fp8_checkpoint_built_plain_with_every_push_checked(tmp_path):
+    """vLLM's CPU build started on the fp8 directory without its quantization_config (plain layers), filled by the
+    push of the dequantized policy: the fp32 push check passes (measured 3.8e-6 max |delta logp|) at both pushes."""
+    pytest.importorskip("vllm")
+    path, _twin = fp8_qwen3_dir(tmp_path / "fp8", tmp_path / "twin", head_dim=32)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(8)))
+    argv = ["--model.path", str(path), "--data.train-files", str(data), "--data.max-prompt-length", "64",
+            "--rollout.max-response-length", "16", "--rollout.engine", "vllm", "--rollout.n", "4",
+            "--trainer.total-steps", "2", "--trainer.train-batch", "4", "--trainer.gen-batch", "4",
+            "--trainer.mini-batch", "4", "--logging.run-dir", str(tmp_path / "run"), "--logging.plot", "false"]
+    proc = run_checked([sys.executable, "-m", "flashdapo", "train", *argv], timeout=600)
+    out = proc.stdout + proc.stderr
+    assert LINE["fp8"] in out, out[-3000:]
+    checks = re.findall(r"weight push (\d) checked: max \|logp_vllm - logp_trainer\| (\S+),", out)
+    assert [n for n, _ in checks] == ["1", "2"] and all(float(v) < 1e-3 for _, v in checks), out[-3000:]
 
 
 def test_an_unsupported_quantization_is_refused_naming_its_method_and_the_supported_ones(dirs, tmp_path, capsys):
