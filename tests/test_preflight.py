@@ -282,6 +282,7 @@ def test_the_exports_config_says_the_dtype_of_its_tensors(dtype, saved, tmp_path
     from safetensors.torch import load_file
 
     from flashdapo.config import ModelConfig
+    from flashdapo.sync import policy_weights
     from flashdapo.tasks.toy import build_toy_model
     from flashdapo.trainer.setup import Run
     from flashdapo.trainer.state.export import export_hf
@@ -291,7 +292,7 @@ def test_the_exports_config_says_the_dtype_of_its_tensors(dtype, saved, tmp_path
     before = hf.config.dtype
     run = types.SimpleNamespace(policy=types.SimpleNamespace(config=hf.config, hf=hf),
                                 cfg=merge(Config(), {"model": {"dtype": dtype}}))
-    export_hf(Run.full_state_dict(run), Run.export_config(run), tok, tmp_path / "export", True)
+    export_hf(policy_weights(hf, dtype).export(), Run.export_config(run), tok, tmp_path / "export", True)
     tensors = load_file(tmp_path / "export" / "model.safetensors")
     assert {t.dtype for t in tensors.values()} == {getattr(torch, saved)}
     assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == saved

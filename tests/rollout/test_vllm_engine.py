@@ -464,9 +464,10 @@ def test_cpu_platform_has_no_sleep_mode_and_an_explicit_kv_budget(monkeypatch):
         assert len(caught) == (1 if _ == 0 else 0)  # said once
     assert names(engine.llm.calls) == ["reload_weights", "generate", "reload_weights", "reset_prefix_cache",
                                        "generate"]
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's count: the ranks share the node's memory
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's count: the node's 4 engine ranks share its memory
+    monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setattr(vllm_process, "available_host_memory", lambda: 16 * 2**30)
-    shared = make_engine(vllm_module=cpu, gpu_memory_utilization=0.5)
+    shared = make_engine(vllm_module=cpu, world_size=4, gpu_memory_utilization=0.5)
     assert shared.llm.init_kwargs["kv_cache_memory_bytes"] == 2 * 2**30
     assert "kv_cache_memory_bytes" not in make_engine().llm.init_kwargs  # CUDA: gpu_memory_utilization decides
 
