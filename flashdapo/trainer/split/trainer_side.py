@@ -155,12 +155,12 @@ class SplitTrainer:
         r = message.rollout
         step_s = max(timer.seconds.get("step", 0.0), 1e-9)
         rollout_s = max(r.busy_s + r.wait_weights_s, 1e-9)
+        histogram = {f"split/lag_hist_{j}{'+' if j == LAG_BINS else ''}": sums[j].item()
+                     for j in range(LAG_BINS + 1)}
         out = {
             "split/lag_mean": sums[-1].item() / max(tokens, 1.0), "split/lag_max": float(peak),
-            "split/lag_min": float(low) if tokens else -1.0, "split/trained_tokens": tokens, **{
-                f"split/lag_hist_{j}{'+' if j == LAG_BINS else ''}": sums[j].item()
-                for j in range(LAG_BINS + 1)
-            }, "split/weights_step": float(message.weights_step), "split/older_responses": older,
+            "split/lag_min": float(low) if tokens else -1.0, "split/trained_tokens": tokens, **histogram,
+            "split/weights_step": float(message.weights_step), "split/older_responses": older,
             "split/trainer_idle": self.waited_s / step_s, "split/rollout_idle": r.wait_weights_s / rollout_s,
             "split/weight_push_s": self.last_push.seconds,
             "split/weight_push_bytes": float(self.last_push.bytes), "split/batch_transfer_s": self.transfer_s,
