@@ -180,7 +180,7 @@ def test_a_model_module_missing_a_package_is_one_line_naming_it(tmp_path, monkey
     spec = engine_spec("vllm")
     with pytest.raises(ConfigError) as err:
         check_model_module(spec, registry, "NeedsForCausalLM", "model.path=/m")
-    assert re.fullmatch(r"rollout\.engine: vllm \S+ cannot build NeedsForCausalLM for model\.path=/m: its model module "
+    assert re.fullmatch(r"rollout\.engine: vllm(?: \S+)? cannot build NeedsForCausalLM for model\.path=/m: its model module "
                         r"needs_pkg_fdp needs the package 'no_such_package_fdp', which is not installed \(install a "
                         r"no_such_package_fdp build matching the installed torch\); use --rollout\.engine torch",
                         str(err.value)), str(err.value)
