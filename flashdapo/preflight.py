@@ -74,12 +74,8 @@ def check_launch(cfg: Config, world_size: int | None = None) -> None:
 def check_model_attention(cfg: Config) -> None:
     """The model settings model.path's family cannot run (`check_model_settings`), from its config.json,
     before any weights load. An absent or unreadable config.json is left to model_dir.check_model_dir."""
-    try:
-        config = json.loads(
-            (Path(cfg.model.path) / "config.json").read_text(encoding="utf-8")) if cfg.model.path else None
-    except (OSError, ValueError):
-        return
-    if isinstance(config, dict) and config.get("model_type") in SUPPORTED_MODEL_TYPES:
+    config = _config_json(cfg.model.path)
+    if config is not None and config.get("model_type") in SUPPORTED_MODEL_TYPES:
         check_model_settings(cfg, config, f"model.path={cfg.model.path}")
 
 
@@ -276,13 +272,8 @@ def check_rollout_model(cfg: Config) -> None:
     or engine start (`check_engine_model`). A config.json that is absent or not JSON, or of a model type
     flashdapo does not train, is left to the model checks after the launch's (model_dir.check_model_dir,
     check_model_shape), which name what is wrong with the model itself."""
-    if not cfg.model.path:
-        return
-    try:
-        config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    if isinstance(config, dict) and config.get("model_type") in SUPPORTED_MODEL_TYPES:
+    config = _config_json(cfg.model.path)
+    if config is not None and config.get("model_type") in SUPPORTED_MODEL_TYPES:
         check_engine_model(cfg.rollout.engine, config, f"model.path={cfg.model.path}")
 
 

@@ -112,11 +112,6 @@ def torch_threads(count: int) -> Iterator[None]:
             _TORCH_SET_NUM_THREADS(before)
 
 
-def local_world_size(world_size: int) -> int:
-    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE (read before vLLM overwrites it), else `world_size`."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
 def engine_ranks_on_node(engine_ranks: int) -> int:
     """Ranks on this node that hold an engine, of a launch whose last `engine_ranks` ranks do (co-located:
     every rank; split placement: its rollout ranks, the launch's last), from torchrun's RANK, WORLD_SIZE and
@@ -174,5 +169,5 @@ def library_versions() -> str:
 
 __all__ = [
     "KeptState", "available_host_memory", "cpu_kv_cache_bytes", "gpu_memory", "keep_trainer_state",
-    "engine_ranks_on_node", "library_versions", "local_world_size", "set_launcher_env", "torch_threads"
+    "engine_ranks_on_node", "library_versions", "set_launcher_env", "torch_threads"
 ]

@@ -9,13 +9,13 @@ import copy
 import torch
 
 
-class BF16ScoringEngine:
-    """The HF model's own forward (its caps included) on a bf16 copy of `model`: any family."""
+class ScoringEngine:
+    """The HF model's own forward (its caps included) on a copy of `model` in `weight_dtype`: any family."""
 
-    weight_dtype = torch.bfloat16
+    weight_dtype = torch.float32
 
     def __init__(self, model):
-        self.model = copy.deepcopy(model).to(torch.bfloat16)
+        self.model = copy.deepcopy(model).to(self.weight_dtype)
         self.llm = self
 
     def apply_model(self, fn):
@@ -31,3 +31,9 @@ class BF16ScoringEngine:
         ids = torch.tensor(sequences)
         logits = self.model(ids).logits[:, :-1].float()
         return list(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0])
+
+
+class BF16ScoringEngine(ScoringEngine):
+    """The same on a bf16 copy."""
+
+    weight_dtype = torch.bfloat16

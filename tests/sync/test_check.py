@@ -7,36 +7,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashdapo.models.policy import PolicyModel
 from flashdapo.sync.check import PushCheck, PushMismatchError
-from flashdapo.sync.vllm import vllm_group_outputs
+from tests.helpers.push_doubles import ScoringEngine
 
 
-class CopyEngine:
-    """A rollout engine whose 'vLLM' model is a copy of the policy's HF model (as a push would leave it):
+class CopyEngine(ScoringEngine):
+    """A rollout engine whose 'vLLM' model is an fp32 copy of the policy's HF model (as a push would leave it):
     `score` and `group_outputs` (through vLLM's recorder, sync/vllm.py) run on the copy, so the check and its
     localization see what it holds."""
 
-    weight_dtype = torch.float32
     display_name = "vLLM"
-
-    def __init__(self, hf):
-        import copy
-
-        self.model = copy.deepcopy(hf)
-        self.llm = self
-
-    def apply_model(self, fn):
-        return [fn(self.model)]
-
-    def group_outputs(self, sequence, model_type):
-        return vllm_group_outputs(self, lambda: self.score([sequence]), model_type)
-
-    @torch.no_grad()
-    def score(self, sequences):
-        out = []
-        for s in sequences:
-            logits = self.model(torch.tensor([s])).logits[0, :-1].float()
-            out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(s[1:])[:, None])[:, 0])
-        return out
 
 
 def _policy(tied):

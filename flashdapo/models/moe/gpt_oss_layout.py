@@ -28,10 +28,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["GPT_OSS", "is_sinks", "to_vllm_gpt_oss"]
-
-GPT_OSS = "gpt_oss"
-"""config.json model_type of the family these mappings are for."""
+__all__ = ["is_sinks", "to_vllm_gpt_oss"]
 
 _EXPERTS = re.compile(r"^(?P<experts>(?:.*\.)?mlp\.experts)\."
                       r"(?P<proj>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
