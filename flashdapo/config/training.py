@@ -140,7 +140,10 @@ class CheckpointConfig(Section):
     recorded). A resume with any other change is refused, naming each field old -> new; an accepted change
     is logged and recorded in run.json, and a changed optim.lr is the rate the resumed optimizer uses."""
     export_hf: bool = True
-    """Write an HF-format export (safetensors, config, tokenizer) of the final policy."""
+    """Write an HF-format export (safetensors, config, tokenizer) of the final policy; under LoRA a PEFT
+    adapter directory naming its base (docs/lora.md)."""
+    export_merged: bool = False
+    """LoRA: also write the merged policy (base + adapters) as a plain HF checkpoint in export-merged/."""
 
 
 @dataclass

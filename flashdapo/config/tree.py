@@ -2,8 +2,8 @@
 it.
 
 This module is the root, `Config`; its sections live by theme: inputs.py (`model`, `data`), sampling.py
-(`rollout`, `algorithm`), training.py (`optim`, `trainer`, `checkpoint`, `logging`), profiling.py
-(`profile`). Every field has its
+(`rollout`, `algorithm`), lora.py (`lora`), training.py (`optim`, `trainer`, `checkpoint`, `logging`),
+profiling.py (`profile`). Every field has its
 default in its section's class and nowhere else, and states what it accepts in its type
 (`Annotated[int, ge(1)]`; see checks.py); building a section checks it. The CLI
 (`flashdapo train --help`) is generated from these dataclasses and their field docstrings by tyro.
@@ -18,6 +18,7 @@ from typing import Any
 from .checks import Rule, Section, register_tree
 from .engines import engine_spec
 from .inputs import DataConfig, ModelConfig, ScratchpadTaskConfig, ToyModelConfig, ToyTaskConfig
+from .lora import LoraConfig
 from .profiling import ProfileConfig
 from .sampling import AlgorithmConfig, RolloutConfig
 from .training import CheckpointConfig, LoggingConfig, OptimConfig, TrainerConfig
@@ -28,6 +29,7 @@ class Config(Section):
     """flashdapo: DAPO reinforcement learning of reasoning LLMs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -65,6 +67,11 @@ class Config(Section):
              lambda c: f"steps of the run, 1..trainer.total_steps ({c.trainer.total_steps})"),
     )
 
+    @property
+    def peak_lr(self) -> float:
+        """The optimizer's peak learning rate: optim.lr, times lora.lr_scale when adapters train."""
+        return self.optim.lr * (self.lora.lr_scale if self.lora.enabled else 1.0)
+
     def to_dict(self) -> dict[str, Any]:
         """The tree as nested dicts (tuples become lists)."""
         return _plain(dataclasses.asdict(self))
@@ -88,7 +95,8 @@ register_tree(Config)
 
 
 __all__ = [
-    "AlgorithmConfig", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ModelConfig",
+    "AlgorithmConfig", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "LoraConfig",
+    "ModelConfig",
     "OptimConfig", "ProfileConfig", "RolloutConfig", "ScratchpadTaskConfig", "ToyModelConfig",
     "ToyTaskConfig", "TrainerConfig"
 ]

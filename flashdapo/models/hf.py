@@ -95,6 +95,11 @@ class Family:
     model holds fused: "per_expert" (`...experts.<e>.{gate,up,down}_proj.weight`, the inverse of transformers'
     qwen2_moe conversion: models/moe/expert_layout.py), "gpt_oss" (vLLM's own names, one expert at a time, the
     attention sinks apart: models/moe/gpt_oss_layout.py); None: every tensor as held (dense families)."""
+    adapter_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                        "down_proj")
+    """The decoder's linear modules that take LoRA adapters by default (lora.target_modules empty;
+    models/lora.py): attention and dense MLP projections, shared experts included. Never the routers, nor the
+    routed experts transformers holds fused as 3-D parameters (no linear module to adapt)."""
 
 
 COMMON_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -138,6 +143,11 @@ LINEAR_ATTENTION_CONFIG_KEYS = ("layer_types", "linear_num_key_heads", "linear_n
 """Gated DeltaNet families (Qwen3.5, Qwen3-Next): which layers are linear attention, and those layers'
 shapes."""
 
+LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz",
+                                "in_proj_ba", "out_proj")
+"""Gated DeltaNet's linear projections (Qwen3.5 ships q/k/v and z apart, Qwen3-Next fused), adapted besides
+the full-attention and MLP ones."""
+
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -157,8 +167,8 @@ FAMILIES: dict[str, Family] = {
             "gemma4_text", groups=_scaled_embedding_groups, config_keys=GEMMA4_CONFIG_KEYS,
             function_keys=_GEMMA_ACT +
             ("sliding_window", "final_logit_softcapping", "use_bidirectional_attention", "top_k_experts")),
-        Family("phi3", function_keys=_ACT +
-               ("sliding_window", )),  # fused qkv_proj / gate_up_proj: shapes as common
+        Family("phi3", function_keys=_ACT + ("sliding_window", ),
+               adapter_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),  # fused qkv / gate_up
         Family("olmo2", function_keys=_ACT),  # norms after attention and MLP only, q/k norms over all heads
         Family("olmo3", function_keys=_ACT + _LAYER_WINDOWS),  # OLMo 2's layout with sliding-window layers
         # GPT-OSS: attention sinks (parameters: their shapes are recorded) and sliding-window layers (the
@@ -182,15 +192,19 @@ FAMILIES: dict[str, Family] = {
             config_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                          "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                          "moe_intermediate_size", "first_k_dense_replace"), function_keys=_ACT +
-            ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "rope_interleave")),
+            ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "rope_interleave"),
+            adapter_modules=("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                             "gate_proj", "up_proj", "down_proj")),
         # Qwen3.5: Gated DeltaNet (linear attention) layers between full-attention ones
         # (models/linear_attention.py); Qwen3-Next: the same layers, sparse MoE blocks with a shared expert.
-        Family("qwen3_5_text", config_keys=LINEAR_ATTENTION_CONFIG_KEYS, function_keys=_ACT),
+        Family("qwen3_5_text", config_keys=LINEAR_ATTENTION_CONFIG_KEYS, function_keys=_ACT,
+               adapter_modules=Family.adapter_modules + LINEAR_ATTENTION_PROJECTIONS),
         Family(
             "qwen3_next", routers=_sparse_block_routers, engine_experts="per_expert",
             config_keys=LINEAR_ATTENTION_CONFIG_KEYS +
             ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
-             "decoder_sparse_step", "mlp_only_layers"), function_keys=_ACT + ("norm_topk_prob", )),
+             "decoder_sparse_step", "mlp_only_layers"), function_keys=_ACT + ("norm_topk_prob", ),
+            adapter_modules=Family.adapter_modules + LINEAR_ATTENTION_PROJECTIONS),
     )
 }
 """The accepted families, by config.json `model_type` (tests/models/ runs each)."""

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..config import Config
 from ..distributed.mesh import DistEnv
 from .hf import resolved_attention
+from .lora import add_adapters
 from .parallelize import parallelize
 from .policy import PolicyModel
 from .quantized import load_pretrained, plain_config
@@ -30,13 +31,16 @@ def load_sharded_policy(cfg: Config, env: DistEnv, log=None, purpose: str = "tra
     mc = cfg.model
     config = plain_config(AutoConfig.from_pretrained(mc.path))
     attention = resolved_attention(mc.attn_implementation, config)
+    # LoRA: the frozen base stays in the compute dtype (no fp32 master copy); the adapters are fp32.
+    dtype = torch.bfloat16 if cfg.lora.enabled and mc.dtype == "bfloat16" else torch.float32
     if env.rank == 0:  # the side's rank 0 (split placement's rollout side reads its own copy)
-        hf = load_pretrained(mc.path, torch.float32, attention, log, purpose=purpose)
-        full = {k: v for k, v in hf.state_dict().items()}
+        hf = load_pretrained(mc.path, dtype, attention, log, purpose=purpose)
     else:
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
-        full = {}
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    if cfg.lora.enabled:
+        add_adapters(hf, cfg.lora, cfg.trainer.seed)  # rank 0's draw reaches the others with the weights
+    full = {k: v for k, v in hf.state_dict().items()} if env.rank == 0 else {}
     policy = PolicyModel(hf, attention, cfg.trainer.kernel_impl, cfg.rollout.temperature)
     policy = parallelize(policy, env, mc, cfg.trainer)
     if env.world_size == 1:

@@ -33,7 +33,7 @@ The choices, before the code:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -82,14 +82,15 @@ def _full(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def iter_full_state_dict(model: nn.Module,
-                         dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_state_dict(model: nn.Module, dtype: torch.dtype | None = None,
+                         only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` for every parameter and persistent buffer of `model`, one at a time.
 
     DTensor (FSDP2) values are all-gathered with `full_tensor()`, so EVERY rank of the mesh must consume
     this iterator to the end, in step with the others. Floating-point tensors are cast to `dtype` when it
     is given. Tied parameters are yielded once (first name). Raises ValueError if two tensors map to the
-    same name after wrapper prefixes are stripped.
+    same name after wrapper prefixes are stripped. `only(name)`: the tensors to gather (a test of the name
+    alone, the same on every rank), e.g. LoRA's adapters.
     """
     seen: set[str] = set()
     for raw_name, value in named_tensors(model):
@@ -98,6 +99,8 @@ def iter_full_state_dict(model: nn.Module,
             raise ValueError(f"two tensors are named {name!r} once wrapper prefixes are removed "
                              f"({raw_name!r})")
         seen.add(name)
+        if only is not None and not only(name):
+            continue
         full = _full(value, dtype)
         yield name, full
         del full

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.lora import AdapterLayout, base_name, is_adapter, layout_of, merged_stream, peft_name
 from ..models.weights import iter_full_state_dict
 
 __all__ = ["WeightSource", "policy_weights"]
@@ -39,10 +40,35 @@ class WeightSource:
     """The dtype of the export's tensors (the compute dtype: bf16 for model.dtype bfloat16); None: as held."""
     version: int = 0
     """Optimizer updates so far in this process: the version the engine's `wake` is given with the weights."""
+    layout: AdapterLayout | None = None
+    """LoRA: the adapters the policy carries (an engine with its own weights then takes only them:
+    `adapters`); None: the whole model trains."""
 
     def __call__(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors cast to `dtype` (None: as held), for an engine's `wake`."""
         return iter_full_state_dict(self.hf, dtype=dtype)
+
+    def adapters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the adapters alone, full fp32 tensors under their PEFT names (`base_model.model.<module>.
+        lora_A.weight`), gathered one at a time; the frozen base is never gathered."""
+        for name, tensor in iter_full_state_dict(self.hf, only=is_adapter):
+            yield peft_name(name), tensor
+
+    def merged(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the plain model's tensors, each adapted weight merged (W + alpha/r B A, in float32) before
+        the cast to `export_dtype`: the HF export of the adapted policy."""
+        return self._cast(merged_stream(iter_full_state_dict(self.hf), self.layout))
+
+    def base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the frozen base's tensors under the plain model's names (the toy's base, which has no model
+        directory for an adapter to name)."""
+        return self._cast((base_name(name), tensor)
+                          for name, tensor in iter_full_state_dict(self.hf, only=lambda n: not is_adapter(n)))
+
+    def _cast(self, named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named:
+            cast = self.export_dtype is not None and tensor.is_floating_point()
+            yield name, tensor.to(self.export_dtype) if cast else tensor
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors in `export_dtype`, for the HF export (config.json says that dtype)."""
@@ -60,4 +86,4 @@ class WeightSource:
 
 def policy_weights(hf: nn.Module, model_dtype: str) -> WeightSource:
     """The WeightSource of a policy trained in model.dtype `model_dtype` (resolved: bfloat16 or float32)."""
-    return WeightSource(hf, torch.bfloat16 if model_dtype == "bfloat16" else None)
+    return WeightSource(hf, torch.bfloat16 if model_dtype == "bfloat16" else None, layout=layout_of(hf))

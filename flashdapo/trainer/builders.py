@@ -12,6 +12,7 @@ from ..config import Config, engine_spec
 from ..distributed.mesh import DistEnv
 from ..models.attention_limits import check_flash_attention
 from ..models.loading import load_sharded_policy
+from ..models.lora import add_adapters
 from ..models.model_dir import check_model_dir
 from ..models.parallelize import parallelize
 from ..models.policy import PolicyModel
@@ -53,16 +54,20 @@ def build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> P
     configure_threads(sum(p.numel() for p in hf_model.parameters()), env.device)  # before the warm-up
     policy = PolicyModel(hf_model, cfg.model.attn_implementation, cfg.trainer.kernel_impl,
                          cfg.rollout.temperature).with_route_replay(cfg.algorithm.routing_replay)
-    if not resuming:
+    if not resuming or cfg.lora.enabled:  # LoRA's checkpoints hold only the adapters: the base is rebuilt
         # Same seed, same data, same arithmetic on every rank: every rank gets the same base model.
         warm_up_built_in(policy, cfg, tokenizer, log=log if env.is_main else (lambda _m: None))
+    if cfg.lora.enabled:
+        add_adapters(policy.hf, cfg.lora, cfg.trainer.seed)
     return parallelize(policy, env, cfg.model, cfg.trainer)
 
 
 def build_optimizer(cfg: Config, policy: PolicyModel):
-    """AdamW over the policy's parameters and its warm-up schedule."""
+    """AdamW over the policy's trainable parameters (the adapters alone under LoRA) and its warm-up
+    schedule."""
     oc = cfg.optim
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=oc.lr, betas=oc.betas, eps=oc.eps,
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.peak_lr, betas=oc.betas, eps=oc.eps,
                                   weight_decay=oc.weight_decay)
     # Linear warmup over `warmup_steps` training steps (the first step already uses lr/warmup), then constant;
     # the loop steps the schedule only after a training step that took an optimizer step.
@@ -87,13 +92,15 @@ def training_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer, e
 
 
 def parameter_counts(policy: PolicyModel) -> str:
-    """'N parameters (M in this rank's shards)': a DTensor's numel is the full tensor's, to_local() its
-    shard."""
+    """'N parameters (M in this rank's shards)', or under LoRA 'N trainable of M parameters (...)': a
+    DTensor's numel is the full tensor's, to_local() its shard."""
     from torch.distributed.tensor import DTensor
 
     full = sum(p.numel() for p in policy.parameters())
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in policy.parameters())
-    return f"{full:,} parameters ({local:,} in this rank's shards)"
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    counts = f"{trainable:,} trainable of {full:,} parameters" if trainable < full else f"{full:,} parameters"
+    return f"{counts} ({local:,} in this rank's shards)"
 
 
 __all__ = ["build_optimizer", "build_policy", "checked_tokenizer", "parameter_counts", "training_engine"]

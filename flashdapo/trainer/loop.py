@@ -40,6 +40,7 @@ from .observe.step_metrics import split_metrics, step_metrics  # noqa: F401  (sp
 from .observe.truncation import TruncationWatch
 from .setup import Run, setup_run
 from .split.rollout_side import run_rollout_side
+from .state.adapter_export import export_adapted
 from .state.checkpoint import latest_checkpoint, save_checkpoint
 from .state.export import export_hf
 from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
@@ -60,9 +61,8 @@ def train(cfg) -> Run | None:
             stopped_at = train_steps(run, stop)
             if stopped_at is None and cfg.checkpoint.export_hf and run.needs_export():
                 stop.phase = "the export"
-                export_hf(run.weights.export(), run.export_config(), run.tokenizer, run.run_dir / "export",
-                          run.env.is_main, step=run.final_step)
-                run.log(f"exported the final policy to {run.run_dir / 'export'}")
+                for line in export_final(run):
+                    run.log(line)
             if stopped_at is None:
                 stop.check()
         except BaseException as err:
@@ -72,6 +72,17 @@ def train(cfg) -> Run | None:
     if stopped_at is not None:
         raise stop.stopped(stopped_at)
     return run
+
+
+def export_final(run: Run) -> list[str]:
+    """Write the final policy's export (every rank together); the lines saying what was written."""
+    cfg = run.cfg
+    if run.weights.layout is not None:
+        return export_adapted(run.weights, run.export_config(), run.tokenizer, run.run_dir, run.env.is_main,
+                              run.final_step, cfg.model.path, cfg.checkpoint.export_merged)
+    export_hf(run.weights.export(), run.export_config(), run.tokenizer, run.run_dir / "export",
+              run.env.is_main, step=run.final_step)
+    return [f"exported the final policy to {run.run_dir / 'export'}"]
 
 
 def train_steps(run: Run, stop: StopOnInterrupt) -> int | None:

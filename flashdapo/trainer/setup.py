@@ -226,7 +226,7 @@ def _build_run(cfg: Config, env: DistEnv, failfast: FailFast, run_dir: Path, log
     if resumed is not None:
         scheduler.load_state_dict(resumed.state.scheduler)
         restore_sampler(sampler, resumed, log)
-        lr = apply_optim_config(optimizer, scheduler, cfg.optim)
+        lr = apply_optim_config(optimizer, scheduler, cfg.optim, cfg.peak_lr)
         start_step, run_id = resumed.state.step, resumed.state.run_id or run_id
         log(describe_resume(resumed, lr, cfg.checkpoint.allow_changes))
         if start_step >= cfg.trainer.total_steps:

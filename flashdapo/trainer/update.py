@@ -33,6 +33,7 @@ from ..config import Config
 from ..distributed.collectives import all_reduce
 from ..distributed.mesh import DistEnv
 from ..errors import FlashdapoError
+from ..models.lora import adapter_dropout
 from ..models.moe import RouterLogits, load_balancing, loss_routers, router_aux_coef, token_sequences
 from ..models.moe.expert_parallel import clip_grad_norm_over_meshes
 from ..models.policy import PolicyModel, per_token_split
@@ -140,6 +141,16 @@ def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: T
     (on every rank: both are global), so a non-finite value never reaches the weights or Adam's moments."""
     router = RouterTerm.of(policy, cfg, env.device)
     result = UpdateResult([], [], LossStats.zeros(), [], expert_load=None if router is None else router.load)
+    with adapter_dropout(policy.hf):
+        _update_epochs(policy, optimizer, batch, cfg, env, pad_id, router, result)
+    if policy.route_replay is not None:
+        policy.route_replay.load(None)
+        result.route_agreement = policy.route_replay.take_agreement()
+    return result
+
+
+def _update_epochs(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg: Config,
+                   env: DistEnv, pad_id: int, router: RouterTerm | None, result: UpdateResult) -> None:
     for _ in range(cfg.trainer.ppo_epochs):
         for groups in batch.mini_batches:
             outcome = _mini_batch_step(policy, optimizer, batch, batch.response_slices(groups), cfg, env,
@@ -159,10 +170,6 @@ def update_actor(policy: PolicyModel, optimizer: torch.optim.Optimizer, batch: T
                 result.stats = result.stats + stats
                 if router is not None:
                     result.router_aux_losses.append(aux)
-    if policy.route_replay is not None:
-        policy.route_replay.load(None)
-        result.route_agreement = policy.route_replay.take_agreement()
-    return result
 
 
 @dataclass

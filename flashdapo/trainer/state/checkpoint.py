@@ -43,12 +43,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ...distributed.collectives import all_gather_objects, all_reduce, barrier
 from ...distributed.interrupt import interruption_of
 from ...distributed.mesh import DistEnv
 from ...errors import FlashdapoError, refused_pickle
+from ...models.lora import layout_of
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -261,9 +262,12 @@ def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     (`torch.distributed.checkpoint.state_dict._init_optim_state`). The weights and AdamW's moments stay as
     they were, but its step count becomes 1: a run stopped before its first update (dynamic sampling still
     collecting, say) and resumed would take that update with step 2's bias correction, the uninterrupted run
-    with step 1's. The count goes back to 0, in the live optimizer and in what is saved."""
+    with step 1's. The count goes back to 0, in the live optimizer and in what is saved.
+
+    Under LoRA only the adapters are in the model's state (the frozen base is the model.path checkpoint's, or
+    the toy's warm-up, rebuilt at resume), and only they have optimizer state."""
     fresh = not optimizer.state
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     if fresh:
         for state in [*optimizer.state.values(), *optim_sd.get("state", {}).values()]:
             step = state.get("step")
@@ -272,6 +276,13 @@ def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
             elif step is not None:
                 state["step"] = 0
     return model_sd, optim_sd
+
+
+def _options(model: nn.Module) -> StateDictOptions:
+    """DCP's options for `model`: with adapters (LoRA), the frozen base left out of saves and loads (what a
+    load leaves out is what the save left out, from the same call)."""
+    adapted = layout_of(getattr(model, "hf", model)) is not None
+    return StateDictOptions(ignore_frozen_params=adapted, strict=not adapted)
 
 
 def _on_every_rank(env: DistEnv, action: Callable[[], None] | None, final: Path, tmp: Path) -> None:
@@ -492,6 +503,6 @@ def load_checkpoint(path: Path, env: DistEnv, model: nn.Module, optimizer: torch
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path}: cannot load model/optimizer ({one_line(err)})") from err
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
-                   optim_state_dict=state_dict["optim"])
+                   optim_state_dict=state_dict["optim"], options=_options(model))
     _set_rng_state(rng)
     return state

@@ -84,7 +84,7 @@ def export_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config, toke
         weight_map[name] = len(files) - 1
         buffered += tensor.numel() * tensor.element_size()
     if is_main:
-        source = Path(source_dir) if source_dir is not None else _source_of(tokenizer)
+        source = Path(source_dir) if source_dir is not None else source_of(tokenizer)
         _finish_export(files, weight_map, tmp, out_dir, hf_config, tokenizer, save_file, step, source)
     barrier()
 
@@ -142,7 +142,7 @@ def _finish_export(files, weight_map, tmp: Path, out_dir: Path, hf_config, token
     hf_config.save_pretrained(tmp)
     write_generation_config(tmp, source, tokenizer)
     added = write_tokenizer(tmp, source, tokenizer)
-    _publish_export(tmp, out_dir, step, added)
+    publish_export(tmp, out_dir, step, added)
 
 
 def write_generation_config(tmp: Path, source: Path | None, tokenizer) -> None:
@@ -209,12 +209,12 @@ def _source_chat_template(source: Path):
         return None
 
 
-def _source_of(tokenizer) -> Path | None:
+def source_of(tokenizer) -> Path | None:
     found = loaded_from(tokenizer)
     return Path(found) if found is not None else None
 
 
-def _publish_export(tmp: Path, out_dir: Path, step: int | None = None,
+def publish_export(tmp: Path, out_dir: Path, step: int | None = None,
                     added: dict[str, str] | None = None) -> None:
     """Move a finished export from `tmp` into `out_dir`, replacing the previous export's files and nothing
     else.

@@ -120,15 +120,16 @@ def load_resume(candidates: list[Path], cfg: Config, settings: dict[str, Any], e
 
 
 def apply_optim_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                       oc: OptimConfig) -> float:
+                       oc: OptimConfig, lr: float) -> float:
     """Give a restored optimizer and LambdaLR schedule this run's optim settings; returns the lr now in use.
 
     The optimizer's state dict restores the checkpoint's hyper-parameters and the schedule its base rates, so
-    a changed optim.lr would otherwise be ignored. The rate is recomputed as the schedule computes it,
-    base_lr * lambda(last_epoch): for an unchanged lr it is the checkpoint's rate, bit for bit."""
-    scheduler.base_lrs = [oc.lr for _ in optimizer.param_groups]
+    a changed optim.lr would otherwise be ignored. `lr` is the peak rate (Config.peak_lr). The rate is
+    recomputed as the schedule computes it, base_lr * lambda(last_epoch): for an unchanged lr it is the
+    checkpoint's rate, bit for bit."""
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
     for group, lmbda in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-        group.update(initial_lr=oc.lr, lr=oc.lr * lmbda(scheduler.last_epoch), betas=tuple(oc.betas),
+        group.update(initial_lr=lr, lr=lr * lmbda(scheduler.last_epoch), betas=tuple(oc.betas),
                      eps=oc.eps, weight_decay=oc.weight_decay)
     # get_last_lr() (the loop's actor/lr) reads this private copy, which the schedule refreshes only in
     # step().

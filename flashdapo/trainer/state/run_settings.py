@@ -17,7 +17,10 @@ checkpoint records, as a flat `{field path: plain value}` dict (`trainer_state.p
   and how they are collected: `streaming`, `max_in_flight`, `partial_rollouts`, `max_carry_steps`,
   `agree_every`; the placement, and in split placement the rollout ranks R and the lag k: `rollout_ranks`,
   `max_lag`),
-  and every field of the `algorithm` and `optim` sections.
+  and every field of the `algorithm` and `optim` sections;
+- LoRA: every field of the `lora` section (rank 0 when off), and the base the adapters were trained on
+  (`lora.base`: each safetensors file's name, size and a hash of its first and last MiB; the base is not in
+  the checkpoint, so resuming adapters onto another one would splice two runs).
 
 Not recorded, free to change on resume: total_steps, validation (files, k, intervals), logging, checkpoint
 intervals, devices and world size, kernels and micro-batch sizes (numerics only), the rollout engine.
@@ -125,7 +128,25 @@ def run_settings(cfg: Config, hf_model, tokenizer) -> dict[str, Any]:
         found.update({f"rollout.{k}": getattr(cfg.rollout, k) for k in _SPLIT_FIELDS})
     found.update({f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()})
     found.update({f"optim.{k}": v for k, v in asdict(cfg.optim).items()})
+    found.update({f"lora.{k}": v for k, v in asdict(cfg.lora).items()})
+    if cfg.lora.enabled and cfg.model.path:
+        found["lora.base"] = weights_fingerprint(cfg.model.path)
     return _plain(found)
+
+
+def weights_fingerprint(model_dir: str | Path, window: int = 1 << 20) -> str:
+    """A hash of a checkpoint's weight files, quick at any size: each *.safetensors file's name, size, and
+    the sha256 of its first and last `window` bytes (its header and the start and end of its tensors)."""
+    parts = []
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        size = file.stat().st_size
+        digest = hashlib.sha256()
+        with file.open("rb") as f:
+            digest.update(f.read(window))
+            f.seek(max(size - window, 0))
+            digest.update(f.read(window))
+        parts.append([file.name, size, digest.hexdigest()])
+    return _sha(parts)
 
 
 def _allows(entry: str, path: str) -> bool:

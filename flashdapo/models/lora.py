@@ -1,0 +1,189 @@
+"""LoRA adapters on the policy, through peft (the library whose adapters transformers and vLLM load).
+
+The choices, before the code:
+
+- **In place, not wrapped.** `peft.inject_adapter_in_model` replaces each target `nn.Linear` by peft's
+  `lora.Linear` (the frozen `base_layer` plus `lora_A`, `lora_B`) inside the HF model itself, so the policy
+  keeps its `hf.model`, its decoder blocks (FSDP2's units), its LM head (read by the fused kernels unchanged)
+  and its sampling forward: the torch engine samples the adapted policy as it is.
+- **Frozen base in its compute dtype.** Every parameter but the adapters has requires_grad False: no
+  gradients, no optimizer states and no checkpoint entries for it. The adapters are float32 (their master
+  weights; FSDP2's mixed precision casts them for bf16 compute), the base is loaded in the compute dtype.
+- **Targets** come from the family (models/hf.py `adapter_modules`) or `lora.target_modules`, and are only
+  `nn.Linear` modules inside the decoder blocks: never the embeddings, the LM head, the routers, or the routed
+  experts transformers holds fused as 3-D parameters. A name that matches nothing is refused in one line.
+- **Names.** Held: `model.layers.0.self_attn.q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`.
+  Written as a PEFT adapter (`adapter_model.safetensors`): `base_model.model.model.layers.0.self_attn.q_proj.
+  lora_A.weight`, the names `PeftModel.from_pretrained` and vLLM's LoRA loader read. Merged (the HF export,
+  `merged_stream`): `...q_proj.weight` = W + alpha/r * B @ A, computed in float32 (or wider).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, LoraConfig
+from ..errors import FlashdapoError
+from .hf import FAMILIES, decoder_layers
+
+ADAPTER = "default"
+"""peft's adapter name; the only adapter a policy holds."""
+_ADAPTER_PART = re.compile(r"\.lora_(A|B)\." + ADAPTER + r"\.")
+_BASE_PART = ".base_layer."
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """What the adapters are: the peft config they were made with and the modules they adapt."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    """Short module names (q_proj, ...), as peft matches them."""
+    adapted: tuple[str, ...]
+    """Full names of the adapted modules, in module order."""
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def peft_config(self, base_model: str = ""):
+        """peft's LoraConfig of these adapters (`base_model`: the path adapter_config.json names)."""
+        from peft import LoraConfig as PeftLoraConfig
+
+        return PeftLoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                              target_modules=list(self.target_modules), bias="none",
+                              base_model_name_or_path=base_model or None, task_type="CAUSAL_LM")
+
+
+def adapter_layout(hf: nn.Module, cfg: LoraConfig) -> AdapterLayout:
+    """The modules `cfg` adapts on `hf` (its family's defaults unless cfg.target_modules names them);
+    ConfigError when a named module is not a linear layer of a decoder block, or nothing matches."""
+    family = FAMILIES[hf.config.model_type]
+    wanted = tuple(cfg.target_modules) or family.adapter_modules
+    names = {id(module): name for name, module in hf.named_modules()}
+    adapted, found = [], set()
+    for block_name in (names[id(layer)] for layer in decoder_layers(hf)):
+        for name, module in hf.get_submodule(block_name).named_modules():
+            short = name.rsplit(".", 1)[-1]
+            if short in wanted and isinstance(module, nn.Linear):
+                adapted.append(f"{block_name}.{name}")
+                found.add(short)
+    missing = [m for m in cfg.target_modules if m not in found]
+    if missing or not adapted:
+        raise ConfigError(
+            f"lora.target_modules: {', '.join(missing or wanted)} is no linear layer of a "
+            f"{hf.config.model_type} decoder block; its linear layers are "
+            f"{', '.join(_linear_names(hf)) or 'none'}")
+    return AdapterLayout(cfg.rank, cfg.alpha, cfg.dropout, tuple(sorted(found)), tuple(adapted))
+
+
+def _linear_names(hf: nn.Module) -> list[str]:
+    layer = decoder_layers(hf)[0]
+    return sorted({name.rsplit(".", 1)[-1] for name, m in layer.named_modules() if isinstance(m, nn.Linear)})
+
+
+def add_adapters(hf: nn.Module, cfg: LoraConfig, seed: int) -> AdapterLayout:
+    """Put `cfg`'s adapters on `hf` in place (peft), freeze everything else; the layout. Adapters are float32
+    (master weights) over a half-precision base. `seed` draws lora_A (B starts at zero) the same on every
+    rank, whatever the global generator holds. On the meta device they are meta too (the load fills them)."""
+    from peft import inject_adapter_in_model
+
+    layout = adapter_layout(hf, cfg)
+    peft_config = layout.peft_config()
+    peft_config.target_modules = list(layout.adapted)  # exactly these modules, by full name
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(peft_config, hf, adapter_name=ADAPTER)
+    for name, param in hf.named_parameters():
+        adapter = is_adapter(name)
+        param.requires_grad_(adapter)
+        if adapter and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+    for dropout in _dropouts(hf):
+        dropout.eval()  # on only inside `adapter_dropout`
+    hf.adapter_layout = layout
+    return layout
+
+
+def _dropouts(hf: nn.Module) -> list[nn.Module]:
+    return [m for name, m in hf.named_modules() if name.endswith(f"lora_dropout.{ADAPTER}")
+            and isinstance(m, nn.Dropout)]
+
+
+@contextmanager
+def adapter_dropout(hf: nn.Module) -> Iterator[None]:
+    """The adapters' dropout (lora.dropout > 0) on for the update's forwards, off again after: sampling, the
+    old log-probs and the push check compute the policy without it. A no-op without adapters or dropout."""
+    dropouts = _dropouts(hf)
+    for dropout in dropouts:
+        dropout.train()
+    try:
+        yield
+    finally:
+        for dropout in dropouts:
+            dropout.eval()
+
+
+def layout_of(hf: nn.Module) -> AdapterLayout | None:
+    """The adapters `hf` carries (add_adapters), None for a model trained whole."""
+    return getattr(hf, "adapter_layout", None)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (held, any wrapper prefixes) is an adapter's."""
+    return bool(_ADAPTER_PART.search(name))
+
+
+def peft_name(name: str) -> str:
+    """An adapter tensor's name as a PEFT adapter file holds it: `base_model.model.<module>.lora_A.weight`."""
+    return "base_model.model." + _ADAPTER_PART.sub(lambda m: f".lora_{m.group(1)}.", name)
+
+
+def held_name(peft_key: str) -> str:
+    """The inverse of `peft_name`: a PEFT adapter file's key as the adapted model holds it."""
+    name = peft_key.removeprefix("base_model.model.")
+    return re.sub(r"\.lora_(A|B)\.weight$", lambda m: f".lora_{m.group(1)}.{ADAPTER}.weight", name)
+
+
+def base_name(name: str) -> str:
+    """A held name as the plain model's: `...q_proj.base_layer.weight` -> `...q_proj.weight`."""
+    return name.replace(_BASE_PART, ".")
+
+
+def merged_stream(named: Iterator[tuple[str, torch.Tensor]],
+                  layout: AdapterLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """A full-tensor stream of an adapted model as the plain model's: `...base_layer.weight` held until its
+    module's A and B arrive, then yielded as `...weight` = W + alpha/r * B @ A (float32 arithmetic, the base's
+    dtype out); other base tensors renamed, adapters consumed."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        if _BASE_PART in name and name.endswith(".base_layer.weight"):
+            pending.setdefault(name.removesuffix(".base_layer.weight"), {})["W"] = tensor.clone()
+        elif is_adapter(name):
+            module, part = _ADAPTER_PART.split(name)[0], _ADAPTER_PART.search(name).group(1)
+            pending.setdefault(module, {})[part] = tensor
+        else:
+            yield base_name(name), tensor
+            continue
+        module = name.split(_BASE_PART)[0] if _BASE_PART in name else _ADAPTER_PART.split(name)[0]
+        parts = pending[module]
+        if len(parts) == 3:
+            del pending[module]
+            w = parts["W"]
+            wide = torch.promote_types(w.dtype, torch.float32)
+            delta = (parts["B"].to(wide) @ parts["A"].to(wide)) * layout.scaling
+            yield f"{module}.weight", (w.to(wide) + delta).to(w.dtype)
+    if pending:
+        raise FlashdapoError(f"adapters without their base weight (or the reverse): {sorted(pending)[:3]}")
+
+
+__all__ = ["ADAPTER", "AdapterLayout", "adapter_dropout", "adapter_layout", "add_adapters", "base_name",
+           "held_name", "is_adapter", "layout_of", "merged_stream", "peft_name"]
