@@ -23,6 +23,8 @@ The choices, before the code:
   side has taken θ_(s-1-k) and holds at most θ_(s-k) .. θ_s, k + 1 versions, the one in flight included
   (`Stage.max_staged` records it). The receiver is therefore always ready: the trainer's broadcast never
   waits for a generation.
+- **LoRA**: both sides build the same frozen base (model.path, or the toy's deterministic warm-up), so only
+  the adapters are pushed, staged, loaded and checksummed (`_pushed`): megabytes a version, not the model.
 - **Loading** is the main rollout thread's, at the batch boundary only: the full tensors are cut into this
   rank's FSDP2 shards (no collective) and copied into the rollout side's policy. Then the push check: the
   rollout policy's log-probs of the fixed probe tokens against the trainer's for the same version; beyond the
@@ -34,7 +36,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -46,6 +48,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..distributed.collectives import all_reduce
 from ..distributed.mesh import DistEnv
 from ..distributed.roles import Bridges
+from ..models.lora import is_adapter, layout_of
 from ..models.weights import hf_name, iter_full_state_dict, named_tensors
 from .check import PUSH_TOLERANCE, PushCheck, PushMismatchError
 
@@ -85,10 +88,18 @@ def push_dtype(model: nn.Module) -> torch.dtype:
     return getattr(getattr(state, "_mp_policy", None), "param_dtype", None) or own
 
 
+def _pushed(model: nn.Module) -> Callable[[str], bool] | None:
+    """Which tensors a version carries: under LoRA the adapters alone (both sides hold the same frozen base),
+    else all (None)."""
+    return is_adapter if layout_of(model) is not None else None
+
+
 def _manifest(model: nn.Module, dtype: torch.dtype) -> Manifest:
-    """What `iter_full_state_dict(model, dtype)` will yield, from the tensors' metadata (no gather)."""
+    """What `iter_full_state_dict(model, dtype, _pushed(model))` will yield, from the tensors' metadata (no
+    gather)."""
+    pushed = _pushed(model)
     return [(hf_name(raw), list(v.shape), str(dtype if v.is_floating_point() else v.dtype))
-            for raw, v in named_tensors(model)]
+            for raw, v in named_tensors(model) if pushed is None or pushed(hf_name(raw))]
 
 
 def _numel(entry: tuple[str, list[int], str]) -> int:
@@ -127,7 +138,7 @@ def push_weights(policy, env: DistEnv, version: int, check: PushCheck,
     # every trainer rank: a forward over the FSDP2 shards
     probe = torch.cat(check.trainer_logprobs(check.probe))
     dtype = push_dtype(policy.hf)
-    tensors = iter_full_state_dict(policy.hf, dtype)
+    tensors = iter_full_state_dict(policy.hf, dtype, _pushed(policy.hf))
     if env.rank != 0:
         for _ in tensors:  # the all-gathers need every trainer rank; what they yield only rank 0 sends
             pass
@@ -290,8 +301,12 @@ class Stage:
 
 @torch.no_grad()
 def load_weights(policy, staged: StagedVersion) -> None:
-    """Copy a staged version's full tensors into this rank's (FSDP2-sharded) policy: each cut to its shard."""
+    """Copy a staged version's full tensors into this rank's (FSDP2-sharded) policy: each cut to its shard
+    (under LoRA the adapters: the frozen base is this side's own)."""
+    pushed = _pushed(policy.hf)
     for raw, value in named_tensors(policy.hf):
+        if pushed is not None and not pushed(hf_name(raw)):
+            continue
         full = staged.tensors[hf_name(raw)]
         if isinstance(value, DTensor):
             # to the mesh's device first, then the cast: no full-size host copy in the policy's dtype
@@ -336,7 +351,7 @@ def check_loaded(policy, staged: StagedVersion, check: PushCheck, version: int) 
 
 def _loaded_sums(policy, dtype: torch.dtype) -> Iterator[tuple[str, float]]:
     """The loaded policy's checksums, in the pushed dtype, as the trainer took them."""
-    for name, value in iter_full_state_dict(policy.hf, dtype):
+    for name, value in iter_full_state_dict(policy.hf, dtype, _pushed(policy.hf)):
         yield name, _checksum(value).item()
 
 

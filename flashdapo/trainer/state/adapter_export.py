@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from ...distributed.collectives import barrier
 from ...sync import WeightSource
-from .export import publish_export, source_of, export_hf, write_tokenizer
+from .export import export_hf, publish_export, source_of, write_tokenizer
 
 ADAPTER_FILE = "adapter_model.safetensors"
 

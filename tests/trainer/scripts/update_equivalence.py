@@ -1,5 +1,7 @@
 """torchrun script: one fixed rollout batch, trained by however many ranks torchrun starts, once per
-(loss aggregation mode, rollout correction) pair. argv: OUT_DIR MICRO_BATCH_TOKENS [MINI_BATCH, default 2].
+(loss aggregation mode, rollout correction) pair. argv: OUT_DIR MICRO_BATCH_TOKENS [MINI_BATCH, default 2]
+[LORA_RANK, default 0: with a rank, LoRA adapters (lora_B drawn non-zero, so both A and B get gradients) on the
+toy model, and the first two pairs only].
 
 Writes, per pair, losses_<mode>_<correction>.json (per optimizer step: global pg_loss and grad norm, and
 the number of micro-batches of each optimizer step) and params_<mode>_<correction>.pt (full tensors); and
@@ -12,8 +14,9 @@ from pathlib import Path
 import torch
 
 import flashdapo.trainer.update as update
-from flashdapo.config import merge, toy
+from flashdapo.config import LoraConfig, merge, toy
 from flashdapo.distributed.mesh import init_distributed, shutdown
+from flashdapo.models.lora import add_adapters
 from flashdapo.models.parallelize import parallelize
 from flashdapo.models.policy import PolicyModel
 from flashdapo.models.weights import iter_full_state_dict
@@ -28,6 +31,9 @@ PAIRS = [("token-mean", "none"), ("seq-mean-token-mean", "token_truncate"), ("se
 
 out, budget = Path(sys.argv[1]), int(sys.argv[2])
 mini_batch = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+lora_rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+if lora_rank:
+    PAIRS = PAIRS[:2]
 VOCAB, GROUPS, N = 50, 8, 4
 env = init_distributed("cpu")
 
@@ -63,8 +69,15 @@ for mode, correction in PAIRS:
     # fp32 the parameters agree to ~3e-6 relative, except k_proj.bias: its true gradient is exactly zero
     # (softmax shift invariance), so Adam turns rounding noise into steps of its own.)
     model = build_toy_model(cfg.model, VOCAB, 128, seed=0).to(torch.float64)
+    if lora_rank:
+        add_adapters(model, LoraConfig(rank=lora_rank, alpha=8.0), seed=1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
     policy = parallelize(PolicyModel(model, "sdpa", "torch", 1.0), env, cfg.model, cfg.trainer)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                  weight_decay=cfg.optim.weight_decay)
     initial = {name: t.clone() for name, t in iter_full_state_dict(policy.hf)}
     # Responses dealt to the ranks balanced by tokens: on 2 ranks groups split between them.
     mine = deal_to_slots(groups, cfg.trainer.mini_batch, env.world_size, env.rank, cfg.algorithm.advantage_eps)

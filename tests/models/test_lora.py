@@ -1,0 +1,123 @@
+"""LoRA adapters on the policy (models/lora.py): the adapted forward equals peft's own forward in float64,
+packed and padded; only the adapters train; the merge equals peft's; every family's adapters go on linear
+layers of its decoder blocks and nowhere else; a name that adapts nothing is one line."""
+
+import copy
+
+import pytest
+import torch
+from peft import get_peft_model, set_peft_model_state_dict
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from flashdapo.config import ConfigError, LoraConfig
+from flashdapo.distributed.mesh import DistEnv
+from flashdapo.kernels import token_logprobs
+from flashdapo.models.hf import FAMILIES, decoder_layers
+from flashdapo.models.lora import add_adapters, base_name, held_name, is_adapter, merged_stream, peft_name
+from flashdapo.models.policy import PolicyModel
+from flashdapo.models.weights import iter_full_state_dict
+from tests.helpers.family_configs import family_config
+
+CPU = torch.device("cpu")
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=CPU, mesh=None)
+VOCAB = 67
+
+
+def _base(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).eval()
+
+
+def _adapted(base: nn.Module, rank: int = 5, **lora):
+    """A copy of `base` with adapters whose B is drawn non-zero (a fresh adapter is the base), and the same
+    adapters on peft's own PeftModel."""
+    model = copy.deepcopy(base)
+    layout = add_adapters(model, LoraConfig(rank=rank, alpha=12.0, **lora), seed=3)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=g, dtype=param.dtype) * 0.2)
+    theirs = get_peft_model(copy.deepcopy(base), layout.peft_config()).eval()
+    adapters = {peft_name(n): p.detach() for n, p in model.named_parameters() if is_adapter(n)}
+    loaded = set_peft_model_state_dict(theirs, adapters)
+    assert not loaded.unexpected_keys
+    return model, layout, theirs
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_the_adapted_policys_logprobs_equal_peft_forwards_in_float64(packed):
+    base = _base()
+    model, _, theirs = _adapted(base)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (6, 1, 11)]
+    responses = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 9, 2)]
+    policy = PolicyModel(model, "sdpa", "naive", temperature=0.8)
+    policy.set_layout(packed, ENV)
+    with torch.no_grad():
+        ours, _ = policy(policy.token_batch(prompts, responses, CPU))
+        expected, plain = [], []
+        for p, r in zip(prompts, responses):
+            ids = torch.cat([p, r])[None]
+            logits = theirs(input_ids=ids).logits[0, len(p) - 1:-1].double() / 0.8
+            expected.append(torch.log_softmax(logits, -1).gather(1, r[:, None])[:, 0])
+            hidden = base.model(input_ids=ids).last_hidden_state[0, len(p) - 1:-1]
+            plain.append(token_logprobs(hidden, base.lm_head.weight, r, temperature=0.8, impl="naive"))
+    expected = torch.cat(expected)
+    # the log-probs come out in float32 (the kernels' contract): equal to peft's float64 at float32's rounding
+    torch.testing.assert_close(ours.double(), expected, rtol=0, atol=2e-6)
+    assert (torch.cat(plain).double() - expected).abs().max() > 1e-2  # the adapters change the function
+
+
+def test_only_the_adapters_train_and_the_base_keeps_its_dtype():
+    base = _base().to(torch.bfloat16)
+    model = copy.deepcopy(base)
+    layout = add_adapters(model, LoraConfig(rank=4), seed=0)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter(n) for n in trainable)
+    assert len(trainable) == 2 * len(layout.adapted) == 2 * 2 * 7
+    assert {p.dtype for n, p in model.named_parameters() if n in trainable} == {torch.float32}
+    assert {p.dtype for n, p in model.named_parameters() if n not in trainable} == {torch.bfloat16}
+    ids = torch.randint(0, VOCAB, (2, 7))
+    # B starts at zero: the fresh adapted model is the base
+    assert torch.equal(model(input_ids=ids).logits, base(input_ids=ids).logits)
+
+
+def test_the_merge_equals_pefts_merge_and_the_names_round_trip():
+    base = _base()
+    model, layout, theirs = _adapted(base, rank=3)
+    merged = dict(merged_stream(iter_full_state_dict(model), layout))
+    reference = theirs.merge_and_unload().state_dict()
+    assert merged.keys() == {k for k in reference if k != "lm_head.weight" or k in merged}
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-12)
+    for name, _ in model.named_parameters():
+        if is_adapter(name):
+            assert held_name(peft_name(name)) == name
+    assert base_name("model.layers.0.mlp.up_proj.base_layer.weight") == "model.layers.0.mlp.up_proj.weight"
+
+
+def test_a_module_name_that_adapts_nothing_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        add_adapters(_base(), LoraConfig(rank=4, target_modules=["q_proj", "qkv"]), seed=0)
+    line = str(err.value)
+    assert "\n" not in line and "lora.target_modules: qkv" in line and "q_proj" in line and "down_proj" in line
+    with pytest.raises(ConfigError, match="expected"):  # the config's own check: never the LM head
+        LoraConfig(rank=4, target_modules=["lm_head"])
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_familys_adapters_go_on_linear_layers_of_its_decoder_blocks_only(model_type):
+    model = AutoModelForCausalLM.from_config(family_config(model_type), dtype=torch.float32)
+    layout = add_adapters(model, LoraConfig(rank=2), seed=0)
+    layers = decoder_layers(model)
+    per_block = [sum(1 for n in layout.adapted if n.startswith(f"model.layers.{i}.")) for i in range(len(layers))]
+    assert all(count >= 1 for count in per_block), per_block
+    assert all(isinstance(model.get_submodule(f"{n}.base_layer"), nn.Linear) for n in layout.adapted)
+    # never the embeddings, the LM head, routers or routed experts (shared experts are plain MLPs: adapted)
+    assert not [n for n in layout.adapted if any(w in n for w in ("embed", "lm_head", "router", ".experts."))
+                or n.endswith(".gate")]
+    assert set(layout.target_modules) <= set(FAMILIES[model_type].adapter_modules)
