@@ -107,15 +107,28 @@ def add_adapters(hf: nn.Module, cfg: LoraConfig, seed: int) -> AdapterLayout:
         param.requires_grad_(adapter)
         if adapter and param.dtype in (torch.bfloat16, torch.float16):
             param.data = param.data.float()
-    for dropout in _dropouts(hf):
-        dropout.eval()  # on only inside `adapter_dropout`
+    for name, module in list(hf.named_modules()):  # peft's nn.Dropout follows the model's train/eval mode
+        if name.endswith(f"lora_dropout.{ADAPTER}") and isinstance(module, nn.Dropout):
+            hf.get_submodule(name.rsplit(".", 1)[0])[ADAPTER] = UpdateDropout(module.p)
     hf.adapter_layout = layout
     return layout
 
 
-def _dropouts(hf: nn.Module) -> list[nn.Module]:
-    return [m for name, m in hf.named_modules() if name.endswith(f"lora_dropout.{ADAPTER}")
-            and isinstance(m, nn.Dropout)]
+class UpdateDropout(nn.Module):
+    """An adapter's input dropout that is on only inside `adapter_dropout` (the update's forwards), whatever
+    the model's train/eval mode: sampling, the old log-probs and the push check never drop."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, self.p, training=True) if self.on else x
+
+
+def _dropouts(hf: nn.Module) -> list[UpdateDropout]:
+    return [m for m in hf.modules() if isinstance(m, UpdateDropout)]
 
 
 @contextmanager
@@ -124,12 +137,12 @@ def adapter_dropout(hf: nn.Module) -> Iterator[None]:
     old log-probs and the push check compute the policy without it. A no-op without adapters or dropout."""
     dropouts = _dropouts(hf)
     for dropout in dropouts:
-        dropout.train()
+        dropout.on = True
     try:
         yield
     finally:
         for dropout in dropouts:
-            dropout.eval()
+            dropout.on = False
 
 
 def layout_of(hf: nn.Module) -> AdapterLayout | None:
@@ -185,5 +198,5 @@ def merged_stream(named: Iterator[tuple[str, torch.Tensor]],
         raise FlashdapoError(f"adapters without their base weight (or the reverse): {sorted(pending)[:3]}")
 
 
-__all__ = ["ADAPTER", "AdapterLayout", "adapter_dropout", "adapter_layout", "add_adapters", "base_name",
-           "held_name", "is_adapter", "layout_of", "merged_stream", "peft_name"]
+__all__ = ["ADAPTER", "AdapterLayout", "UpdateDropout", "adapter_dropout", "adapter_layout", "add_adapters",
+           "base_name", "held_name", "is_adapter", "layout_of", "merged_stream", "peft_name"]

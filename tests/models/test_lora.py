@@ -14,7 +14,15 @@ from flashdapo.config import ConfigError, LoraConfig
 from flashdapo.distributed.mesh import DistEnv
 from flashdapo.kernels import token_logprobs
 from flashdapo.models.hf import FAMILIES, decoder_layers
-from flashdapo.models.lora import add_adapters, base_name, held_name, is_adapter, merged_stream, peft_name
+from flashdapo.models.lora import (
+    adapter_dropout,
+    add_adapters,
+    base_name,
+    held_name,
+    is_adapter,
+    merged_stream,
+    peft_name,
+)
 from flashdapo.models.policy import PolicyModel
 from flashdapo.models.weights import iter_full_state_dict
 from tests.helpers.family_configs import family_config
@@ -121,3 +129,15 @@ def test_every_familys_adapters_go_on_linear_layers_of_its_decoder_blocks_only(m
     assert not [n for n in layout.adapted if any(w in n for w in ("embed", "lm_head", "router", ".experts."))
                 or n.endswith(".gate")]
     assert set(layout.target_modules) <= set(FAMILIES[model_type].adapter_modules)
+
+
+def test_the_adapters_dropout_is_on_only_inside_the_update():
+    model, _, _ = _adapted(_base(), dropout=0.5)
+    model.train()  # a module left in training mode (the toy model is built in it) still samples without dropout
+    ids = torch.randint(0, VOCAB, (2, 8))
+    outside = [model(input_ids=ids).logits for _ in range(2)]
+    with adapter_dropout(model):
+        inside = [model(input_ids=ids).logits for _ in range(2)]
+    after = model(input_ids=ids).logits
+    assert torch.equal(outside[0], outside[1]) and torch.equal(after, outside[0])
+    assert not torch.equal(inside[0], inside[1])
