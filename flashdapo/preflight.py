@@ -30,7 +30,7 @@ from .models.hf import (
 from .models.model_dir import ModelDirError
 from .models.moe.replay import check_routing_replay
 from .models.moe.router import check_router_aux_coef
-from .rollout.engine_models import check_engine_model
+from .rollout.engine_models import check_engine_lora, check_engine_model
 from .tokenizer import eos_token_ids, load_tokenizer
 
 PLAIN_CHAT_TEMPLATE = (
@@ -269,12 +269,15 @@ def _config_json(path: str) -> dict[str, Any] | None:
 
 def check_rollout_model(cfg: Config) -> None:
     """What rollout.engine cannot build of model.path's config.json, refused before any process group, weights
-    or engine start (`check_engine_model`). A config.json that is absent or not JSON, or of a model type
-    flashdapo does not train, is left to the model checks after the launch's (model_dir.check_model_dir,
-    check_model_shape), which name what is wrong with the model itself."""
+    or engine start (`check_engine_model`; LoRA adapters it cannot serve: `check_engine_lora`). A config.json
+    that is absent or not JSON, or of a model type flashdapo does not train, is left to the model checks after
+    the launch's (model_dir.check_model_dir, check_model_shape), which name what is wrong with the model
+    itself."""
     config = _config_json(cfg.model.path)
     if config is not None and config.get("model_type") in SUPPORTED_MODEL_TYPES:
         check_engine_model(cfg.rollout.engine, config, f"model.path={cfg.model.path}")
+        check_engine_lora(cfg.rollout.engine, config, cfg.lora.rank, cfg.lora.target_modules,
+                          f"model.path={cfg.model.path}")
 
 
 # ---------------------------------------------------------------------------------------------------

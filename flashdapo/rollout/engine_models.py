@@ -2,18 +2,26 @@
 process group, weights or engine start: vLLM's device-bound refusals (models/hf.py vllm_refusal), layer
 windows its model classes cannot mix, an architecture outside its registry, a model module whose third-party
 package is missing, and a quantized checkpoint (models/quantized.py: an unsupported quant_method for every
-engine; vLLM for any). Used by preflight.py (train), eval/ and plan/ (registry off: a GPU launch planned from
-any machine)."""
+engine; vLLM for any); and LoRA adapters an engine with its own weights cannot serve (`check_engine_lora`).
+Used by preflight.py (train), eval/ and plan/ (registry off: a GPU launch planned from any machine)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..config import ConfigError, engine_spec
-from ..models.hf import vllm_refusal
+from ..models.hf import FAMILIES, vllm_refusal
 from ..models.quantized import quant_format
+from ..sync.vllm import VLLM_LORA_RANKS, max_lora_rank, vllm_lora_ranks
+
+MLA_ABSORBED = ("kv_b_proj",)
+"""Modules of multi-head latent attention (DeepSeek-V3, config.json `kv_lora_rank`) whose weight vLLM absorbs
+into other matrices at load (`W_UK_T`, `W_UV`: layers/attention/mla_attention.py
+`process_weights_after_loading`, used by its decode path `forward_mqa`), while its prefill path calls the
+module itself: an adapter there would change prefill and not decode."""
 
 
 def check_engine_model(engine: str, config: dict[str, Any], where: str, registry: bool = True,
@@ -37,6 +45,39 @@ def check_engine_model(engine: str, config: dict[str, Any], where: str, registry
     check_layer_windows(spec, config, where)
     if registry and spec.model_registry is not None:
         check_architecture(spec, config, where)
+
+
+def check_engine_lora(engine: str, config: dict[str, Any], rank: int, target_modules: Sequence[str],
+                      where: str, registry: bool = True) -> None:
+    """LoRA (`rank` > 0; `target_modules` empty: the family's) on an engine with its own weights, which serves
+    the adapters over the base it loads from disk (rollout/vllm_engine.py, "LoRA"): refused in one line for a
+    quantized checkpoint (the engine would build the quantized layers the trainer dequantizes), a rank above
+    the engine's largest max_lora_rank (`registry` off: vLLM 0.32-0.34's list, not the installed one), and
+    multi-head latent attention's absorbed modules (`MLA_ABSORBED`). Adapted modules none of vLLM's LoRA
+    layers takes are refused by the engine when it starts (`sync.vllm.lora_gaps`: they depend on its model's
+    layers)."""
+    spec = engine_spec(engine)
+    if rank <= 0 or not spec.own_weights:
+        return
+    named = engine_named(spec)
+    if "quantization_config" in config:
+        raise ConfigError(
+            f"lora with rollout.engine {spec.name}: {where} is a quantized checkpoint; {named} would load it "
+            "quantized as the base of the adapters, where the trainer holds it dequantized; use "
+            "--rollout.engine torch")
+    accepted = vllm_lora_ranks() if registry else VLLM_LORA_RANKS
+    if max_lora_rank(rank, accepted) is None:
+        raise ConfigError(f"lora.rank {rank}: {named} takes adapters of rank up to {max(accepted)} "
+                          "(max_lora_rank); use a smaller rank or --rollout.engine torch")
+    family = FAMILIES.get(config.get("model_type"))
+    modules = tuple(target_modules) or (family.adapter_modules if family is not None else ())
+    absorbed = [m for m in modules if m in MLA_ABSORBED]
+    if config.get("kv_lora_rank") and absorbed:
+        rest = [m for m in modules if m not in MLA_ABSORBED]
+        raise ConfigError(
+            f"lora with rollout.engine {spec.name}: {', '.join(absorbed)} of {where}'s latent attention is "
+            f"absorbed into other matrices by {named} for decoding (its adapter would change prefill only); "
+            f"use --lora.target-modules {' '.join(rest)} or --rollout.engine torch")
 
 
 def check_quantized(spec: Any, config: dict[str, Any], where: str, on_gpu: bool, pushed: bool = True) -> None:
@@ -192,6 +233,7 @@ def engine_named(spec) -> str:
 
 
 __all__ = [
-    "check_architecture", "engine_named", "check_engine_model", "check_layer_windows", "check_model_module",
+    "MLA_ABSORBED", "check_architecture", "engine_named", "check_engine_lora", "check_engine_model",
+    "check_layer_windows", "check_model_module",
     "check_quantized", "engine_architectures", "installed_version"
 ]

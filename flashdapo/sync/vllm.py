@@ -63,24 +63,44 @@ The choices, before the code:
   (`_load_sinks`). vLLM then logs, on each push, "OAIAttention: Failed to load weights" and "Following weights
   were not loaded from checkpoint: {...attn.sinks}": the reload put the old sinks back, which the copy
   replaces; the push check compares the forwards after it.
+- **LoRA** (`push_adapters`). vLLM then runs with `enable_lora` over the base it loaded from model.path (never
+  pushed: the trainer's base is frozen), and a push hands it only the adapters, from memory:
+  `LoRAModel.from_lora_tensors` of the gathered tensors (PEFT names; `PEFTHelper.from_dict` of the run's peft
+  config, validated as vLLM validates an adapter directory, `lora/worker_manager.py` `_load_adapter`), put
+  into the worker's LoRA manager (`model_runner.lora_manager._adapter_manager`: the worker runs in this
+  process) under a new id after the previous version is removed, and activated (its slots written). Requests
+  then name it by a `LoRARequest` of that id: the LRU worker manager only loads from the request's path an id
+  it does not hold (`LRUCacheWorkerLoRAManager.add_adapter`), so the path (`LORA_PATH`, which does not exist)
+  is never read (measured: equal log-probs to 5e-7 in fp32 on the CPU build). A new id and name per push also
+  keep the prefix cache from matching KV computed with older adapters (its block hashes hold the name,
+  `v1/core/kv_cache_utils.py`). vLLM is given copies (it scales B in place, `lora_weights.py` `optimize`).
+  Every adapted module must land on one of vLLM's LoRA layers, itself or stacked with others by its model's
+  `packed_modules_mapping` (`lora_gaps`, asked once at start: one that does not is refused there).
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import time
+import typing
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..models.hf import FAMILIES, group_modules
+from ..models.lora import ADAPTER, AdapterLayout, peft_name
 from ..models.moe.expert_layout import fused_expert_name, per_expert_name, split_experts
 from ..models.moe.gpt_oss_layout import is_sinks, to_vllm_gpt_oss
-from .check import stream_of
+from .check import adapter_digest, stream_of
 
-__all__ = ["STACKED", "expert_target", "push_weights", "vllm_group_outputs", "vllm_target"]
+__all__ = [
+    "LORA_NAME", "LORA_PATH", "STACKED", "VLLM_LORA_RANKS", "AdapterPush", "expert_target", "lora_gaps",
+    "max_lora_rank", "push_adapters", "push_weights", "vllm_group_outputs", "vllm_target"
+]
 
 STACKED: tuple[tuple[str, str, str | int | tuple[int, ...]], ...] = (
     (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
@@ -299,6 +319,137 @@ def push_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     if missing or partial:
         raise RuntimeError(f"weight push left vLLM parameters unloaded: {missing[:8]} (of {len(missing)}); "
                            f"stacked parameters missing shards: {partial[:8]}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA: the adapters alone, from memory (the module docstring's "LoRA")
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM 0.32-0.34 accept (`config/lora.py` MaxLoRARanks), where vLLM is not
+importable (`flashdapo plan`); the installed vLLM's own list otherwise."""
+LORA_NAME = "flashdapo-policy"
+"""The LoRARequest's name, with the push's id after it."""
+LORA_PATH = "/nonexistent/flashdapo/adapters-pushed-from-memory"
+"""The LoRARequest's path: vLLM wants one, and never reads it for an adapter its manager holds (a path that
+exists nowhere, so that reading it would fail loudly rather than load another adapter)."""
+
+
+def vllm_lora_ranks() -> tuple[int, ...]:
+    """The max_lora_rank values the installed vLLM accepts (VLLM_LORA_RANKS where it is not installed)."""
+    try:
+        from vllm.config.lora import MaxLoRARanks
+    except ImportError:
+        return VLLM_LORA_RANKS
+    return tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks))) or VLLM_LORA_RANKS
+
+
+def max_lora_rank(rank: int, accepted: Iterable[int] | None = None) -> int | None:
+    """vLLM's max_lora_rank for adapters of `rank`: the smallest value it accepts that holds them (vLLM pads
+    smaller adapters in its slots); None above its largest."""
+    return next((r for r in sorted(accepted or vllm_lora_ranks()) if r >= rank), None)
+
+
+@dataclass(frozen=True)
+class AdapterPush:
+    """One LoRA push: the adapter id vLLM holds it under, what it took and the digest of what it was given
+    (sync/check.py `adapter_digest`, compared by the push check with the trainer's current adapters)."""
+
+    lora_id: int
+    tensors: int
+    bytes: int
+    """Bytes of the adapters as vLLM holds them (its lora_dtype: the model's dtype)."""
+    seconds: float
+    """From the first tensor gathered to the adapter active in vLLM."""
+    digest: str
+
+    @property
+    def name(self) -> str:
+        return f"{LORA_NAME}-{self.lora_id}"
+
+
+def _lora_manager(worker: Any) -> tuple[Any, Any]:
+    """(vLLM's worker LoRA manager, its model manager) of the worker's model runner."""
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if manager is None:
+        raise RuntimeError("vLLM's model runner holds no LoRA manager (model_runner.lora_manager): the "
+                           "engine was started without enable_lora, or this vLLM keeps it elsewhere")
+    return manager, manager._adapter_manager
+
+
+def _weights_mapper(adapters: Any) -> Any:
+    """vLLM's renames of the model's checkpoint names (only the renames: stacking is the LoRA manager's), as
+    its own adapter loader applies them."""
+    mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+    return mapper.get_rename_mapper() if mapper is not None else None
+
+
+def _vllm_modules(adapters: Any, modules: Iterable[str]) -> dict[str, str]:
+    """The vLLM module name each adapted HF module's adapter loads into (before stacking)."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    mapper = _weights_mapper(adapters)
+    return {m: parse_fine_tuned_lora_name(peft_name(f"{m}.lora_A.{ADAPTER}.weight"), mapper)[0]
+            for m in modules}
+
+
+def lora_gaps(layout: AdapterLayout, worker: Any) -> list[str]:
+    """The adapted modules (HF names) no LoRA layer of vLLM's model takes: neither a LoRA-wrapped module of
+    their name nor a stacked one that packs them (`packed_modules_mapping`). For `collective_rpc`."""
+    _, adapters = _lora_manager(worker)
+    held = set(adapters.modules) | {sub for subs in adapters.packed_modules.values() for sub in subs}
+    return [hf for hf, name in _vllm_modules(adapters, layout.adapted).items() if name not in held]
+
+
+def _install_adapter(worker: Any, *, layout: AdapterLayout, tensors: dict[str, torch.Tensor],
+                     lora_id: int) -> int:
+    """Build vLLM's LoRAModel of `tensors` (PEFT-named, full), put it in the worker's LoRA manager in place of
+    every adapter there and activate it; the bytes it holds. For `collective_rpc` (every worker)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager, adapters = _lora_manager(worker)
+    helper = PEFTHelper.from_dict({**layout.peft_config().to_dict(),
+                                   "target_modules": list(layout.target_modules),
+                                   "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)  # rank within max_lora_rank, no feature vLLM lacks
+    dtype = manager.lora_config.lora_dtype
+    dtype = dtype if isinstance(dtype, torch.dtype) else None
+    # copies on the host, as vLLM's own loader reads them: vLLM scales B in place
+    held = {name: t.detach().to(device="cpu", dtype=dtype, copy=True) for name, t in tensors.items()}
+    model = LoRAModel.from_lora_tensors(lora_id, held, helper, device="cpu", dtype=dtype,
+                                        model_vocab_size=manager.vocab_size,
+                                        weights_mapper=_weights_mapper(adapters),
+                                        skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None))
+    expected = set(_vllm_modules(adapters, layout.adapted).values())
+    if set(model.loras) != expected:
+        raise RuntimeError(f"LoRA push: vLLM read adapters for {sorted(set(model.loras) - expected)[:4]}, "
+                           f"and none for {sorted(expected - set(model.loras))[:4]}")
+    for old in list(adapters.list_adapters()):
+        adapters.remove_adapter(old)
+    adapters.add_adapter(model)
+    adapters.activate_adapter(lora_id)
+    if lora_id not in adapters.lora_index_to_id:
+        raise RuntimeError(f"LoRA push: vLLM did not activate adapter {lora_id} (its slots hold "
+                           f"{adapters.lora_index_to_id})")
+    return sum(t.numel() * t.element_size() for t in held.values())
+
+
+def push_adapters(llm: Any, named: Iterable[tuple[str, torch.Tensor]], layout: AdapterLayout,
+                  lora_id: int) -> AdapterPush:
+    """Give the running engine the adapters of `named` (`WeightSource.adapters()`: PEFT names, full fp32
+    tensors; read to its end here, so that every rank consumes the all-gathers) as adapter `lora_id`, in place
+    of the one it held; raise if the stream lacks an adapted module's A or B or holds another tensor."""
+    start = time.perf_counter()
+    tensors = dict(named)
+    expected = {peft_name(f"{m}.lora_{part}.{ADAPTER}.weight") for m in layout.adapted for part in "AB"}
+    missing, stray = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or stray:
+        raise RuntimeError(f"LoRA push: the adapter stream lacks {missing[:4]} (of {len(missing)}) and holds "
+                           f"{stray[:4]} (of {len(stray)}) beside the adapters of the run's layout")
+    digest = adapter_digest(tensors.items())
+    size = llm.collective_rpc(_install_adapter, kwargs={"layout": layout, "tensors": tensors,
+                                                        "lora_id": lora_id})[0]
+    return AdapterPush(lora_id, len(tensors), int(size), time.perf_counter() - start, digest)
 
 
 # ---------------------------------------------------------------------------------------------------
