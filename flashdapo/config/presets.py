@@ -80,6 +80,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         "trainer": {"total_steps": 400, "fsdp_cpu_offload": True, "sequence_parallel": 8},
         "logging": {"run_dir": "runs/qwen2.5-32b-dapo"},
     },
+    # The released 32B recipe's lengths and batches (the defaults, as qwen2.5-32b-dapo) with LoRA: rank-32
+    # adapters on every linear layer of the decoder blocks (268M trainable of 33.0B), the base frozen in bf16.
+    # The trainer holds 65.5 GB of bf16 base over its ranks instead of 524 GB of fp32 state, so one node of
+    # 8 GPUs (H100 80 GB or H20 96 GB) fits without CPU offload or sequence parallelism: `flashdapo plan
+    # --preset qwen2.5-32b-dapo-lora` models 64.5 GiB in generation on an H100, 75.7 on an H20; 41.7 GiB in
+    # training (docs/plan.md, "LoRA"). Rank: memory hardly depends on it (rank 64 adds about half a GiB per
+    # GPU), so it is chosen for learning: RL's reward carries little information per episode, so a low rank
+    # suffices (docs/plan.md), and 32 keeps alpha 32's scale at 1. The peak rate is optim.lr x lora.lr_scale
+    # (1e-5).
+    "qwen2.5-32b-dapo-lora": {
+        "model": {"path": "checkpoints/Qwen2.5-32B", "gradient_checkpointing": True},
+        "lora": {"rank": 32},
+        "data": {"train_files": ["data/dapo-math-17k.parquet"], "val_files": ["data/aime-2024.parquet"]},
+        "rollout": {"engine": "vllm", "tensor_parallel_size": 4, "gpu_memory_utilization": 0.7,
+                    "max_num_batched_tokens": 22528},
+        "trainer": {"total_steps": 400},
+        "logging": {"run_dir": "runs/qwen2.5-32b-dapo-lora"},
+    },
     # The DAPO recipe (the defaults) on Qwen3-30B-A3B, the mixture-of-experts model (30.5B parameters, 3.3B
     # active per token), on 4 nodes x 8 GPUs (H100 80 GB or H20 96 GB). expert_parallel 8: a node's 8 GPUs
     # split each layer's 128 experts 16 apiece, so the token all-to-all stays on NVLink. The fp32 state
@@ -117,6 +135,7 @@ PRESET_CLUSTERS: dict[str, tuple[Cluster, ...]] = {
     "longtail": (Cluster(1, 1), Cluster(1, 2)),
     "qwen2.5-7b-math": (Cluster(1, 8), Cluster(16, 8)),  # 16 x 8: 128 slots, 2 responses each per mini-batch
     "qwen2.5-32b-dapo": (Cluster(16, 8), Cluster(8, 8)),  # the released recipe: 16 nodes x 8 GPUs
+    "qwen2.5-32b-dapo-lora": (Cluster(1, 8),),  # LoRA: the smallest whole-node cluster that fits
     "qwen3-30b-a3b-dapo": (Cluster(4, 8), Cluster(2, 8)),  # 4 x 8: 32 ranks, 4 expert-parallel groups
 }
 """The launches each preset is documented for (docs/usage.md, docs/plan.md); the first is `flashdapo plan`'s

@@ -108,9 +108,11 @@ def plan_main(argv: list[str]) -> int:
         gpu = gpu_named(args.gpu)
         source = model_source(cfg, args.model_config or None, args.model_shape or None)
         model = _meta_model(source, cfg)
-        shape = model_shape(model, _name(cfg, source))
+        shape = model_shape(model, _name(cfg, source), cfg.lora)
         world = nodes * per_node
         checks = launch_checks(cfg, world, source, shape, expert_modules(model))
+        if shape.lora:
+            checks.passed.append("lora.target_modules (models/lora.py adapter_layout)")
         checks.notes += _default_cluster_note(args, name, nodes, per_node)
         plan = memory_plan(cfg, world, shape, gpu)
         flipped = dataclasses.replace(cfg, trainer=dataclasses.replace(

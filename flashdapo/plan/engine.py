@@ -7,6 +7,12 @@ vLLM's own start-up checks are modelled here rather than called (vLLM is not nee
 heads divide by the tensor-parallel size (`ModelConfig.verify_with_parallel_config`), the KV cache holds
 at least one request of max_model_len tokens (`v1/core/kv_cache_utils.py` `check_enough_kv_cache_memory`),
 and the fraction asked for is free when the engine starts (the worker's start-up snapshot).
+
+Under LoRA the engine holds the base and one adapter slot (max_loras 1 at the adapters' rank, which is
+one of the max_lora_rank sizes vLLM takes for the usual ranks 8 ... 256), both bf16 over
+tensor_parallel_size ranks: `shape.parameters` counts the adapters too (plan/model.py). It sleeps at level 1
+whatever rollout.sleep_level says (the base came from disk and is never pushed, so it must not be
+discarded): the weights wait in host memory.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def engine_memory(shape: ModelShape, cfg: Config, gpu_bytes: int) -> EngineMemor
     return EngineMemory(weights=weights, activations=activations, runtime=runtime, budget=budget, kv_cache=kv,
                         kv_per_token=kv_bytes_per_token(shape, tp),
                         max_model_len=cfg.data.max_prompt_length + rc.max_response_length,
-                        sleep_level=rc.sleep_level)
+                        sleep_level=1 if shape.lora else rc.sleep_level)
 
 
 def torch_engine_memory(shape: ModelShape, cfg: Config) -> EngineMemory:

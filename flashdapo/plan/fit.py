@@ -18,8 +18,8 @@ from .memory import (
     Transients,
     peak_training_bytes,
     rollout_ranks_per_node,
+    setup_state,
     staged_weights_bytes,
-    state_bytes,
     transients,
 )
 from .model import ModelShape
@@ -62,8 +62,8 @@ class MemoryPlan:
 
     @property
     def resident(self) -> int:
-        """The trainer's state on the GPU between steps: parameters and AdamW moments (gradients are
-        freed)."""
+        """The trainer's state on the GPU between steps: parameters (under LoRA the frozen base and the
+        adapters) and AdamW moments (gradients are freed)."""
         return 0 if self.setup.offload else self.state.params + self.state.moments
 
 
@@ -76,7 +76,7 @@ def train_setup(cfg: Config, world: int, shape: ModelShape, gpu: GPU, tokens: in
                       sequence_parallel=cfg.trainer.sequence_parallel,
                       flash_attention=cfg.model.attn_implementation == "flash_attention_2",
                       lm_head=lm_head_design(gpu, tokens, shape.hidden, shape.vocab), device="cuda",
-                      expert_parallel=cfg.trainer.expert_parallel)
+                      expert_parallel=cfg.trainer.expert_parallel, lora_dropout=cfg.lora.dropout)
 
 
 def largest_micro_batch(cfg: Config) -> int:
@@ -99,7 +99,7 @@ def memory_plan(cfg: Config, world: int, shape: ModelShape, gpu: GPU, check: boo
     split placement's rollout ranks on nodes (0: all `world` ranks on one node, the most it can hold)."""
     tokens = largest_micro_batch(cfg)
     setup = train_setup(cfg, world, shape, gpu, tokens)
-    state = state_bytes(shape, world, expert_parallel=setup.expert_parallel)
+    state = setup_state(shape, setup)
     context = int(CONTEXT_GIB * GIB)
     peak = peak_training_bytes(shape, setup, tokens) + context
     engine = engine_memory(shape, cfg, gpu.memory_bytes) if engine_spec(

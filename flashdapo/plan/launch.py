@@ -28,7 +28,7 @@ def check_launch_memory(cfg: Config, world: int, device_name: str | None,
     if gpu is None:
         return f"{device_name} is not in the GPU table (flashdapo/kernels/gpus.py)"
     source = model_source(cfg)
-    shape = model_shape(build_meta_model(source, cfg), source.origin)
+    shape = model_shape(build_meta_model(source, cfg), source.origin, cfg.lora)
     # raises PlanError when a phase does not fit
     memory_plan(cfg, world, shape, gpu, gpus_per_node=gpus_per_node)
     return None

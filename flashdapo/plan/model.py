@@ -1,6 +1,11 @@
 """The model built on the meta device (no weights, no memory): every parameter tensor's exact shape, the
 FSDP2 unit it belongs to and whether it is a routed expert's, and the dimensions the memory and time models
-read (for a mixture-of-experts model also its experts: plan/moe.py)."""
+read (for a mixture-of-experts model also its experts: plan/moe.py).
+
+Under LoRA (lora.rank r > 0) the shape also holds the adapters the trainer would put on the model: the
+modules models/lora.py `adapter_layout` picks (the family's `adapter_modules`, or lora.target_modules; the
+same matching and the same refusal as the launch), each adapted linear [out, in] adding A [r, in] and
+B [out, r] to its decoder block's FSDP2 unit. The adapters train; every other tensor is the frozen base."""
 
 from __future__ import annotations
 
@@ -10,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Config
+from ..config import Config, LoraConfig
 from ..models.hf import layer_configs
+from ..models.lora import ADAPTER, adapter_layout
 from ..models.ulysses import layer_heads
 from .moe import MoeShape, expert_gathered_numel, expert_shard_numel, moe_shape
 from .shapes import ModelSource
@@ -27,6 +33,8 @@ class Tensor:
     shape: tuple[int, ...]
     unit: str
     expert: bool = False
+    adapter: bool = False
+    """A LoRA adapter's A or B (trains; under LoRA every other tensor is the frozen base)."""
 
     @property
     def numel(self) -> int:
@@ -86,11 +94,37 @@ class ModelShape:
     their own key/value heads and a wider head (heads, kv_heads and head_dim are then the first layer's)."""
     moe: MoeShape | None = None
     """The routed experts of a mixture-of-experts model; None: dense."""
+    lora_rank: int = 0
+    """LoRA's rank r when the shape holds adapters (0: the whole model trains)."""
 
     @property
     def parameters(self) -> int:
-        """Every parameter (what memory holds)."""
+        """Every parameter (what memory holds), a LoRA model's adapters included."""
         return sum(t.numel for t in self.tensors)
+
+    @property
+    def lora(self) -> bool:
+        """Whether adapters train over a frozen base."""
+        return self.lora_rank > 0
+
+    @property
+    def adapter_parameters(self) -> int:
+        """The LoRA adapters' parameters (0 without LoRA)."""
+        return sum(t.numel for t in self.tensors if t.adapter)
+
+    @property
+    def base_parameters(self) -> int:
+        """The model's own parameters (the frozen base under LoRA)."""
+        return self.parameters - self.adapter_parameters
+
+    @property
+    def trainable_parameters(self) -> int:
+        """What trains: the adapters under LoRA, else every parameter."""
+        return self.adapter_parameters if self.lora else self.parameters
+
+    def trainable(self, tensor: Tensor) -> bool:
+        """Whether `tensor` trains (has gradients and AdamW moments)."""
+        return tensor.adapter or not self.lora
 
     @property
     def expert_parameters(self) -> int:
@@ -158,14 +192,17 @@ def build_meta_model(source: ModelSource, cfg: Config) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
 
 
-def model_shape(model: torch.nn.Module, name: str) -> ModelShape:
-    """Tensors (tied weights once, as named_parameters lists them) and dimensions of a meta-built model."""
+def model_shape(model: torch.nn.Module, name: str, lora: LoraConfig | None = None) -> ModelShape:
+    """Tensors (tied weights once, as named_parameters lists them) and dimensions of a meta-built model;
+    with `lora` enabled its adapters too (`adapter_tensors`; ConfigError for target modules that match no
+    linear layer, as the launch refuses them)."""
     moe, expert_names = moe_shape(model)
     tensors = []
     for pname, param in model.named_parameters():
-        match = _LAYER.match(pname)
-        tensors.append(Tensor(pname, tuple(param.shape), f"layers.{match.group(1)}" if match else "root",
-                              expert=pname in expert_names))
+        tensors.append(Tensor(pname, tuple(param.shape), _unit(pname), expert=pname in expert_names))
+    rank = lora.rank if lora is not None and lora.enabled else 0
+    if rank:
+        tensors += adapter_tensors(model, lora)
     c = model.config
     per_layer = layer_configs(c)
     kv = [(_kv_heads(layer), getattr(layer, "head_dim", None) or c.hidden_size // layer.num_attention_heads)
@@ -179,11 +216,31 @@ def model_shape(model: torch.nn.Module, name: str) -> ModelShape:
                       head_dim=kv[0][1], vocab=c.vocab_size,
                       tied=bool(getattr(c, "tie_word_embeddings",
                                         False)), max_positions=getattr(c, "max_position_embeddings", None),
-                      model_type=c.model_type, layer_heads=tuple(layer_heads(c)), layer_kv=tuple(kv), moe=moe)
+                      model_type=c.model_type, layer_heads=tuple(layer_heads(c)), layer_kv=tuple(kv), moe=moe,
+                      lora_rank=rank)
+
+
+def _unit(name: str) -> str:
+    match = _LAYER.match(name)
+    return f"layers.{match.group(1)}" if match else "root"
+
+
+def adapter_tensors(model: torch.nn.Module, lora: LoraConfig) -> list[Tensor]:
+    """The LoRA adapters the trainer puts on `model` (models/lora.py `adapter_layout`: the same modules):
+    per adapted nn.Linear [out, in], peft's lora_A [r, in] and lora_B [out, r], in that module's block."""
+    tensors = []
+    for module_name in adapter_layout(model, lora).adapted:
+        linear = model.get_submodule(module_name)
+        unit = _unit(module_name)
+        tensors += [Tensor(f"{module_name}.lora_A.{ADAPTER}.weight", (lora.rank, linear.in_features), unit,
+                           adapter=True),
+                    Tensor(f"{module_name}.lora_B.{ADAPTER}.weight", (linear.out_features, lora.rank), unit,
+                           adapter=True)]
+    return tensors
 
 
 def _kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-__all__ = ["ModelShape", "MoeShape", "Tensor", "build_meta_model", "model_shape"]
+__all__ = ["ModelShape", "MoeShape", "Tensor", "adapter_tensors", "build_meta_model", "model_shape"]

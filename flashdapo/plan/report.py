@@ -11,7 +11,7 @@ from .checks import CheckReport
 from .fit import GIB, SEARCH_LIMIT, MemoryPlan
 from .memory import rollout_ranks_per_node
 from .model import ModelShape
-from .step_time import StepTime, Workload
+from .step_time import StepTime, Workload, push_bytes
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,16 @@ def render(inputs: PlanInputs, shape: ModelShape, checks: CheckReport, plan: Mem
         "= "
         f"{world} ranks ({plan.gpu.memory_gib:g} GiB, {plan.gpu.bf16_tflops:g} TFLOP/s bf16 dense, "
         f"{plan.gpu.hbm_tbps:g} TB/s: {plan.gpu.source})",
-        f"model: {shape.name} from {inputs.origin}: {shape.parameters:,} parameters in {len(shape.tensors)} "
+        f"model: {shape.name} from {inputs.origin}: {shape.base_parameters:,} parameters in "
+        f"{sum(not t.adapter for t in shape.tensors)} "
         f"tensors (exact, built on the meta device); {shape.layers} layers, hidden {shape.hidden}, "
         f"{shape.heads} heads / {shape.kv_heads} KV heads, vocabulary {shape.vocab:,}"
         f"{', tied head' if shape.tied else ''}"
     ]
     if shape.moe is not None:
         lines.append(_moe_line(shape))
+    if shape.lora:
+        lines.append(_lora_line(shape, cfg))
     lines += [f"layout: {slots} data-parallel slot(s) x sequence_parallel {sp}; FSDP2 over all {world} ranks"
               + _expert_layout(shape, tc.expert_parallel, world)
               + (f"; {world // rc.tensor_parallel_size} vLLM engine(s) of tensor_parallel_size "
@@ -65,6 +68,8 @@ def render(inputs: PlanInputs, shape: ModelShape, checks: CheckReport, plan: Mem
     lines += [f"note: {n}" for n in checks.notes]
     lines += _memory(inputs, plan, cfg)
     lines += _time(plan, time, work, cfg)
+    if plan.engine is not None:
+        lines.append(_push(shape, cfg))
     return lines
 
 
@@ -77,6 +82,18 @@ def _moe_line(shape: ModelShape) -> str:
         f"{shape.layers} layers, top {m.top_k}{shared}; {shape.active_parameters:,} active parameters per "
         f"token of {shape.parameters:,} ({shape.expert_parameters:,} in routed experts; exact: FLOPs use "
         "the active, memory the total)")
+
+
+def _lora_line(shape: ModelShape, cfg: Config) -> str:
+    """The adapters: rank, modules, and trainable against total parameters (exact counts)."""
+    adapted = sorted({t.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for t in shape.tensors
+                      if ".lora_A." in t.name})
+    linears = sum(".lora_A." in t.name for t in shape.tensors)
+    return (
+        f"lora: rank {shape.lora_rank}, alpha {cfg.lora.alpha:g}, {' '.join(adapted)} in every decoder block "
+        f"({linears} adapted linears); {shape.adapter_parameters:,} trainable of {shape.parameters:,} "
+        f"parameters ({shape.adapter_parameters / shape.parameters:.2%}; exact: A [r, in] and B [out, r] per "
+        "adapted linear); the base frozen in the compute dtype")
 
 
 def _expert_layout(shape: ModelShape, expert_parallel: int, world: int) -> str:
@@ -102,10 +119,15 @@ def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
     gpu_state = (lambda v: 0 if on else v)
     alt_state = (lambda v: v if on else 0)
     where = (lambda v: f"exact; {v / GIB:.2f} GiB per rank in host memory") if on else (lambda v: "exact")
-    lines += [
-        _row("parameters, fp32 shards", gpu_state(s.params), where(s.params), alt_state(s.params)),
-        _row("gradients, fp32 shards", gpu_state(s.grads), where(s.grads), alt_state(s.grads)),
-        _row("AdamW moments, fp32", gpu_state(s.moments), where(s.moments), alt_state(s.moments)),
+    base = f"frozen base, {'bf16' if plan.setup.compute_bytes == 2 else 'fp32'} shards"
+    params = [_row(base, gpu_state(s.frozen), where(s.frozen), alt_state(s.frozen)),
+              _row("adapters, fp32 shards", gpu_state(s.trainable_params), where(s.trainable_params),
+                   alt_state(s.trainable_params))] if s.frozen else [
+        _row("parameters, fp32 shards", gpu_state(s.params), where(s.params), alt_state(s.params))]
+    what = "adapter " if s.frozen else ""
+    lines += params + [
+        _row(f"{what}gradients, fp32 shards", gpu_state(s.grads), where(s.grads), alt_state(s.grads)),
+        _row(f"{what}AdamW moments, fp32", gpu_state(s.moments), where(s.moments), alt_state(s.moments)),
         _row("gathered parameters (root + blocks, compute dtype)", t.gathered, "modelled",
              alt.transients.gathered),
         _row("activations kept" + (" (checkpointed inputs)" if plan.setup.checkpointing else ""),
@@ -119,10 +141,11 @@ def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
     ]
     e = plan.engine
     if e is not None:
-        level = "level 2: weights discarded" if e.sleep_level == 2 else "level 1: weights in host memory"
+        level = "level 2: weights discarded" if e.sleep_level == 2 else "level 1: weights on host"
+        tp = cfg.rollout.tensor_parallel_size
         lines += [
-            _row(f"vLLM weights, bf16 / tensor_parallel_size {cfg.rollout.tensor_parallel_size}", e.weights,
-                 "modelled"),
+            _row(f"vLLM base + adapter slot, bf16 / tensor_parallel {tp}" if s.frozen else
+                 f"vLLM weights, bf16 / tensor_parallel_size {tp}", e.weights, "modelled"),
             _row("vLLM activations and runtime", e.activations + e.runtime, "modelled"),
             _row(f"vLLM KV cache at gpu_memory_utilization {cfg.rollout.gpu_memory_utilization}", e.kv_cache,
                  f"modelled: {e.sequences} requests of {e.max_model_len} tokens"),
@@ -138,7 +161,7 @@ def _memory(inputs: PlanInputs, plan: MemoryPlan, cfg: Config) -> list[str]:
         f"{cfg.trainer.micro_batch_tokens})" +
         f"; with offload {'off' if on else 'on'}: {_tokens(alt.best_tokens)}"
     ]
-    if on and e is not None and e.sleep_level == 1:
+    if (on or s.frozen) and e is not None and e.sleep_level == 1:
         lines.append(f"  host memory per node for vLLM's sleeping weights: "
                      f"{e.weights * inputs.gpus_per_node / GIB:.1f} GiB (modelled)")
     if on:
@@ -166,6 +189,24 @@ def _tokens(count: int) -> str:
     return f"{count} or more" if count >= SEARCH_LIMIT else str(count)
 
 
+def _update_basis(cfg: Config, lora: bool) -> str:
+    """The update row's FLOPs per parameter and token (LoRA: the frozen base's linears skip dW)."""
+    ckpt = cfg.model.gradient_checkpointing
+    if lora:
+        return (f"{6 if ckpt else 4} FLOPs per frozen base parameter and token (no weight gradient), "
+                f"{8 if ckpt else 6} per adapter parameter, attention")
+    return f"{8 if ckpt else 6} FLOPs per parameter and token, attention"
+
+
+def _push(shape: ModelShape, cfg: Config) -> str:
+    """The bytes of one weight push to the engine (exact; its time is not modelled)."""
+    what = (f"the adapters alone, gathered in fp32 (sync WeightSource.adapters), held by vLLM in bf16 "
+            f"({2 * shape.adapter_parameters / 1e9:,.2f} GB); the frozen base is never pushed" if shape.lora
+            else f"every parameter, {'fp32' if cfg.model.dtype == 'float32' else 'bf16'}")
+    return (f"  weight push to vLLM, per step: {push_bytes(shape, cfg) / 1e9:,.2f} GB (exact: {what}; "
+            "its time is not modelled)")
+
+
 def _time(plan: MemoryPlan, time: StepTime, work: Workload, cfg: Config) -> list[str]:
     tc, rc, gpu = cfg.trainer, cfg.rollout, plan.gpu
     rows = [
@@ -173,8 +214,7 @@ def _time(plan: MemoryPlan, time: StepTime, work: Workload, cfg: Config) -> list
          f"decode roofline at {gpu.hbm_tbps:g} TB/s: {time.decode_steps} steps, {time.concurrent} sequences "
          "at once per engine"),
         ("old log-probs", time.old_logprobs, "skipped: on-policy" if time.old_logprobs == 0 else "forward"),
-        (f"update, {tc.ppo_epochs} epoch(s)", time.update,
-         f"{8 if cfg.model.gradient_checkpointing else 6} FLOPs per parameter and token, attention"),
+        (f"update, {tc.ppo_epochs} epoch(s)", time.update, _update_basis(cfg, plan.state.frozen > 0)),
         (f"LM-head kernel, {plan.setup.lm_head}", time.lm_head, f"kernels/cost.py at {gpu.name} rates")
     ]
     if tc.expert_parallel > 1:

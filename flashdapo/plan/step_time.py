@@ -12,14 +12,18 @@ Every figure here is modelled, from stated assumptions (`Workload`), never measu
   mixture-of-experts model the parameters a token runs through (`ModelShape.active_parameters`: top-k of the
   routed experts, all the rest), also in prefill;
 - update: 6 FLOPs per parameter per token (8 with gradient checkpointing: the forward again), attention 3x
-  its forward (4x), at the stated MFU, per PPO epoch;
+  its forward (4x), at the stated MFU, per PPO epoch. Under LoRA the frozen base's linears skip their
+  weight-gradient GEMMs (2 of the 4 backward FLOPs per parameter and token): 4 FLOPs per base parameter (6
+  with checkpointing), the adapters 6 (8) like any trained parameter, and their forward (2 per adapter
+  parameter and token) counts wherever the model's does; attention has no weights: unchanged;
 - LM head: flashdapo/kernels/cost.py's time of the design the trainer uses, at this GPU's rates, per
-  micro-batch;
+  micro-batch (a frozen head under LoRA: without its dW GEMM, plan/memory.py `frozen_head`);
 - expert parallelism's token all-to-all in the trainer's forwards and backwards (plan/all_to_all.py), not
   overlapped.
-Not modelled: the weight push to the engine, FSDP2 and Ulysses communication (assumed overlapped), CPU
-offload traffic, rewards, and extra generation rounds when dynamic sampling keeps too few groups. Decoding
-reads every weight of the engine's shard per step (an MoE engine's many sequences touch nearly every expert).
+The weight push's bytes are counted (`push_bytes`), not timed. Not modelled: the weight push's time, FSDP2
+and Ulysses communication (assumed overlapped), CPU offload traffic, rewards, and extra generation rounds
+when dynamic sampling keeps too few groups. Decoding reads every weight of the engine's shard per step (an
+MoE engine's many sequences touch nearly every expert).
 """
 
 from __future__ import annotations
@@ -101,12 +105,15 @@ def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: Engi
     forward = 2 * dense * tokens + attention
     old = 0.0 if on_policy(cfg) or cfg.algorithm.old_logprobs == "rollout" else forward / flops
     ckpt = cfg.model.gradient_checkpointing
-    update = tc.ppo_epochs * ((8 if ckpt else 6) * dense * tokens + (4 if ckpt else 3) * attention) / flops
+    trained = shape.adapter_parameters if shape.lora else dense  # LoRA: the base's linears skip dW
+    per_token = (8 if ckpt else 6) * trained + (6 if ckpt else 4) * (dense - trained)
+    update = tc.ppo_epochs * (per_token * tokens + (4 if ckpt else 3) * attention) / flops
 
     micro = max(1, math.ceil(tokens / tc.micro_batch_tokens))
     rows = int(sequences * mu / micro)  # response tokens per micro-batch: the LM head's rows
     rates = gpu.kernel_rates()
-    per_micro = lm_head_cost(lm_design, max(rows, 1), shape.hidden, shape.vocab, 2, "cuda")
+    per_micro = lm_head_cost(lm_design, max(rows, 1), shape.hidden, shape.vocab, 2, "cuda",
+                             weight_grad=not shape.lora)
     per_micro_ms = per_micro.gemm_tflop / rates.gemm_tflops * 1e3 + per_micro.exposed_gb / rates.hbm_tbps
     lm_forward = (2 * rows * shape.hidden * shape.vocab / (rates.gemm_tflops * 1e12)
                   + 4 * rows * shape.vocab / (rates.hbm_tbps * 1e12))
@@ -119,4 +126,13 @@ def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: Engi
                     update=update, lm_head=lm_head, all_to_all=exchange, all_to_all_bytes=sent)
 
 
-__all__ = ["StepTime", "Workload", "step_time"]
+def push_bytes(shape: ModelShape, cfg: Config) -> int:
+    """Bytes the trainer hands an engine with its own weights (vLLM) per weight push, exact: every parameter
+    in the compute dtype (the engine's weight dtype), or under LoRA the adapters alone, fp32 as
+    sync/__init__.py `WeightSource.adapters` gathers them (the frozen base is never pushed)."""
+    if shape.lora:
+        return 4 * shape.adapter_parameters
+    return (4 if cfg.model.dtype == "float32" else 2) * shape.parameters
+
+
+__all__ = ["StepTime", "Workload", "push_bytes", "step_time"]
