@@ -36,8 +36,8 @@ dW when the weight does not require grad: `lm_head_cost(weight_grad=False)`), th
 adapters.
 
 Split placement's staged weights (exact, host memory): each rollout rank stages at most k + 1 versions of the
-whole model (rollout.max_lag = k; sync/broadcast.py) in the dtype it loads, the compute dtype; a node
-holds that for each of its rollout ranks.
+whole model (rollout.max_lag = k; sync/broadcast.py), under LoRA of the adapters alone, in the dtype it
+loads, the compute dtype; a node holds that for each of its rollout ranks.
 """
 
 from __future__ import annotations
@@ -260,8 +260,10 @@ def frozen_head(cost: Cost, design: str, n: int, h: int, v: int, b: int, device:
 
 def staged_weights_bytes(shape: ModelShape, max_lag: int, load_bytes: int) -> int:
     """Host bytes one rollout rank of split placement holds in staged weights: k + 1 versions (k = max_lag) of
-    every parameter at `load_bytes` each."""
-    return (max_lag + 1) * load_bytes * shape.parameters
+    every parameter at `load_bytes` each; under LoRA of the adapters alone (both sides build the frozen base:
+    sync/broadcast.py)."""
+    pushed = shape.adapter_parameters if shape.lora else shape.parameters
+    return (max_lag + 1) * load_bytes * pushed
 
 
 def rollout_ranks_per_node(rollout_ranks: int, gpus_per_node: int) -> int:

@@ -18,7 +18,14 @@ from flashdapo.models.lora import add_adapters
 from flashdapo.plan.checks import launch_checks
 from flashdapo.plan.fit import GIB, PlanError, memory_plan
 from flashdapo.plan.launch import check_launch_memory
-from flashdapo.plan.memory import TrainSetup, block_saved, lm_head_cost, state_bytes, transients
+from flashdapo.plan.memory import (
+    TrainSetup,
+    block_saved,
+    lm_head_cost,
+    staged_weights_bytes,
+    state_bytes,
+    transients,
+)
 from flashdapo.plan.model import build_meta_model, model_shape
 from flashdapo.plan.shapes import ModelSource, builtin_shape, model_source
 from flashdapo.plan.step_time import Workload, push_bytes, step_time
@@ -150,6 +157,8 @@ def test_the_update_skips_the_base_weight_gradients_and_the_push_is_the_adapters
     # The forward runs through the adapters too.
     assert lora_time.old_logprobs > full_time.old_logprobs
     assert push_bytes(shape, cfg) == 4 * ADAPTERS and push_bytes(full, cfg) == 2 * BASE
+    # Split placement stages k + 1 versions of what is pushed, in the compute dtype: the adapters alone.
+    assert staged_weights_bytes(shape, 1, 2) == 2 * 2 * ADAPTERS and staged_weights_bytes(full, 1, 2) == 2 * 2 * BASE
 
 
 def _tokens(cfg) -> float:
