@@ -135,7 +135,8 @@ PRESET_CLUSTERS: dict[str, tuple[Cluster, ...]] = {
     "longtail": (Cluster(1, 1), Cluster(1, 2)),
     "qwen2.5-7b-math": (Cluster(1, 8), Cluster(16, 8)),  # 16 x 8: 128 slots, 2 responses each per mini-batch
     "qwen2.5-32b-dapo": (Cluster(16, 8), Cluster(8, 8)),  # the released recipe: 16 nodes x 8 GPUs
-    "qwen2.5-32b-dapo-lora": (Cluster(1, 8),),  # LoRA: the smallest whole-node cluster that fits
+    # LoRA: one node; half a node (one 4-GPU engine, tensor_parallel_size 4) is the smallest launch that fits
+    "qwen2.5-32b-dapo-lora": (Cluster(1, 8), Cluster(1, 4)),
     "qwen3-30b-a3b-dapo": (Cluster(4, 8), Cluster(2, 8)),  # 4 x 8: 32 ranks, 4 expert-parallel groups
 }
 """The launches each preset is documented for (docs/usage.md, docs/plan.md); the first is `flashdapo plan`'s
