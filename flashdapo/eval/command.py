@@ -15,6 +15,7 @@ is the same with one rank.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import operator
 from pathlib import Path
@@ -49,11 +50,12 @@ from ..config.checks import (
 from ..data import load_eval_prompts
 from ..distributed.failfast import FailFast
 from ..distributed.mesh import DistEnv, init_distributed
+from ..models.adapter_dir import is_adapter_dir
 from ..models.hf import resolved_attention
-from ..models.model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from ..rollout.engine_models import check_engine_model
 from ..rollout.factory import build_engine, world_group
+from .adapter import ModelSource, adapter_line, model_source, serving_adapter
 from .results import EvalReport, format_report
 from .sampling import EvalSampling, Shard, evaluate_to_dir
 from .store import SampleLog
@@ -87,6 +89,20 @@ def _distinct_files(paths: list[str]) -> bool:
     return len(set(resolved)) == len(resolved)
 
 
+def base_option(option: Any) -> Any:
+    """eval's and generate's --base (`option`: config/cli.py's, which needs tyro)."""
+    return option(str, "With a LoRA adapter directory as --model: the base model directory, in place of the "
+                  "one its adapter_config.json names (base_model_name_or_path), e.g. after the run moved. "
+                  "Default: that one.", IS_PATH,
+                  Check(lambda p: not p or Path(p).is_dir(), "an existing model directory, or ''"))
+
+
+BASE_RULE = Rule("base", lambda a: not a.base or is_adapter_dir(a.model),
+                 lambda a: f"'' (--base is the base of an adapter directory; --model {a.model} holds no "
+                 "adapter_config.json)")
+"""--base only with an adapter as --model."""
+
+
 def tree_options(base: Config, options: dict[str, str]) -> list[tuple[str, Any, Any]]:
     """(name, annotated type, field) of each option standing for a config field (`options`: name -> field
     path): the field's type, checks and help, `base`'s value as the default."""
@@ -110,8 +126,9 @@ def eval_args_class(base: Config) -> type:
 
     fields: list[tuple[str, Any, Any]] = [
         ("model",
-         option(str, "Local HF model directory (e.g. a run's export/ folder).", IS_PATH,
-                Check(lambda p: Path(p).is_dir(), "an existing directory")), ...),
+         option(str, "Local HF model directory (e.g. a run's export/ folder), or a PEFT LoRA adapter "
+                "directory (a LoRA run's export/: adapter_config.json; its base is loaded and the adapter "
+                "applied).", IS_PATH, Check(lambda p: Path(p).is_dir(), "an existing directory")), ...),
         ("data",
          option(
              list[str], "Evaluation files, e.g. aime-2024.parquet math500.parquet; metrics are reported "
@@ -122,6 +139,7 @@ def eval_args_class(base: Config) -> type:
          option(
              str, "Output directory: samples.jsonl (appended per prompt; a rerun with the same OUT "
              "resumes) and metrics.json.", IS_PATH), ...),
+        ("base", base_option(option), ""),
         ("prompts_per_call",
          option(
              int,
@@ -151,6 +169,7 @@ def eval_args_class(base: Config) -> type:
     cls.__doc__ = "Evaluate a saved model (HF directory) on a parquet/jsonl in the DAPO / AIME-2024 schema."
     cls.RULES = (Rule("device", lambda a: a.device != "cuda" or torch.cuda.is_available(),
                       lambda a: "'auto' or 'cpu' (CUDA is not available)"),
+                 BASE_RULE,
                  Rule("fsdp", lambda a: not (a.fsdp and engine_spec(a.engine).own_weights),
                       lambda a: "false with --engine vllm "
                       "(vLLM shards with --tensor-parallel-size)"))
@@ -186,20 +205,29 @@ def eval_main(argv: list[str]) -> EvalReport:
     return run_eval(args)
 
 
-def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
+def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None,
+                source: ModelSource | None = None):
     """The rollout engine `args.engine` names, holding the saved model at `args.model` on this rank
-    (rollout.build_engine): a full replica per rank, FSDP2 shards with --fsdp, or an engine of its own."""
+    (rollout.build_engine): a full replica per rank, FSDP2 shards with --fsdp, or an engine of its own.
+    A LoRA adapter as --model (`source`, default: `model_source(args)`; eval/adapter.py): its base with the
+    adapter merged (torch), or vLLM on the base serving the adapter."""
+    source = source or model_source(args)
+    adapter = source.adapter
     on_gpu = env.device.type == "cuda"
     dtype = "bfloat16" if on_gpu else "float32"
-    attention = eval_attention(args.model)
+    attention = eval_attention(source.model)
     rollout = RolloutConfig(engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
                             kv_cache_gib=getattr(args, "kv_cache_gib", 0.0),
                             max_num_seqs=getattr(args, "batch_size", RolloutConfig.max_num_seqs))
     out = getattr(args, "out", None)
-    common = dict(model_path=args.model, dtype=dtype, seed=args.seed, dummy_weights=False,
+    if adapter is not None and env.is_main:
+        print(f"flashdapo: {adapter_line(source, args.engine)}", flush=True)
+    common = dict(model_path=source.model, dtype=dtype, seed=args.seed, dummy_weights=False,
                   vllm_module=vllm_module, max_model_len=args.max_prompt_length + args.max_new_tokens,
                   error_log=Path(out) / f"vllm-error.rank{env.rank}.log" if out else None)
     if engine_spec(args.engine).own_weights:
+        if adapter is not None:
+            common["vllm_module"] = serving_adapter(vllm_module or importlib.import_module("vllm"), adapter)
         return build_engine(rollout, env, tokenizer, **common)
     # A quantized checkpoint (fp8 block-wise, mxfp4) is dequantized into the plain model, said in one line
     # (models/quantized.py).
@@ -207,15 +235,19 @@ def eval_engine(args: Any, env: DistEnv, tokenizer, vllm_module: Any = None):
     if getattr(args, "fsdp", False):  # `flashdapo generate` has no --fsdp
         from ..models.loading import load_sharded_policy
 
-        cfg = Config(model=ModelConfig(path=args.model, dtype=dtype, attn_implementation=attention),
+        cfg = Config(model=ModelConfig(path=source.model, dtype=dtype, attn_implementation=attention),
                      trainer=TrainerConfig(device=args.device))
+        policy = load_sharded_policy(cfg, env, said, "sampling", adapter=adapter.path if adapter else "")
         # Never woken: the shards stay sharded and each forward gathers one block at a time.
-        return build_engine(rollout, env, tokenizer, model=load_sharded_policy(cfg, env, said, "sampling"),
-                            shard_group=world_group(env), **common)
+        return build_engine(rollout, env, tokenizer, model=policy, shard_group=world_group(env), **common)
     from ..models.quantized import load_pretrained
 
-    model = load_pretrained(args.model, torch.bfloat16 if on_gpu else torch.float32, attention, said,
-                            "--model", "sampling")
+    model = load_pretrained(source.model, torch.bfloat16 if on_gpu else torch.float32, attention, said,
+                            source.field, "sampling")
+    if adapter is not None:
+        from ..models.adapter_dir import merge_adapter
+
+        model = merge_adapter(model, adapter.path)
     # No process group: each rank holds a full replica and generates on its own, seeded per prompt only.
     return build_engine(rollout, env, tokenizer, model=model.to(env.device), **common)
 
@@ -233,9 +265,12 @@ def prompts_per_call(args: Any) -> int:
     return args.prompts_per_call or engine_spec(args.engine).prompts_per_call
 
 
-def eval_settings(args: Any) -> dict[str, Any]:
-    """What determines the samples; a resumed evaluation must match it (see eval/store.py)."""
-    return {"model": str(Path(args.model).resolve()), "data": [str(Path(f).resolve()) for f in args.data],
+def eval_settings(args: Any, source: ModelSource | None = None) -> dict[str, Any]:
+    """What determines the samples; a resumed evaluation must match it (see eval/store.py). An adapter's
+    base is part of it (`source`)."""
+    base = {"base": str(Path(source.model).resolve())} if source is not None and source.adapter else {}
+    return {"model": str(Path(args.model).resolve()), **base,
+            "data": [str(Path(f).resolve()) for f in args.data],
             "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "max_prompt_length": args.max_prompt_length,
             "seed": args.seed, "verifier": args.verifier, "engine": args.engine,
@@ -246,14 +281,14 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
     """Evaluate `args.model` on `args.data` into `args.out`; print the table on rank 0; return the report."""
     from ..reward import get_verifier
 
-    check_model_dir(args.model, "--model")
+    source = model_source(args)  # a LoRA adapter: every check reads its base (eval/adapter.py)
     # As train does: a sample past the model's positions is out of its range (vLLM refuses it; the torch
     # engine would sample on, silently).
-    checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
+    checked = check_model(source.model, source.field, args.max_prompt_length + args.max_new_tokens,
                           "--max-prompt-length + --max-new-tokens")
     # What the engine builds of this model (vLLM: its architectures, per-layer windows), before it starts.
     # vLLM loads from disk
-    check_engine_model(args.engine, checked.config, f"--model={args.model}", pushed=False)
+    check_engine_model(args.engine, checked.config, source.where(), pushed=False)
     env = init_distributed(args.device)
     failfast = FailFast.connect(env.rank, env.world_size)  # one rank's failure ends every rank
     failfast.watch()
@@ -273,8 +308,8 @@ def run_eval(args: Any, vllm_module: Any = None) -> EvalReport:
             for warning in dataset.report.warnings:
                 print(f"flashdapo eval: warning: {warning}", flush=True)
         # OUT is claimed (locked, its settings compared) before the model loads: a wrong OUT fails first.
-        log = SampleLog(args.out, eval_settings(args)) if env.is_main else None
-        engine = eval_engine(args, env, tokenizer, vllm_module)
+        log = SampleLog(args.out, eval_settings(args, source)) if env.is_main else None
+        engine = eval_engine(args, env, tokenizer, vllm_module, source)
         sampling = EvalSampling(k=args.k, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 prompts_per_call=prompts_per_call(args))

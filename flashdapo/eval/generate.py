@@ -27,10 +27,10 @@ from ..config.sampling import SAMPLES_MAX
 from ..data import DAPO_TEMPLATE, Record, chat_ids, prompts_from_records, read_records
 from ..distributed.mesh import init_distributed, shutdown
 from ..errors import file_in_the_way
-from ..models.model_dir import check_model_dir
 from ..preflight import check_engine, check_model
 from ..rollout.engine_models import check_engine_model
-from .command import OPTIONS, eval_engine, tree_options
+from .adapter import model_source
+from .command import BASE_RULE, OPTIONS, base_option, eval_engine, tree_options
 from .examples import example_records
 from .results import PromptResult
 from .sampling import EvalSampling, sample_prompts
@@ -53,9 +53,12 @@ def generate_args_class(base: Config) -> type:
     fields: list[tuple[str, Any, Any]] = [
         ("model",
          opt(
-             str, "Local HF model directory (e.g. a run's export/ folder).", IS_PATH,
+             str, "Local HF model directory (e.g. a run's export/ folder), or a PEFT LoRA adapter "
+             "directory (a LoRA run's export/: adapter_config.json; its base is loaded and the adapter "
+             "applied).", IS_PATH,
              Check(lambda p: bool(p) and Path(p).is_dir(),
                    "an existing model directory (e.g. runs/toy/export)")), ""),
+        ("base", base_option(opt), ""),
         ("prompt",
          opt(list[str], "Prompts, each one user message of the chat template, as typed (no ground truth).",
              Check(lambda ps: all(p.strip() for p in ps),
@@ -81,9 +84,10 @@ def generate_args_class(base: Config) -> type:
               for n, t, d in fields]
     cls = dataclasses.make_dataclass("GenerateArgs", fields, bases=(Section,))
     cls.__doc__ = "Sample a saved model's responses to a few prompts; judge them where the answer is known."
-    cls.RULES = (Rule(
-        "prompt", lambda a: bool(a.prompt) + bool(a.data) + a.examples == 1,
-        lambda a: "exactly one source of prompts: --prompt TEXT [TEXT ...], --data FILE or --examples"), )
+    cls.RULES = (
+        Rule("prompt", lambda a: bool(a.prompt) + bool(a.data) + a.examples == 1,
+             lambda a: "exactly one source of prompts: --prompt TEXT [TEXT ...], --data FILE or --examples"),
+        BASE_RULE)
     register_tree(cls, "generate.")
     return cls
 
@@ -137,13 +141,13 @@ def run_generate(args: Any) -> list[PromptResult]:
 
     if args.out:
         check_out(args.out)  # before any sampling: a path that cannot be written fails first
-    check_model_dir(args.model, "--model")
-    checked = check_model(args.model, "--model", args.max_prompt_length + args.max_new_tokens,
+    source = model_source(args)  # a LoRA adapter: every check reads its base (eval/adapter.py)
+    checked = check_model(source.model, source.field, args.max_prompt_length + args.max_new_tokens,
                           "--max-prompt-length + --max-new-tokens",
                           "error" if engine_spec(args.engine).refuses_long_context else "note")
     # What the engine builds of this model (vLLM: its architectures, per-layer windows), before it starts.
     # vLLM loads from disk
-    check_engine_model(args.engine, checked.config, f"--model={args.model}", pushed=False)
+    check_engine_model(args.engine, checked.config, source.where(), pushed=False)
     env = init_distributed(args.device)
     try:
         tokenizer = checked.tokenizer
@@ -155,7 +159,7 @@ def run_generate(args: Any) -> list[PromptResult]:
         prompts = prompts_from_records(records, tokenizer,
                                        DataConfig(max_prompt_length=args.max_prompt_length,
                                                   dedup=False)).prompts
-        engine = eval_engine(args, env, tokenizer)
+        engine = eval_engine(args, env, tokenizer, source=source)
         sampling = EvalSampling(k=args.n, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 prompts_per_call=engine_spec(args.engine).prompts_per_call)

@@ -6,10 +6,10 @@ The choices, stated first:
   then the file is flushed and fsync'ed, so a killed evaluation loses at most the prompts in flight. A write
   that fails (a full disk) cuts the file back to where it ended before, so it never ends in a torn line, and
   stops the evaluation with one line naming the file; a rerun resumes.
-- OUT/eval_settings.json records what determines the samples (model, data files, k, sampling, seed,
-  verifier, engine). A rerun into the same OUT must match it (else a one-line error naming the first
-  differing setting) and skips the prompts already in samples.jsonl; the metrics are computed from the
-  file, so a resumed evaluation reports what an uninterrupted one does.
+- OUT/eval_settings.json records what determines the samples (model, an adapter's base, data files, k,
+  sampling, seed, verifier, engine). A rerun into the same OUT must match it (else a one-line error naming
+  the first differing setting) and skips the prompts already in samples.jsonl; the metrics are computed
+  from the file, so a resumed evaluation reports what an uninterrupted one does.
 - One evaluation at a time per OUT: the evaluation holds an exclusive `flock` on OUT/.flashdapo-eval.lock
   (released by the kernel when the process ends, however it ends); a second one into the same OUT is
   refused instead of sampling the same prompts twice.

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config import Config
 from ..distributed.mesh import DistEnv
+from .adapter_dir import merge_adapter
 from .hf import resolved_attention
 from .lora import add_adapters
 from .parallelize import parallelize
@@ -25,9 +26,11 @@ from .policy import PolicyModel
 from .quantized import load_pretrained, plain_config
 
 
-def load_sharded_policy(cfg: Config, env: DistEnv, log=None, purpose: str = "training") -> PolicyModel:
+def load_sharded_policy(cfg: Config, env: DistEnv, log=None, purpose: str = "training",
+                        adapter: str = "") -> PolicyModel:
     """The policy of `cfg.model.path`, FSDP2-sharded over `env`, fp32 master weights; `log` gets the line of a
-    dequantized checkpoint (rank 0), saying what it is loaded for (`purpose`: training, sampling)."""
+    dequantized checkpoint (rank 0), saying what it is loaded for (`purpose`: training, sampling). `adapter`:
+    a PEFT adapter directory over that base, merged in on rank 0 before the broadcast (adapter_dir.py)."""
     mc = cfg.model
     config = plain_config(AutoConfig.from_pretrained(mc.path))
     attention = resolved_attention(mc.attn_implementation, config)
@@ -35,6 +38,8 @@ def load_sharded_policy(cfg: Config, env: DistEnv, log=None, purpose: str = "tra
     dtype = torch.bfloat16 if cfg.lora.enabled and mc.dtype == "bfloat16" else torch.float32
     if env.rank == 0:  # the side's rank 0 (split placement's rollout side reads its own copy)
         hf = load_pretrained(mc.path, dtype, attention, log, purpose=purpose)
+        if adapter:
+            hf = merge_adapter(hf, adapter)
     else:
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)

@@ -1,0 +1,143 @@
+"""A LoRA adapter directory as `flashdapo eval` / `generate`'s --model (docs/eval.md, "A LoRA adapter").
+
+The choices, before the code:
+
+- **Recognised by its adapter_config.json** (models/adapter_dir.py `read_adapter`): the base it names
+  (`base_model_name_or_path`, or `--base DIR`) is the model every check reads (config.json, tokenizer, token
+  budget, what the engine builds) and the engines load; a base that is no directory is one line naming
+  adapter_config.json and the field. `--base` with a plain model directory is refused.
+- **torch engine: merged.** The base is loaded as a plain model would be and the adapter merged into it with
+  peft (`merge_and_unload`: W + alpha/r B A), so sampling is the adapted policy's, drawn as from the merged
+  export with the same seed; with `--fsdp` rank 0 merges before the broadcast (models/loading.py).
+- **vLLM: served unmerged.** vLLM starts on the base with `enable_lora` (one adapter slot, the smallest
+  `max_lora_rank` it accepts that holds the adapter's rank) and every generate names the adapter directory
+  with a `LoRARequest`. rollout/'s VLLMEngine is not changed for it: it is handed a stand-in of the `vllm`
+  module whose `LLM` adds both (`serving_adapter`). A rank past vLLM's largest, or a DoRA adapter (no vLLM
+  LoRA layer takes it), is refused before anything loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, engine_spec
+from ..models.adapter_dir import ADAPTER_CONFIG, BASE_FIELD, AdapterDir, is_adapter_dir, read_adapter
+from ..models.model_dir import check_model_dir
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's accepted max_lora_rank values (vllm/config/lora.py MaxLoRARanks, 0.32 and 0.33), where the
+installed vLLM does not say."""
+LORA_NAME = "flashdapo-eval"
+LORA_ID = 1
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What --model loads: a model directory, or an adapter's base with the adapter."""
+
+    model: str
+    """The directory whose config.json, tokenizer and weights load (--model, or the adapter's base)."""
+    field: str
+    """How messages name it (`--model`, `--base`, or the adapter's adapter_config.json field)."""
+    adapter: AdapterDir | None = None
+
+    def where(self) -> str:
+        return f"{self.field}={self.model}"
+
+
+def model_source(args: Any) -> ModelSource:
+    """--model (and --base) checked: a plain HF model directory, or an adapter directory with its base
+    (module docstring); one line (ModelDirError, ConfigError) for what cannot load."""
+    base = getattr(args, "base", "") or ""
+    if not is_adapter_dir(args.model):
+        check_model_dir(args.model, "--model")
+        return ModelSource(args.model, "--model")
+    adapter = read_adapter(args.model, "--model", base, "--base")
+    field = "--base" if base else f"{Path(args.model) / ADAPTER_CONFIG} {BASE_FIELD}"
+    if engine_spec(args.engine).own_weights:
+        check_vllm_adapter(adapter, args.engine)
+    return ModelSource(adapter.base, field, adapter)
+
+
+def vllm_lora_ranks() -> tuple[int, ...]:
+    """The max_lora_rank values the installed vLLM accepts (VLLM_LORA_RANKS where it does not say)."""
+    try:
+        from vllm.config.lora import MaxLoRARanks
+    except ImportError:
+        return VLLM_LORA_RANKS
+    return tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks))) or VLLM_LORA_RANKS
+
+
+def max_lora_rank(rank: int, accepted: tuple[int, ...] | None = None) -> int | None:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`; None above its largest."""
+    return next((r for r in sorted(accepted or vllm_lora_ranks()) if r >= rank), None)
+
+
+def check_vllm_adapter(adapter: AdapterDir, engine: str) -> None:
+    """ConfigError, one line, for an adapter vLLM cannot serve: a rank past its largest max_lora_rank,
+    DoRA."""
+    config_file = Path(adapter.path) / ADAPTER_CONFIG
+    if max_lora_rank(adapter.rank) is None:
+        raise ConfigError(f"{config_file}: rank {adapter.rank} is past vLLM's largest max_lora_rank "
+                          f"({max(vllm_lora_ranks())}); evaluate it with --engine torch (which merges it)")
+    if adapter.config.get("use_dora"):
+        raise ConfigError(f"{config_file}: use_dora: vLLM serves no DoRA adapter; evaluate it with --engine "
+                          f"torch (which merges it), not --engine {engine}")
+
+
+def serving_adapter(vllm: Any, adapter: AdapterDir) -> Any:
+    """A stand-in of the `vllm` module whose `LLM` starts with the adapter enabled and names it in every
+    generate (module docstring); everything else is `vllm`'s."""
+    return _AdapterVLLM(vllm, adapter)
+
+
+class _AdapterVLLM:
+    def __init__(self, vllm: Any, adapter: AdapterDir) -> None:
+        self._vllm = vllm
+        self.__name__ = getattr(vllm, "__name__", "vllm")
+        request_class = getattr(getattr(getattr(vllm, "lora", None), "request", None), "LoRARequest", None)
+        if request_class is None:
+            request_class = importlib.import_module(f"{self.__name__}.lora.request").LoRARequest
+        request = request_class(LORA_NAME, LORA_ID, str(Path(adapter.path).resolve()))
+        llm_class, slot = vllm.LLM, max_lora_rank(adapter.rank)
+
+        def llm(model: str, **kwargs: Any) -> AdapterLLM:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=slot)
+            return AdapterLLM(llm_class(model=model, **kwargs), request)
+
+        self.LLM = llm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._vllm, name)
+
+
+class AdapterLLM:
+    """A `vllm.LLM` started with enable_lora whose generate names `request` (the adapter directory)."""
+
+    def __init__(self, llm: Any, request: Any) -> None:
+        self.llm = llm
+        self.lora_request = request
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("lora_request", self.lora_request)
+        return self.llm.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.llm, name)
+
+
+def adapter_line(source: ModelSource, engine: str) -> str:
+    """The start-up line of an adapter evaluation: the adapter, its rank, the base, how the engine applies
+    it."""
+    adapter = source.adapter
+    how = ("served by vLLM unmerged (enable_lora, a LoRARequest per generate)"
+           if engine_spec(engine).own_weights else "merged into the base with peft")
+    return f"LoRA adapter {adapter.path} (rank {adapter.rank}) over the base {adapter.base}, {how}"
+
+
+__all__ = ["AdapterLLM", "ModelSource", "adapter_line", "check_vllm_adapter", "max_lora_rank", "model_source",
+           "serving_adapter", "vllm_lora_ranks"]
