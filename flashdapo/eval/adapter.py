@@ -19,7 +19,6 @@ The choices, before the code:
 from __future__ import annotations
 
 import importlib
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,8 @@ from typing import Any
 from ..config import ConfigError, engine_spec
 from ..models.adapter_dir import ADAPTER_CONFIG, BASE_FIELD, AdapterDir, is_adapter_dir, read_adapter
 from ..models.model_dir import check_model_dir
+from ..sync.vllm import max_lora_rank, vllm_lora_ranks
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""vLLM's accepted max_lora_rank values (vllm/config/lora.py MaxLoRARanks, 0.32 and 0.33), where the
-installed vLLM does not say."""
 LORA_NAME = "flashdapo-eval"
 LORA_ID = 1
 
@@ -61,20 +58,6 @@ def model_source(args: Any) -> ModelSource:
     if engine_spec(args.engine).own_weights:
         check_vllm_adapter(adapter, args.engine)
     return ModelSource(adapter.base, field, adapter)
-
-
-def vllm_lora_ranks() -> tuple[int, ...]:
-    """The max_lora_rank values the installed vLLM accepts (VLLM_LORA_RANKS where it does not say)."""
-    try:
-        from vllm.config.lora import MaxLoRARanks
-    except ImportError:
-        return VLLM_LORA_RANKS
-    return tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks))) or VLLM_LORA_RANKS
-
-
-def max_lora_rank(rank: int, accepted: tuple[int, ...] | None = None) -> int | None:
-    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`; None above its largest."""
-    return next((r for r in sorted(accepted or vllm_lora_ranks()) if r >= rank), None)
 
 
 def check_vllm_adapter(adapter: AdapterDir, engine: str) -> None:
@@ -139,5 +122,5 @@ def adapter_line(source: ModelSource, engine: str) -> str:
     return f"LoRA adapter {adapter.path} (rank {adapter.rank}) over the base {adapter.base}, {how}"
 
 
-__all__ = ["AdapterLLM", "ModelSource", "adapter_line", "check_vllm_adapter", "max_lora_rank", "model_source",
-           "serving_adapter", "vllm_lora_ranks"]
+__all__ = ["AdapterLLM", "ModelSource", "adapter_line", "check_vllm_adapter", "model_source",
+           "serving_adapter"]

@@ -16,7 +16,8 @@ import pytest
 from flashdapo.__main__ import main as cli
 from flashdapo.config import ConfigError, ToyTaskConfig
 from flashdapo.eval import adapter as adapter_module
-from flashdapo.eval.adapter import VLLM_LORA_RANKS, max_lora_rank, model_source
+from flashdapo.eval.adapter import model_source
+from flashdapo.sync.vllm import VLLM_LORA_RANKS, max_lora_rank
 from flashdapo.tasks.toy import toy_records
 from tests.evaluation.toy_export import toy_export
 from tests.helpers.adapter_dirs import lora_adapter
