@@ -22,6 +22,10 @@ def test_split_checks_the_batches_over_the_trainer_ranks_at_each_documented_clus
     # Give the engines whole nodes where there are several, else one rank; then T = world - R trains.
     r = cluster.gpus_per_node if cluster.nodes > 1 else cfg.rollout.tensor_parallel_size
     t = world - r
+    if t <= 0:  # one engine takes every rank (half a node under the 32B LoRA preset): nothing left to train
+        with pytest.raises(ConfigError, match=r"^rollout\.rollout_ranks: .* leaves no rank to train"):
+            check_layout(_split(cfg, r), world)
+        return
     slots = t // sp if t % sp == 0 else None
     fits = (slots is not None and cfg.trainer.train_batch % slots == 0 and cfg.trainer.mini_batch * cfg.rollout.n >= slots
             and cfg.trainer.gen_batch % (r // cfg.rollout.tensor_parallel_size) == 0 and t > 0)
