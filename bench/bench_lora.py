@@ -134,10 +134,10 @@ def _report(results: dict[str, list[tuple[dict, dict]]], opts) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     sys.path.insert(0, str(REPO))
-    from flashdapo.tools.machine import machine_line
+    from flashdapo.tools.machine import machine_summary
 
     lines = [f"# LoRA (rank {opts.rank}) vs full training, {datetime.date.today()}, commit {commit}", "",
-             machine_line(), "",
+             machine_summary(), "",
              f"`python -m bench.bench_lora --repeats {opts.repeats} --steps {opts.steps}`: medians over steps "
              "2.., ratio LoRA / full of paired runs, median [min, max] over repeats.", "",
              "| setup | step s (full / LoRA) | step ratio | update s (full / LoRA) | update ratio | "
