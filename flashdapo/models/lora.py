@@ -160,12 +160,6 @@ def peft_name(name: str) -> str:
     return "base_model.model." + _ADAPTER_PART.sub(lambda m: f".lora_{m.group(1)}.", name)
 
 
-def held_name(peft_key: str) -> str:
-    """The inverse of `peft_name`: a PEFT adapter file's key as the adapted model holds it."""
-    name = peft_key.removeprefix("base_model.model.")
-    return re.sub(r"\.lora_(A|B)\.weight$", lambda m: f".lora_{m.group(1)}.{ADAPTER}.weight", name)
-
-
 def base_name(name: str) -> str:
     """A held name as the plain model's: `...q_proj.base_layer.weight` -> `...q_proj.weight`."""
     return name.replace(_BASE_PART, ".")
@@ -178,16 +172,16 @@ def merged_stream(named: Iterator[tuple[str, torch.Tensor]],
     dtype out); other base tensors renamed, adapters consumed."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
-        if _BASE_PART in name and name.endswith(".base_layer.weight"):
-            pending.setdefault(name.removesuffix(".base_layer.weight"), {})["W"] = tensor.clone()
-        elif is_adapter(name):
-            module, part = _ADAPTER_PART.split(name)[0], _ADAPTER_PART.search(name).group(1)
-            pending.setdefault(module, {})[part] = tensor
+        adapter = _ADAPTER_PART.search(name)
+        if name.endswith(".base_layer.weight"):
+            module, part = name.removesuffix(".base_layer.weight"), "W"
+        elif adapter is not None:
+            module, part = name[:adapter.start()], adapter.group(1)
         else:
             yield base_name(name), tensor
             continue
-        module = name.split(_BASE_PART)[0] if _BASE_PART in name else _ADAPTER_PART.split(name)[0]
-        parts = pending[module]
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor  # never written to: the merge below makes new tensors
         if len(parts) == 3:
             del pending[module]
             w = parts["W"]
@@ -199,4 +193,4 @@ def merged_stream(named: Iterator[tuple[str, torch.Tensor]],
 
 
 __all__ = ["ADAPTER", "AdapterLayout", "UpdateDropout", "adapter_dropout", "adapter_layout", "add_adapters",
-           "base_name", "held_name", "is_adapter", "layout_of", "merged_stream", "peft_name"]
+           "base_name", "is_adapter", "layout_of", "merged_stream", "peft_name"]

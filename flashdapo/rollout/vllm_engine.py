@@ -541,16 +541,21 @@ class VLLMEngine:
         cast = self.weight_dtype
         push_weights(self.llm, ((name, t.to(cast) if cast is not None and t.is_floating_point() else t)
                                 for name, t in named_tensors))
+        self._pushed("weight push", start)
+        if self.verify_push is not None:
+            self.verify_push(self)
+
+    def _pushed(self, what: str, start: float) -> None:
+        """The end of a push begun at `start`: the prefix cache reset if it may hold KV of older weights, the
+        device synced, the push's seconds recorded, the weights valid again."""
         if self._cache_used:
             if self.llm.reset_prefix_cache() is False:
-                raise RuntimeError("vLLM could not reset its prefix cache after the weight push")
+                raise RuntimeError(f"vLLM could not reset its prefix cache after the {what}")
             self._cache_used = False
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self.last_weight_sync_s = time.perf_counter() - start
         self._weights_valid = True
-        if self.verify_push is not None:
-            self.verify_push(self)
 
     def update_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """LoRA: give vLLM the adapters of `named_tensors` (PEFT names, full tensors) from memory as a new
@@ -566,14 +571,7 @@ class VLLMEngine:
         self.last_adapter_push = push
         self._lora_request = importlib.import_module("vllm.lora.request").LoRARequest(
             push.name, push.lora_id, LORA_PATH)
-        if self._cache_used:
-            if self.llm.reset_prefix_cache() is False:
-                raise RuntimeError("vLLM could not reset its prefix cache after the adapter push")
-            self._cache_used = False
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        self.last_weight_sync_s = time.perf_counter() - start
-        self._weights_valid = True
+        self._pushed("adapter push", start)
         self.adapter_pushes += 1
         if self.rank == 0 and self.adapter_pushes <= 2:  # the first includes one-time costs
             print(f"flashdapo: LoRA push {self.adapter_pushes}: {push.tensors} adapter tensors, "

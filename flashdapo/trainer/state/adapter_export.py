@@ -37,7 +37,10 @@ def export_adapted(weights: WeightSource, hf_config, tokenizer, run_dir: Path, i
         lines.append(f"wrote the toy's frozen base to {base_dir} (the adapter names it)")
     out_dir = run_dir / "export"
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in weights.adapters()}
+    tensors = {}
+    for name, tensor in weights.adapters():  # every rank gathers; rank 0 alone keeps a host copy
+        if is_main:
+            tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
