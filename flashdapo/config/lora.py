@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from .checks import Check, Fraction, NonNegative, PositiveFloat, Section, at_most
 
@@ -19,8 +19,9 @@ def _module_names(names: list[str]) -> bool:
 
 @dataclass
 class LoraConfig(Section):
-    """LoRA: the base model frozen in its compute dtype, low-rank adapters (`W + alpha/rank * B A`) trained
-    in its place; only the adapters are optimized, checkpointed and pushed to the rollout engine."""
+    """LoRA: the base model frozen in its compute dtype, low-rank adapters (`W + alpha/rank * B A`) and the
+    normalization weights trained in its place; only they are optimized, checkpointed and pushed to the
+    rollout engine."""
 
     rank: Annotated[NonNegative, at_most(4096, "an adapter's rank beyond any layer's width")] = 0
     """Adapter rank r (0: off, the whole model trains)."""
@@ -36,6 +37,12 @@ class LoraConfig(Section):
     """Names of the decoder's linear modules that take adapters (e.g. q_proj v_proj). Empty: every linear
     layer of the family's decoder blocks (models/hf.py `adapter_modules`; never the embeddings, the LM head,
     the routers or the fused routed experts)."""
+    train_norms: Literal["all", "final", "none"] = "all"
+    """Normalization weights trained beside the adapters, whole (a few thousand values per block): "all",
+    "final" (the last norm before the LM head only) or "none" (the adapters alone). The LM head and the final
+    norm fix the logits' scale; with both frozen the policy cannot become sharper than the base, measured on
+    the toy (docs/lora.md). Pushed to vLLM as full tensors beside the adapters; exported in the adapter
+    directory as PEFT's `modules_to_save`."""
     lr_scale: PositiveFloat = 2.0
     """optim.lr is multiplied by this when adapters train. Measured on the toy (docs/lora.md): 1-2x its full
     rate learns best, 5x and more collapse; large models are reported to want ~10x (the 32B LoRA preset)."""

@@ -13,20 +13,33 @@ The choices, before the code:
   `max_lora_rank` it accepts that holds the adapter's rank) and every generate names the adapter directory
   with a `LoRARequest`. rollout/'s VLLMEngine is not changed for it: it is handed a stand-in of the `vllm`
   module whose `LLM` adds both (`serving_adapter`). A rank past vLLM's largest, or a DoRA adapter (no vLLM
-  LoRA layer takes it), is refused before anything loads.
+  LoRA layer takes it), is refused before anything loads. Norms trained whole (`modules_to_save`, a
+  LoRA run's `lora.train_norms`) are no adapter vLLM takes: the LoRARequest names a copy of the directory
+  without them, and they are loaded into the engine's base after it starts (sync/vllm.py `push_norms`).
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, engine_spec
-from ..models.adapter_dir import ADAPTER_CONFIG, BASE_FIELD, AdapterDir, is_adapter_dir, read_adapter
+from ..models.adapter_dir import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    BASE_FIELD,
+    AdapterDir,
+    is_adapter_dir,
+    read_adapter,
+)
 from ..models.model_dir import check_model_dir
-from ..sync.vllm import max_lora_rank, vllm_lora_ranks
+from ..sync.vllm import max_lora_rank, push_norms, vllm_lora_ranks
 
 LORA_NAME = "flashdapo-eval"
 LORA_ID = 1
@@ -85,17 +98,44 @@ class _AdapterVLLM:
         request_class = getattr(getattr(getattr(vllm, "lora", None), "request", None), "LoRARequest", None)
         if request_class is None:
             request_class = importlib.import_module(f"{self.__name__}.lora.request").LoRARequest
-        request = request_class(LORA_NAME, LORA_ID, str(Path(adapter.path).resolve()))
+        served, norms = _without_norms(adapter)
+        request = request_class(LORA_NAME, LORA_ID, served)
         llm_class, slot = vllm.LLM, max_lora_rank(adapter.rank)
 
         def llm(model: str, **kwargs: Any) -> AdapterLLM:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=slot)
-            return AdapterLLM(llm_class(model=model, **kwargs), request)
+            engine = llm_class(model=model, **kwargs)
+            if norms:
+                push_norms(engine, norms)
+            return AdapterLLM(engine, request)
 
         self.LLM = llm
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._vllm, name)
+
+
+def _without_norms(adapter: AdapterDir) -> tuple[str, dict[str, Any]]:
+    """The directory vLLM's LoRARequest names, and the tensors trained whole (`modules_to_save`: the norms,
+    plain HF names) it cannot take: the adapter itself when it has none, else a temporary copy without them
+    (removed at exit)."""
+    root = Path(adapter.path).resolve()
+    if not adapter.config.get("modules_to_save"):
+        return str(root), {}
+    from safetensors.torch import load_file, save_file
+
+    if not (root / ADAPTER_WEIGHTS[0]).is_file():
+        raise ConfigError(f"{root}: an adapter with modules_to_save is served by vLLM from "
+                          f"{ADAPTER_WEIGHTS[0]} only; evaluate it with --engine torch (which merges it)")
+    tensors = load_file(str(root / ADAPTER_WEIGHTS[0]))
+    lora = {name: t for name, t in tensors.items() if ".lora_" in name}
+    norms = {name.removeprefix("base_model.model."): t for name, t in tensors.items() if ".lora_" not in name}
+    copy = Path(tempfile.mkdtemp(prefix="flashdapo-adapter-"))
+    atexit.register(shutil.rmtree, copy, ignore_errors=True)
+    save_file(lora, str(copy / ADAPTER_WEIGHTS[0]), metadata={"format": "pt"})
+    config = {**adapter.config, "modules_to_save": None}
+    (copy / ADAPTER_CONFIG).write_text(json.dumps(config), encoding="utf-8")
+    return str(copy), norms
 
 
 class AdapterLLM:

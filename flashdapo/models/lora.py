@@ -12,6 +12,10 @@ The choices, before the code:
 - **Targets** come from the family (models/hf.py `adapter_modules`) or `lora.target_modules`, and are only
   `nn.Linear` modules inside the decoder blocks: never the embeddings, the LM head, the routers, or the routed
   experts transformers holds fused as 3-D parameters. A name that matches nothing is refused in one line.
+- **Norms, whole.** `lora.train_norms` trains the normalization weights beside the adapters (all of them,
+  the final one, or none): with the LM head and the final norm frozen the policy cannot sharpen past the
+  base (docs/lora.md). They are float32 like the adapters and go wherever the adapters go (optimizer,
+  checkpoint, push, export), under their plain names; `AdapterLayout.trains` says which tensors those are.
 - **Names.** Held: `model.layers.0.self_attn.q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`.
   Written as a PEFT adapter (`adapter_model.safetensors`): `base_model.model.model.layers.0.self_attn.q_proj.
   lora_A.weight`, the names `PeftModel.from_pretrained` and vLLM's LoRA loader read. Merged (the HF export,
@@ -21,7 +25,7 @@ The choices, before the code:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -30,7 +34,8 @@ from torch import nn
 
 from ..config import ConfigError, LoraConfig
 from ..errors import FlashdapoError
-from .hf import FAMILIES, decoder_layers
+from .hf import FAMILIES, decoder_layers, group_modules
+from .weights import hf_name
 
 ADAPTER = "default"
 """peft's adapter name; the only adapter a policy holds."""
@@ -49,6 +54,22 @@ class AdapterLayout:
     """Short module names (q_proj, ...), as peft matches them."""
     adapted: tuple[str, ...]
     """Full names of the adapted modules, in module order."""
+    norms: tuple[str, ...] = ()
+    """Full names of the normalization parameters trained whole beside the adapters (lora.train_norms), in
+    module order: `model.norm.weight`, ..."""
+
+    def trains(self, name: str) -> bool:
+        """Whether the tensor `name` (held, under any wrapper or owner prefix: `hf.model.norm.weight` in the
+        policy's state dict) trains: an adapter's or a trained norm's."""
+        if is_adapter(name):
+            return True
+        name = hf_name(name)
+        return any(name == norm or name.endswith("." + norm) for norm in self.norms)
+
+    @property
+    def norm_modules(self) -> tuple[str, ...]:
+        """The modules whose parameters `norms` holds (PEFT's `modules_to_save`)."""
+        return tuple(dict.fromkeys(name.rsplit(".", 1)[0] for name in self.norms))
 
     @property
     def scaling(self) -> float:
@@ -60,6 +81,7 @@ class AdapterLayout:
 
         return PeftLoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                               target_modules=list(self.target_modules), bias="none",
+                              modules_to_save=list(self.norm_modules) or None,
                               base_model_name_or_path=base_model or None, task_type="CAUSAL_LM")
 
 
@@ -82,7 +104,22 @@ def adapter_layout(hf: nn.Module, cfg: LoraConfig) -> AdapterLayout:
             f"lora.target_modules: {', '.join(missing or wanted)} is no linear layer of a "
             f"{hf.config.model_type} decoder block; its linear layers are "
             f"{', '.join(_linear_names(hf)) or 'none'}")
-    return AdapterLayout(cfg.rank, cfg.alpha, cfg.dropout, tuple(sorted(found)), tuple(adapted))
+    return AdapterLayout(cfg.rank, cfg.alpha, cfg.dropout, tuple(sorted(found)), tuple(adapted),
+                         _trained_norms(hf, cfg.train_norms))
+
+
+def _trained_norms(hf: nn.Module, which: str) -> tuple[str, ...]:
+    """The parameter names of the normalization layers lora.train_norms `which` trains: every module whose
+    class is a norm (RMSNorm, LayerNorm and their family variants) for "all", the one before the LM head for
+    "final"."""
+    if which == "none":
+        return ()
+    if which == "final":
+        final = group_modules(hf, hf.config.model_type)[-1][1]
+        modules = [(name, m) for name, m in hf.named_modules() if m is final]
+    else:
+        modules = [(name, m) for name, m in hf.named_modules() if "Norm" in type(m).__name__]
+    return tuple(hf_name(f"{name}.{p}") for name, m in modules for p, _ in m.named_parameters(recurse=False))
 
 
 def _linear_names(hf: nn.Module) -> list[str]:
@@ -91,7 +128,8 @@ def _linear_names(hf: nn.Module) -> list[str]:
 
 
 def add_adapters(hf: nn.Module, cfg: LoraConfig, seed: int) -> AdapterLayout:
-    """Put `cfg`'s adapters on `hf` in place (peft), freeze everything else; the layout. Adapters are float32
+    """Put `cfg`'s adapters on `hf` in place (peft), freeze everything else but the norms lora.train_norms
+    names; the layout. Adapters and trained norms are float32
     (master weights) over a half-precision base. `seed` draws lora_A (B starts at zero) the same on every
     rank, whatever the global generator holds. On the meta device they are meta too (the load fills them)."""
     from peft import inject_adapter_in_model
@@ -99,19 +137,32 @@ def add_adapters(hf: nn.Module, cfg: LoraConfig, seed: int) -> AdapterLayout:
     layout = adapter_layout(hf, cfg)
     peft_config = layout.peft_config()
     peft_config.target_modules = list(layout.adapted)  # exactly these modules, by full name
+    peft_config.modules_to_save = None  # the norms stay plain modules: trained in place, not wrapped
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(peft_config, hf, adapter_name=ADAPTER)
+    # The norms' base values, for an export of the base (sync WeightSource.base: the toy's, which exists only
+    # in memory); none on the meta device, where the base is model.path's checkpoint.
+    hf.adapter_base_norms = {hf_name(name): param.detach().clone() for name, param in hf.named_parameters()
+                             if hf_name(name) in layout.norms and not param.is_meta}
     for name, param in hf.named_parameters():
-        adapter = is_adapter(name)
-        param.requires_grad_(adapter)
-        if adapter and param.dtype in (torch.bfloat16, torch.float16):
+        trains = layout.trains(name)
+        param.requires_grad_(trains)
+        if trains and param.dtype in (torch.bfloat16, torch.float16):
             param.data = param.data.float()
+    for name in layout.norm_modules:  # a norm's fp32 weight would promote its output out of the base's dtype
+        hf.get_submodule(name).register_forward_hook(_in_input_dtype)
     for name, module in list(hf.named_modules()):  # peft's nn.Dropout follows the model's train/eval mode
         if name.endswith(f"lora_dropout.{ADAPTER}") and isinstance(module, nn.Dropout):
             hf.get_submodule(name.rsplit(".", 1)[0])[ADAPTER] = UpdateDropout(module.p)
     hf.adapter_layout = layout
     return layout
+
+
+def _in_input_dtype(_module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """A trained norm's output in its input's dtype (bf16 over a bf16 base outside FSDP2's mixed precision,
+    which casts the weight itself; a no-op in fp32)."""
+    return out.to(args[0].dtype) if args and isinstance(args[0], torch.Tensor) else out
 
 
 class UpdateDropout(nn.Module):
@@ -156,8 +207,18 @@ def is_adapter(name: str) -> bool:
 
 
 def peft_name(name: str) -> str:
-    """An adapter tensor's name as a PEFT adapter file holds it: `base_model.model.<module>.lora_A.weight`."""
-    return "base_model.model." + _ADAPTER_PART.sub(lambda m: f".lora_{m.group(1)}.", name)
+    """A trained tensor's name as a PEFT adapter file holds it: `base_model.model.<module>.lora_A.weight` for
+    an adapter's, `base_model.model.model.norm.weight` for a norm trained whole (PEFT's modules_to_save)."""
+    return "base_model.model." + _ADAPTER_PART.sub(lambda m: f".lora_{m.group(1)}.", hf_name(name))
+
+
+def trained(hf: nn.Module) -> Callable[[str], bool]:
+    """The names of the tensors that train on an adapted `hf` (adapters and trained norms), as a predicate
+    for `iter_full_state_dict(only=...)`: what a checkpoint, a push and an adapter export carry."""
+    layout = layout_of(hf)
+    if layout is None:
+        raise FlashdapoError("trained(): the model carries no adapters")
+    return layout.trains
 
 
 def base_name(name: str) -> str:
@@ -193,4 +254,4 @@ def merged_stream(named: Iterator[tuple[str, torch.Tensor]],
 
 
 __all__ = ["ADAPTER", "AdapterLayout", "UpdateDropout", "adapter_dropout", "adapter_layout", "add_adapters",
-           "base_name", "is_adapter", "layout_of", "merged_stream", "peft_name"]
+           "base_name", "is_adapter", "layout_of", "merged_stream", "peft_name", "trained"]

@@ -262,7 +262,7 @@ def staged_weights_bytes(shape: ModelShape, max_lag: int, load_bytes: int) -> in
     """Host bytes one rollout rank of split placement holds in staged weights: k + 1 versions (k = max_lag) of
     every parameter at `load_bytes` each; under LoRA of the adapters alone (both sides build the frozen base:
     sync/broadcast.py)."""
-    pushed = shape.adapter_parameters if shape.lora else shape.parameters
+    pushed = shape.trainable_parameters
     return (max_lag + 1) * load_bytes * pushed
 
 

@@ -34,7 +34,9 @@ class Tensor:
     unit: str
     expert: bool = False
     adapter: bool = False
-    """A LoRA adapter's A or B (trains; under LoRA every other tensor is the frozen base)."""
+    """A LoRA adapter's A or B (trains; under LoRA every other tensor is the frozen base but `whole`)."""
+    whole: bool = False
+    """Under LoRA, a norm trained whole beside the adapters (lora.train_norms)."""
 
     @property
     def numel(self) -> int:
@@ -119,12 +121,12 @@ class ModelShape:
 
     @property
     def trainable_parameters(self) -> int:
-        """What trains: the adapters under LoRA, else every parameter."""
-        return self.adapter_parameters if self.lora else self.parameters
+        """What trains: the adapters and the norms trained whole under LoRA, else every parameter."""
+        return sum(t.numel for t in self.tensors if self.trainable(t))
 
     def trainable(self, tensor: Tensor) -> bool:
         """Whether `tensor` trains (has gradients and AdamW moments)."""
-        return tensor.adapter or not self.lora
+        return tensor.adapter or tensor.whole or not self.lora
 
     @property
     def expert_parameters(self) -> int:
@@ -197,10 +199,12 @@ def model_shape(model: torch.nn.Module, name: str, lora: LoraConfig | None = Non
     with `lora` enabled its adapters too (`adapter_tensors`; ConfigError for target modules that match no
     linear layer, as the launch refuses them)."""
     moe, expert_names = moe_shape(model)
+    rank = lora.rank if lora is not None and lora.enabled else 0
+    whole = set(adapter_layout(model, lora).norms) if rank else set()
     tensors = []
     for pname, param in model.named_parameters():
-        tensors.append(Tensor(pname, tuple(param.shape), _unit(pname), expert=pname in expert_names))
-    rank = lora.rank if lora is not None and lora.enabled else 0
+        tensors.append(Tensor(pname, tuple(param.shape), _unit(pname), expert=pname in expert_names,
+                              whole=pname in whole))
     if rank:
         tensors += adapter_tensors(model, lora)
     c = model.config

@@ -89,11 +89,13 @@ def _lora_line(shape: ModelShape, cfg: Config) -> str:
     adapted = sorted({t.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for t in shape.tensors
                       if ".lora_A." in t.name})
     linears = sum(".lora_A." in t.name for t in shape.tensors)
+    norms = sum(t.whole for t in shape.tensors)
+    whole = f" and {norms} norms trained whole (lora.train_norms {cfg.lora.train_norms})" if norms else ""
     return (
         f"lora: rank {shape.lora_rank}, alpha {cfg.lora.alpha:g}, {' '.join(adapted)} in every decoder block "
-        f"({linears} adapted linears); {shape.adapter_parameters:,} trainable of {shape.parameters:,} "
-        f"parameters ({shape.adapter_parameters / shape.parameters:.2%}; exact: A [r, in] and B [out, r] per "
-        "adapted linear); the base frozen in the compute dtype")
+        f"({linears} adapted linears{whole}); {shape.trainable_parameters:,} trainable of "
+        f"{shape.parameters:,} parameters ({shape.trainable_parameters / shape.parameters:.2%}; exact: "
+        "A [r, in] and B [out, r] per adapted linear); the base frozen in the compute dtype")
 
 
 def _expert_layout(shape: ModelShape, expert_parallel: int, world: int) -> str:
@@ -200,8 +202,9 @@ def _update_basis(cfg: Config, lora: bool) -> str:
 
 def _push(shape: ModelShape, cfg: Config) -> str:
     """The bytes of one weight push to the engine (exact; its time is not modelled)."""
-    what = (f"the adapters alone, gathered in fp32 (sync WeightSource.adapters), held by vLLM in bf16 "
-            f"({2 * shape.adapter_parameters / 1e9:,.2f} GB); the frozen base is never pushed" if shape.lora
+    what = (f"the adapters and trained norms alone, gathered in fp32 (sync WeightSource.adapters), held by "
+            f"vLLM in bf16 ({2 * shape.trainable_parameters / 1e9:,.2f} GB); the frozen base is never pushed"
+            if shape.lora
             else f"every parameter, {'fp32' if cfg.model.dtype == 'float32' else 'bf16'}")
     return (f"  weight push to vLLM, per step: {push_bytes(shape, cfg) / 1e9:,.2f} GB (exact: {what}; "
             "its time is not modelled)")

@@ -128,10 +128,10 @@ def step_time(shape: ModelShape, cfg: Config, world: int, gpu: GPU, engine: Engi
 
 def push_bytes(shape: ModelShape, cfg: Config) -> int:
     """Bytes the trainer hands an engine with its own weights (vLLM) per weight push, exact: every parameter
-    in the compute dtype (the engine's weight dtype), or under LoRA the adapters alone, fp32 as
-    sync/__init__.py `WeightSource.adapters` gathers them (the frozen base is never pushed)."""
+    in the compute dtype (the engine's weight dtype), or under LoRA the adapters and trained norms alone, fp32
+    as sync/__init__.py `WeightSource.adapters` gathers them (the frozen base is never pushed)."""
     if shape.lora:
-        return 4 * shape.adapter_parameters
+        return 4 * shape.trainable_parameters
     return (4 if cfg.model.dtype == "float32" else 2) * shape.parameters
 
 

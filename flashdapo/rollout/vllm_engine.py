@@ -370,8 +370,9 @@ class VLLMEngine:
         gaps = self.llm.collective_rpc(functools.partial(lora_gaps, lora))[0]
         if not gaps:
             self.started_line += (f"; LoRA: rank-{lora.rank} adapters (max_lora_rank "
-                                  f"{max_lora_rank(lora.rank)}) on {', '.join(lora.target_modules)}, pushed "
-                                  "from memory over the base loaded from model.path (never pushed)")
+                                  f"{max_lora_rank(lora.rank)}) on {', '.join(lora.target_modules)}"
+                                  f"{f' and {len(lora.norms)} norms trained whole' if lora.norms else ''}, "
+                                  "pushed from memory over the base loaded from model.path (never pushed)")
             return
         self.shutdown()
         bad = sorted({name.rsplit(".", 1)[-1] for name in gaps})
@@ -574,7 +575,9 @@ class VLLMEngine:
         self._pushed("adapter push", start)
         self.adapter_pushes += 1
         if self.rank == 0 and self.adapter_pushes <= 2:  # the first includes one-time costs
-            print(f"flashdapo: LoRA push {self.adapter_pushes}: {push.tensors} adapter tensors, "
+            norms = len(self.lora.norms)
+            print(f"flashdapo: LoRA push {self.adapter_pushes}: {push.tensors - norms} adapter tensors"
+                  f"{f' and {norms} norms' if norms else ''}, "
                   f"{push.bytes:,} bytes ({push.bytes / 2**20:.3g} MiB) given to vLLM from memory in "
                   f"{push.seconds:.3f} s as adapter {push.name}; the base is not pushed "
                   "(each push's time: timing_s/weight_sync, with its check)", flush=True)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.lora import AdapterLayout, base_name, is_adapter, layout_of, merged_stream, peft_name
+from ..errors import FlashdapoError
+from ..models.lora import AdapterLayout, base_name, is_adapter, layout_of, merged_stream, peft_name, trained
 from ..models.weights import iter_full_state_dict
 
 __all__ = ["WeightSource", "policy_weights"]
@@ -49,9 +50,10 @@ class WeightSource:
         return iter_full_state_dict(self.hf, dtype=dtype)
 
     def adapters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """LoRA: the adapters alone, full fp32 tensors under their PEFT names (`base_model.model.<module>.
-        lora_A.weight`), gathered one at a time; the frozen base is never gathered."""
-        for name, tensor in iter_full_state_dict(self.hf, only=is_adapter):
+        """LoRA: the adapters and the trained norms alone, full fp32 tensors under their PEFT names
+        (`base_model.model.<module>.lora_A.weight`, `base_model.model.model.norm.weight`), gathered one at a
+        time; the frozen base is never gathered."""
+        for name, tensor in iter_full_state_dict(self.hf, only=trained(self.hf)):
             yield peft_name(name), tensor
 
     def merged(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,8 +63,16 @@ class WeightSource:
 
     def base(self) -> Iterator[tuple[str, torch.Tensor]]:
         """LoRA: the frozen base's tensors under the plain model's names (the toy's base, which has no model
-        directory for an adapter to name)."""
-        return self._cast((base_name(name), tensor)
+        directory for an adapter to name); a trained norm as it was when the adapters were added."""
+        held = getattr(self.hf, "adapter_base_norms", {})
+        missing = [name for name in self.layout.norms if name not in held]
+        if missing:
+            raise FlashdapoError(f"the base's values of the trained norms {missing[:3]} were not kept "
+                                 "(the adapters were added before the base loaded: model.path is the base)")
+
+        def frozen(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return held[name].to(tensor.dtype) if name in held else tensor
+        return self._cast((base_name(name), frozen(name, tensor))
                           for name, tensor in iter_full_state_dict(self.hf, only=lambda n: not is_adapter(n)))
 
     def _cast(self, named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..distributed.collectives import all_reduce
 from ..distributed.mesh import DistEnv
 from ..distributed.roles import Bridges
-from ..models.lora import is_adapter, layout_of
+from ..models.lora import layout_of, trained
 from ..models.weights import hf_name, iter_full_state_dict, named_tensors
 from .check import PUSH_TOLERANCE, PushCheck, PushMismatchError
 
@@ -89,9 +89,9 @@ def push_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _pushed(model: nn.Module) -> Callable[[str], bool] | None:
-    """Which tensors a version carries: under LoRA the adapters alone (both sides hold the same frozen base),
-    else all (None)."""
-    return is_adapter if layout_of(model) is not None else None
+    """Which tensors a version carries: under LoRA the adapters and the trained norms alone (both sides hold
+    the same frozen base), else all (None)."""
+    return trained(model) if layout_of(model) is not None else None
 
 
 def _manifest(model: nn.Module, dtype: torch.dtype) -> Manifest:

@@ -58,7 +58,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..distributed.collectives import all_reduce
 from ..errors import FlashdapoError
 from ..models.hf import final_logit_softcap, group_modules
-from ..models.lora import is_adapter, layout_of, merged_stream, peft_name
+from ..models.lora import layout_of, merged_stream, peft_name, trained
 from ..models.weights import hf_name, iter_full_state_dict
 
 __all__ = [
@@ -101,9 +101,9 @@ def adapter_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def trainer_adapters(hf: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's adapters as full fp32 tensors under their PEFT names (sync.WeightSource.adapters: the
-    stream a LoRA push takes), every rank together."""
-    for name, tensor in iter_full_state_dict(hf, only=is_adapter):
+    """The policy's adapters (and trained norms) as full fp32 tensors under their PEFT names
+    (sync.WeightSource.adapters: the stream a LoRA push takes), every rank together."""
+    for name, tensor in iter_full_state_dict(hf, only=trained(hf)):
         yield peft_name(name), tensor
 
 

@@ -76,6 +76,10 @@ The choices, before the code:
   `v1/core/kv_cache_utils.py`). vLLM is given copies (it scales B in place, `lora_weights.py` `optimize`).
   Every adapted module must land on one of vLLM's LoRA layers, itself or stacked with others by its model's
   `packed_modules_mapping` (`lora_gaps`, asked once at start: one that does not is refused there).
+  The norms `lora.train_norms` trains are no adapter vLLM takes (its LoRA accepts modules_to_save only for a
+  classifier head), so they go into its base with the model's own `load_weights`, these tensors alone
+  (`push_norms`); the new adapter id of the same push keeps the prefix cache from reusing KV computed with
+  the old norms.
 """
 
 from __future__ import annotations
@@ -410,6 +414,7 @@ def _install_adapter(worker: Any, *, layout: AdapterLayout, tensors: dict[str, t
     manager, adapters = _lora_manager(worker)
     helper = PEFTHelper.from_dict({**layout.peft_config().to_dict(),
                                    "target_modules": list(layout.target_modules),
+                                   "modules_to_save": None,  # the trained norms: push_norms
                                    "vllm_max_position_embeddings": manager.max_position_embeddings})
     helper.validate_legal(manager.lora_config)  # rank within max_lora_rank, no feature vLLM lacks
     dtype = manager.lora_config.lora_dtype
@@ -442,14 +447,41 @@ def push_adapters(llm: Any, named: Iterable[tuple[str, torch.Tensor]], layout: A
     start = time.perf_counter()
     tensors = dict(named)
     expected = {peft_name(f"{m}.lora_{part}.{ADAPTER}.weight") for m in layout.adapted for part in "AB"}
-    missing, stray = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    norms = {peft_name(name): name for name in layout.norms}
+    missing = sorted((expected | set(norms)) - set(tensors))
+    stray = sorted(set(tensors) - expected - set(norms))
     if missing or stray:
         raise RuntimeError(f"LoRA push: the adapter stream lacks {missing[:4]} (of {len(missing)}) and holds "
                            f"{stray[:4]} (of {len(stray)}) beside the adapters of the run's layout")
     digest = adapter_digest(tensors.items())
-    size = llm.collective_rpc(_install_adapter, kwargs={"layout": layout, "tensors": tensors,
-                                                        "lora_id": lora_id})[0]
+    size = llm.collective_rpc(_install_adapter, kwargs={
+        "layout": layout, "tensors": {name: t for name, t in tensors.items() if name in expected},
+        "lora_id": lora_id})[0]
+    if norms:
+        size += push_norms(llm, {plain: tensors[name] for name, plain in norms.items()})
     return AdapterPush(lora_id, len(tensors), int(size), time.perf_counter() - start, digest)
+
+
+def push_norms(llm: Any, norms: dict[str, torch.Tensor]) -> int:
+    """Load the trained norms (plain HF names, full tensors) into the running engine's base, where LoRA
+    requests cannot carry them (vLLM's adapters take no modules_to_save but a classifier's): the model's own
+    `load_weights`, given these tensors alone; raise if it loaded fewer. The bytes vLLM holds them in."""
+    size = 0
+    for loaded, nbytes in llm.apply_model(functools.partial(_load_norms, norms)):
+        if len(loaded) != len(norms):
+            raise RuntimeError(f"LoRA push: vLLM's load_weights took {sorted(loaded)[:4]} for the trained "
+                               f"norms {sorted(norms)[:4]} ({len(loaded)} of {len(norms)})")
+        size = nbytes
+    return size
+
+
+def _load_norms(norms: dict[str, torch.Tensor], model: nn.Module) -> tuple[list[str], int]:
+    """For `apply_model`: load `norms` with the model's load_weights; the (vLLM) names it reports loaded
+    and their bytes as held."""
+    given = [(name, t.detach().to("cpu")) for name, t in norms.items()]
+    loaded = sorted(model.load_weights(iter(given)) or ())
+    held = {name: p for name, p in model.named_parameters() if isinstance(p, torch.Tensor)}
+    return loaded, sum(held[name].numel() * held[name].element_size() for name in loaded if name in held)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from flashdapo.__main__ import main as cli
 from flashdapo.config import ConfigError, ToyTaskConfig
@@ -29,7 +31,7 @@ SAMPLING = ["--max-new-tokens", "6", "--seed", "5", "--max-prompt-length", "256"
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapter")
     base = toy_export(root / "base")
-    adapter, merged = lora_adapter(base, root, rank=4, alpha=64.0)
+    adapter, merged = lora_adapter(base, root, rank=4, alpha=64.0, norms=True)  # norms as a LoRA run exports them
     records = toy_records(ToyTaskConfig(num_val=3), "val")
     data = root / "toy.jsonl"
     data.write_text("".join(json.dumps({"prompt": r.messages, "reward_model": {"ground_truth": r.ground_truth}})
@@ -158,4 +160,17 @@ def test_vllm_starts_on_the_base_with_lora_and_names_the_adapter_in_every_genera
     assert (init["enable_lora"], init["max_loras"], init["max_lora_rank"]) == (True, 1, 8)
     requests = engine.llm.requests
     assert len(requests) == 2 and all(r == requests[0] for r in requests)
-    assert requests[0].lora_path == str(dirs.adapter.resolve()) and requests[0].lora_int_id == 1
+    assert requests[0].lora_int_id == 1
+    # The adapter's norms (modules_to_save), which vLLM's LoRA refuses, went into the base by load_weights; the
+    # request names a copy of the adapter without them.
+    served = Path(requests[0].lora_path)
+    assert served != dirs.adapter.resolve() and json.loads((served / "adapter_config.json").read_text())[
+        "modules_to_save"] is None
+    kept = load_file(served / "adapter_model.safetensors")
+    given = load_file(dirs.adapter / "adapter_model.safetensors")
+    assert set(kept) == {n for n in given if ".lora_" in n} and len(given) - len(kept) == 3
+    loaded = {name: tensor for name, _, _, tensor in engine.llm.model.loads}
+    assert set(loaded) == {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+                           "model.norm.weight"}
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, given[f"base_model.model.{name}"])

@@ -1,6 +1,7 @@
 """LoRA adapters on the policy (models/lora.py): the adapted forward equals peft's own forward in float64,
-packed and padded; only the adapters train; the merge equals peft's; every family's adapters go on linear
-layers of its decoder blocks and nowhere else; a name that adapts nothing is one line."""
+packed and padded (trained norms as PEFT's modules_to_save); only the adapters and the norms lora.train_norms
+names train; the merge equals peft's; every family's adapters go on linear layers of its decoder blocks and
+nowhere else; a name that adapts nothing is one line."""
 
 import copy
 
@@ -24,6 +25,7 @@ from flashdapo.models.lora import (
 )
 from flashdapo.models.policy import PolicyModel
 from flashdapo.models.weights import iter_full_state_dict
+from flashdapo.sync import WeightSource
 from tests.helpers.family_configs import family_config
 
 CPU = torch.device("cpu")
@@ -39,8 +41,8 @@ def _base(seed: int = 0) -> nn.Module:
 
 
 def _adapted(base: nn.Module, rank: int = 5, **lora):
-    """A copy of `base` with adapters whose B is drawn non-zero (a fresh adapter is the base), and the same
-    adapters on peft's own PeftModel."""
+    """A copy of `base` with adapters whose B is drawn non-zero (a fresh adapter is the base) and trained norms
+    moved off the base's, and the same on peft's own PeftModel (the norms as its modules_to_save)."""
     model = copy.deepcopy(base)
     layout = add_adapters(model, LoraConfig(rank=rank, alpha=12.0, **lora), seed=3)
     g = torch.Generator().manual_seed(7)
@@ -48,17 +50,20 @@ def _adapted(base: nn.Module, rank: int = 5, **lora):
         for name, param in model.named_parameters():
             if ".lora_B." in name:
                 param.copy_(torch.randn(param.shape, generator=g, dtype=param.dtype) * 0.2)
+            elif name in layout.norms:
+                param.mul_(1 + torch.rand(param.shape, generator=g, dtype=param.dtype))
     theirs = get_peft_model(copy.deepcopy(base), layout.peft_config()).eval()
-    adapters = {peft_name(n): p.detach() for n, p in model.named_parameters() if is_adapter(n)}
+    adapters = {peft_name(n): p.detach() for n, p in model.named_parameters() if layout.trains(n)}
     loaded = set_peft_model_state_dict(theirs, adapters)
     assert not loaded.unexpected_keys
     return model, layout, theirs
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_the_adapted_policys_logprobs_equal_peft_forwards_in_float64(packed):
+@pytest.mark.parametrize("packed,norms", [(True, "all"), (False, "all"), (True, "none")],
+                         ids=["packed", "padded", "packed-adapters-only"])
+def test_the_adapted_policys_logprobs_equal_peft_forwards_in_float64(packed, norms):
     base = _base()
-    model, _, theirs = _adapted(base)
+    model, _, theirs = _adapted(base, train_norms=norms)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (6, 1, 11)]
     responses = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 9, 2)]
@@ -79,13 +84,19 @@ def test_the_adapted_policys_logprobs_equal_peft_forwards_in_float64(packed):
     assert (torch.cat(plain).double() - expected).abs().max() > 1e-2  # the adapters change the function
 
 
-def test_only_the_adapters_train_and_the_base_keeps_its_dtype():
+@pytest.mark.parametrize("norms,trained_norms", [
+    ("all", {f"model.layers.{i}.{n}.weight" for i in (0, 1) for n in ("input_layernorm", "post_attention_layernorm")}
+     | {"model.norm.weight"}),
+    ("final", {"model.norm.weight"}),
+    ("none", set())])
+def test_only_the_adapters_and_the_named_norms_train_and_the_base_keeps_its_dtype(norms, trained_norms):
     base = _base().to(torch.bfloat16)
     model = copy.deepcopy(base)
-    layout = add_adapters(model, LoraConfig(rank=4), seed=0)
+    layout = add_adapters(model, LoraConfig(rank=4, train_norms=norms), seed=0)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(is_adapter(n) for n in trainable)
-    assert len(trainable) == 2 * len(layout.adapted) == 2 * 2 * 7
+    assert {n for n in trainable if not is_adapter(n)} == trained_norms == set(layout.norms)
+    assert sum(map(is_adapter, trainable)) == 2 * len(layout.adapted) == 2 * 2 * 7
+    assert all(layout.trains(n) for n in trainable)
     assert {p.dtype for n, p in model.named_parameters() if n in trainable} == {torch.float32}
     assert {p.dtype for n, p in model.named_parameters() if n not in trainable} == {torch.bfloat16}
     ids = torch.randint(0, VOCAB, (2, 7))
@@ -95,7 +106,7 @@ def test_only_the_adapters_train_and_the_base_keeps_its_dtype():
 
 def test_the_merge_equals_pefts_merge_and_the_names_are_pefts():
     base = _base()
-    model, layout, theirs = _adapted(base, rank=3)
+    model, layout, theirs = _adapted(base, rank=3, train_norms="final")
     merged = dict(merged_stream(iter_full_state_dict(model), layout))
     reference = theirs.merge_and_unload().state_dict()
     assert merged.keys() == {k for k in reference if k != "lm_head.weight" or k in merged}
@@ -104,6 +115,18 @@ def test_the_merge_equals_pefts_merge_and_the_names_are_pefts():
     assert peft_name("model.layers.1.mlp.up_proj.lora_B.default.weight") == \
         "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"  # the key PEFT's adapter files hold
     assert base_name("model.layers.0.mlp.up_proj.base_layer.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert peft_name("model.norm.weight") == "base_model.model.model.norm.weight"  # a modules_to_save key
+    assert not torch.equal(merged["model.norm.weight"], base.model.norm.weight)  # the trained norm, merged
+
+
+def test_the_base_export_holds_the_norms_as_they_were_before_training():
+    base = _base()
+    model, layout, _ = _adapted(base, rank=3)
+    assert layout.norms
+    held = dict(WeightSource(model, layout=layout).base())
+    assert held.keys() == base.state_dict().keys() - {"lm_head.weight"} or held.keys() == base.state_dict().keys()
+    for name, tensor in held.items():
+        assert torch.equal(tensor, base.state_dict()[name]), name
 
 
 def test_a_module_name_that_adapts_nothing_is_refused_in_one_line():

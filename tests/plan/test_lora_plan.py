@@ -44,7 +44,9 @@ ADAPTERS = L * R * ((H + H) + 2 * (H + K) + (H + H) + 3 * (H + MLP))  # 8,192
 
 
 def _lora(rank: int = R, **fields):
-    return merge(toy(), {"lora": {"rank": rank, **fields}})
+    """LoRA on the toy preset; the adapters alone unless `train_norms` says otherwise (the by-hand sums below
+    count adapters; test_trained_norms_... adds the norms)."""
+    return merge(toy(), {"lora": {"rank": rank, "train_norms": "none", **fields}})
 
 
 def _small(cfg=None):
@@ -73,6 +75,21 @@ def test_adapters_are_counted_exactly_from_the_shapes_and_match_peft():
     # Without LoRA the shape is the base alone, and everything trains.
     _, full = _small(toy())
     assert full.parameters == BASE and full.trainable_parameters == BASE and not full.lora
+
+
+def test_trained_norms_count_as_trainable_as_the_trainer_trains_them_and_are_pushed():
+    cfg = _lora(train_norms="all")
+    model, shape = _small(cfg)
+    norms = L * 2 * H + H  # input and post-attention norms per block, the final norm
+    assert shape.trainable_parameters == ADAPTERS + norms and shape.adapter_parameters == ADAPTERS
+    add_adapters(model, cfg.lora, seed=0)
+    trainable = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {t.name: t.shape for t in shape.tensors if shape.trainable(t)}
+    assert push_bytes(shape, cfg) == 4 * (ADAPTERS + norms)
+    state = state_bytes(shape, 2, 0, frozen_bytes=2)
+    assert state.frozen == 2 * (BASE - norms) // 2 and state.grads == 4 * (ADAPTERS + norms) // 2
+    _, final = _small(_lora(train_norms="final"))
+    assert final.trainable_parameters == ADAPTERS + H
 
 
 def test_target_modules_narrow_the_adapters_and_a_wrong_name_is_refused_as_the_launch_refuses_it():
@@ -143,7 +160,7 @@ def test_a_frozen_lm_head_has_no_weight_gradient_in_either_kernel(n):
 
 
 def test_the_update_skips_the_base_weight_gradients_and_the_push_is_the_adapters():
-    cfg = merge(preset("qwen2.5-32b-dapo-lora"), {"lora": {"rank": R}})
+    cfg = merge(preset("qwen2.5-32b-dapo-lora"), {"lora": {"rank": R, "train_norms": "none"}})
     _, shape = _small(cfg)
     _, full = _small(merge(cfg, {"lora": {"rank": 0}}))
     gpu, work = gpu_named("h100"), Workload(mean_response=4096, mean_prompt=256, mfu=0.4)
@@ -239,10 +256,13 @@ def test_the_plan_prints_trainable_and_total_parameters_and_the_push(capsys):
     out = capsys.readouterr().out
     assert "1 node(s) x 8 H100 SXM = 8 ranks" in out
     assert "32,763,876,352 parameters in 771 tensors" in out
-    assert "268,435,456 trainable of 33,032,311,808 parameters (0.81%" in out and "448 adapted linears" in out
+    # the adapters, and the 64 x 2 block norms and the final norm of 5,120 trained whole (lora.train_norms all)
+    trained = 268_435_456 + 129 * 5120
+    assert f"{trained:,} trainable of 33,032,311,808 parameters (0.81%" in out and "448 adapted linears" in out
+    assert "129 norms trained whole" in out
     rows = {line[2:54].strip(): line[54:].split() for line in out.splitlines() if line.startswith("  ")}
     assert float(rows["frozen base, bf16 shards"][0]) == pytest.approx(
         2 * math.ceil(32_763_876_352 / 8) / GIB, abs=0.01)  # rank 0: ceil(d0 / 8) rows of every tensor
-    assert float(rows["adapter AdamW moments, fp32"][0]) == pytest.approx(8 * 268_435_456 / 8 / GIB, abs=0.02)
-    assert "weight push to vLLM, per step: 1.07 GB (exact: the adapters alone" in out
+    assert float(rows["adapter AdamW moments, fp32"][0]) == pytest.approx(8 * trained / 8 / GIB, abs=0.02)
+    assert "weight push to vLLM, per step: 1.08 GB (exact: the adapters and trained norms alone" in out
     assert "6 FLOPs per frozen base parameter and token (no weight gradient), 8 per adapter parameter" in out

@@ -28,15 +28,16 @@ RANK = 8
 
 
 def _adapter_bytes(model_dir) -> int:
-    """fp32 bytes of rank-8 adapters on every linear layer of the toy export's decoder blocks: A is
-    [rank, in], B [out, rank]."""
+    """fp32 bytes of rank-8 adapters on every linear layer of the toy export's decoder blocks (A is
+    [rank, in], B [out, rank]) and of its norms trained whole (two a block and the final one)."""
     config = json.loads((model_dir / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head = config.get("head_dim") or hidden // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head
     shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),  # q, k, v, o: (in, out)
               (hidden, inter), (hidden, inter), (inter, hidden)]  # gate, up, down
-    return config["num_hidden_layers"] * sum(RANK * (i + o) for i, o in shapes) * 4
+    norms = (2 * config["num_hidden_layers"] + 1) * hidden
+    return (config["num_hidden_layers"] * sum(RANK * (i + o) for i, o in shapes) + norms) * 4
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +57,12 @@ def test_two_lora_steps_push_only_the_adapters_and_pass_every_check(run):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert FINALIZER_ERROR not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert re.search(r"flashdapo: vLLM \S+ on \w+: .*; LoRA: rank-8 adapters \(max_lora_rank 8\) on down_proj, "
-                     r"gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj, pushed from memory", proc.stdout), \
-        proc.stdout[-3000:]
+                     r"gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj and 3 norms trained whole, pushed from "
+                     r"memory", proc.stdout), proc.stdout[-3000:]
     expected = _adapter_bytes(run["model"])
     for push in (1, 2):
-        line = re.search(rf"flashdapo: LoRA push {push}: 14 adapter tensors, ([\d,]+) bytes .* in ([\d.]+) s",
+        line = re.search(rf"flashdapo: LoRA push {push}: 14 adapter tensors and 3 norms, ([\d,]+) bytes .* in "
+                         r"([\d.]+) s",
                          proc.stdout)
         assert line and int(line[1].replace(",", "")) == expected, proc.stdout[-3000:]
         checked = re.search(rf"flashdapo: weight push {push} checked: max \|logp_vllm - logp_trainer\| (\S+),",
@@ -101,6 +103,16 @@ def test_the_check_passes_only_an_adapter_vllm_applies(run):
     assert not_applied["result"] == "PushMismatchError" and not_applied["max"] > 0.05, not_applied
     assert "log-probs of 248 fixed tokens differ from the trainer's" in not_applied["message"]
     assert cases["again"]["result"] == "pass" and cases["again"]["max"] < 1e-5, cases["again"]
+
+
+def test_the_trained_norms_reach_vllms_base_and_a_lost_norm_push_fails_the_check(run):
+    """The norms trained whole go into vLLM's base by its load_weights (sync/vllm.py push_norms): the applied
+    case scaled them (and passed); a push whose norms never arrive fails on the log-probs, the next intact one
+    passes."""
+    cases = run["cases"]["cases"]
+    lost, again = cases["norms_lost"], cases["norms_again"]
+    assert lost["result"] == "PushMismatchError" and lost["max"] > 0.01, lost
+    assert again["result"] == "pass" and again["max"] < 1e-5, again
 
 
 def test_an_adapter_stream_short_of_a_module_is_refused_naming_it(run):

@@ -37,11 +37,13 @@ def test_two_ranks_train_the_adapters_as_one_process_and_the_base_stays_frozen(t
         assert p1.keys() == p2.keys() == initial.keys()
         adapters = [n for n in p1 if ".lora_" in n]
         assert len(adapters) == 2 * 7 * 2  # A and B of 7 linears in each of 2 blocks
+        norms = [n for n in p1 if n.endswith("norm.weight")]
+        assert len(norms) == 2 * 2 + 1  # trained whole (lora.train_norms "all"): 2 a block and the final one
         for name in p1:  # relative to each tensor's norm
             assert (p2[name] - p1[name]).norm() <= 1e-5 * p1[name].norm(), (tag, name)
             moved = (p1[name] - initial[name]).abs().max().item()
-            # adapters moved (both A and B: B starts non-zero here), the frozen base not by one bit
-            assert (moved > 1e-4) if name in adapters else (moved == 0), (tag, name, moved)
+            # adapters (both A and B: B starts non-zero here) and norms moved, the frozen base not by one bit
+            assert (moved > 1e-4) if name in adapters + norms else (moved == 0), (tag, name, moved)
 
 
 LORA = [*TINY, "--lora.rank", "4", "--trainer.total-steps", "4", "--checkpoint.save-every", "2"]
@@ -63,7 +65,7 @@ def _sigkilled_then_resumed(tmp_path, ranks: int):
     assert run_metrics(crashed) == run_metrics(straight)
     final_a = load_file(straight / "export" / "adapter_model.safetensors")
     final_b = load_file(crashed / "export" / "adapter_model.safetensors")
-    assert final_a.keys() == final_b.keys() and len(final_a) == 28
+    assert final_a.keys() == final_b.keys() and len(final_a) == 28 + 5  # the adapters and the trained norms
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
     return checkpoint, saved
 
@@ -79,5 +81,6 @@ def test_sigkill_then_resume_from_the_adapters_checkpoint_equals_the_uninterrupt
 
     keys = list(FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
     model_keys = [k for k in keys if k.startswith("model.")]
-    assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:5]
+    assert model_keys and all(".lora_" in k or k.endswith("norm.weight") for k in model_keys), model_keys[:5]
+    assert sum(k.endswith("norm.weight") for k in model_keys) == 5
     assert not [k for k in keys if "base_layer" in k or "embed_tokens" in k]

@@ -49,7 +49,7 @@ from ...distributed.collectives import all_gather_objects, all_reduce, barrier
 from ...distributed.interrupt import interruption_of
 from ...distributed.mesh import DistEnv
 from ...errors import FlashdapoError, refused_pickle
-from ...models.lora import is_adapter, layout_of
+from ...models.lora import layout_of, trained
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -264,13 +264,15 @@ def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     collecting, say) and resumed would take that update with step 2's bias correction, the uninterrupted run
     with step 1's. The count goes back to 0, in the live optimizer and in what is saved.
 
-    Under LoRA only the adapters are in the model's state (the frozen base is the model.path checkpoint's, or
-    the toy's warm-up, rebuilt at resume), and only they have optimizer state."""
+    Under LoRA only the adapters (and the norms lora.train_norms trains) are in the model's state (the frozen
+    base is the model.path checkpoint's, or the toy's warm-up, rebuilt at resume), and only they have
+    optimizer state."""
     fresh = not optimizer.state
     options = _options(model)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     if options.ignore_frozen_params:  # a tied head stays in (DCP drops frozen parameters by their first name)
-        model_sd = {name: value for name, value in model_sd.items() if is_adapter(name)}
+        trains = trained(getattr(model, "hf", model))
+        model_sd = {name: value for name, value in model_sd.items() if trains(name)}
     if fresh:
         for state in [*optimizer.state.values(), *optim_sd.get("state", {}).values()]:
             step = state.get("step")

@@ -6,8 +6,10 @@ check's cases on the trained policy and that same engine (no second vLLM start),
 The cases, in order:
 - stale: the engine holds the adapters of the run's last push (before its last update), the trainer the updated
   ones: the check alone (no push) must fail, however small the update (the adapters' digest);
-- applied: the trainer's B drawn large and pushed: passes, with the base model's log-probs (vLLM without the
-  adapter) far from the trainer's, so that the agreement says the adapter is applied;
+- applied: the trainer's B drawn large and its trained norms scaled, pushed: passes, with the base model's
+  log-probs (vLLM without the adapter) far from the trainer's, so that the agreement says the adapter is applied;
+- norms lost: the norms scaled again and B kept, a push whose norms never reach vLLM's base (push_norms a
+  no-op): the log-probs fail it;
 - not applied: vLLM's LoRA slots emptied behind the engine (the digest still matches): the log-probs fail it;
 - lost push: B drawn again, a wake whose push never reaches vLLM (push_adapters hands back the last push): fails;
 - short stream: a wake whose adapter stream lacks one module's lora_B: refused naming it;
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 import flashdapo.rollout.vllm_engine as vllm_engine
+import flashdapo.sync.vllm as vllm_sync
 from flashdapo.__main__ import main
 from flashdapo.rollout.vllm_outputs import sampled_logprobs
 from flashdapo.sync import policy_weights
@@ -35,6 +38,7 @@ OUT = Path(sys.argv[1])
 record: dict = {"full_pushes": 0, "adapter_pushes": [], "cases": {}}
 
 real_push_weights, real_push_adapters = vllm_engine.push_weights, vllm_engine.push_adapters
+real_push_norms = vllm_sync.push_norms
 
 
 def counted_push_weights(*args, **kwargs):
@@ -65,6 +69,13 @@ def attempt(name: str, run, check) -> None:
     record["cases"][name] = {"result": result, "message": message, **checked, **extra}
 
 
+def scale_norms(hf, factor: float) -> None:
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name in hf.adapter_layout.norms:
+                (param.to_local() if hasattr(param, "to_local") else param).mul_(factor)
+
+
 def draw_b(hf, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -84,6 +95,7 @@ def cases(engine) -> None:
 
     def applied():
         draw_b(policy.hf, 1)
+        scale_norms(policy.hf, 1.3)
         engine.wake(weights, next(versions))
         params = engine._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = engine.llm.generate([{"prompt_token_ids": s} for s in check.probe], params, use_tqdm=False)
@@ -92,6 +104,17 @@ def cases(engine) -> None:
         return {"base_max": (base - trainer).abs().max().item()}
 
     attempt("applied", applied, check)
+
+    def norms_lost():
+        scale_norms(policy.hf, 1.5)
+        vllm_sync.push_norms = lambda llm, norms: 0
+        try:
+            engine.wake(weights, next(versions))
+        finally:
+            vllm_sync.push_norms = real_push_norms
+
+    attempt("norms_lost", norms_lost, check)
+    attempt("norms_again", lambda: engine.wake(weights, next(versions)), check)
 
     def empty_slots(worker):
         adapters = worker.model_runner.lora_manager._adapter_manager

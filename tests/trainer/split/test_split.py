@@ -137,15 +137,16 @@ def test_the_push_check_names_a_perturbed_tied_head(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_lora_at_lag_zero_equals_the_colocated_lora_run_bitwise_pushing_only_the_adapters(tmp_path):
-    """LoRA: the rollout side builds the same frozen base, so a version carries the adapters alone, and k = 0
-    still equals the co-located run bit for bit (metrics and the exported adapters)."""
+    """LoRA: the rollout side builds the same frozen base, so a version carries the adapters (and the norms
+    trained whole) alone, and k = 0 still equals the co-located run bit for bit (metrics and the exported
+    adapters)."""
     lora = ["--lora.rank", "4"]
     _together((2, tmp_path / "split", *lora, *SPLIT, "--rollout.max-lag", "0"), (1, tmp_path / "co", *lora))
     split, co = _rows(tmp_path / "split", TIMING + ("split/",)), _rows(tmp_path / "co")
     assert len(co) == 3 and split == co
     a, b = (load_file(tmp_path / run / "export" / "adapter_model.safetensors") for run in ("split", "co"))
-    assert len(a) == 28 and a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-    # what each version carried: the 28 fp32 adapters' bytes, not the model's
+    assert len(a) == 28 + 5 and a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    # what each version carried: the 28 fp32 adapters' and the 5 norms' bytes, not the model's
     adapter_bytes = sum(t.numel() * 4 for t in a.values())
     pushed = [r["split/weight_push_bytes"] for r in _rows(tmp_path / "split")]
     assert pushed[:-1] == [float(adapter_bytes)] * 2 and pushed[-1] == 0  # the last step has no later batch

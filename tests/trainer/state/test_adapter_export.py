@@ -22,9 +22,13 @@ def test_the_adapter_export_loads_in_peft_and_equals_the_trained_policy_merged(t
     run = train(tiny_config(run_dir, lora={"rank": 4}, algorithm={"verifier": "random"},
                             checkpoint={"export_merged": True}, trainer={"val_every": 0}))
     out = capsys.readouterr().out
-    assert "trainable of" in out and "exported the adapters (28 tensors" in out
+    # 2 blocks x 7 adapted linears x (A, B), and the 5 norms trained whole (lora.train_norms "all")
+    assert "trainable of" in out and "exported the adapters (33 tensors" in out
     config = json.loads((run_dir / "export" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 32.0 and config["peft_type"] == "LORA"
+    assert sorted(config["modules_to_save"]) == sorted(
+        ["model.norm"] + [f"model.layers.{i}.{n}" for i in (0, 1) for n in ("input_layernorm",
+                                                                              "post_attention_layernorm")])
     assert config["base_model_name_or_path"] == str((run_dir / "export-base").resolve())
     base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
     ids = torch.randint(0, base.config.vocab_size, (3, 9))
