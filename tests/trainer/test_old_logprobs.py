@@ -68,6 +68,8 @@ def test_rollout_old_logprobs_use_the_engine_and_match_recompute(tmp_path, monke
     for a, b in zip(w_rollout, w_recomputed):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     assert "rollout/logprob_abs_diff_mean" not in rollout and "rollout/logprob_abs_diff_mean" in recomputed
+    assert "rollout/logprob_exact_fraction" not in rollout
+    assert 0 <= recomputed["rollout/logprob_exact_fraction"] <= 1
 
 
 def test_rollout_old_logprobs_need_engine_logprobs(tmp_path):

@@ -45,6 +45,7 @@ def check_run(proc: subprocess.CompletedProcess, run_dir: Path, steps: int, dtyp
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for row in rows:
         assert 0 <= row["rollout/logprob_abs_diff_max"] < TOLERANCE[dtype], row
+        assert 0 <= row["rollout/logprob_exact_fraction"] <= 1, row
     assert FINALIZER_ERROR not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
 
 

@@ -1,8 +1,9 @@
 """Trainer vs rollout-engine log-probs on the tokens the engine sampled (`logprob_agreement`): the check that
 the engine samples from the policy the trainer optimizes (same weights, temperature, dtype handling), on an
 absolute schedule (the run's first step, then every `rollout.logprob_check_every` steps), so a resumed run
-logs what the uninterrupted one did: the global mean and max |delta logp| over every rank's tokens. Above
-`rollout.logprob_check_threshold` it warns (LogprobMismatchWarning).
+logs what the uninterrupted one did: the global mean and max |delta logp| over every rank's tokens, and the
+fraction of those tokens whose two float32 log-probs are bit-equal. Above `rollout.logprob_check_threshold`
+(on the mean) it warns (LogprobMismatchWarning).
 
 The check after every weight push, which stops a run whose engine does not hold the policy, is
 `flashdapo.sync.check` (PushCheck).
@@ -44,10 +45,11 @@ def warn_logprob_mismatch(mean: float, worst: float, threshold: float) -> None:
 
 
 def logprob_agreement(step: int, batch: TrainBatch, rollout: RolloutConfig, warn: bool) -> dict[str, float]:
-    """Mean / max |logp_engine - logp_old| over every rank's kept tokens sampled by this step's weights
-    (streaming's versions say which), when scheduled at `step` (the first step is 1) and the engine reported
-    log-probs; warns (when `warn`, e.g. on the main rank) above the threshold. All ranks must call it
-    together. Empty when not scheduled or without engine log-probs."""
+    """Mean / max |logp_engine - logp_old| and the fraction of bit-equal pairs (both as float32) over every
+    rank's kept tokens sampled by this step's weights (streaming's versions say which), when scheduled at
+    `step` (the first step is 1) and the engine reported log-probs; warns (when `warn`, e.g. on the main
+    rank) above the threshold. All ranks must call it together. Empty when not scheduled or without engine
+    log-probs."""
     sampled = [lp for g in batch.groups for lp in (g.sampler_logprobs or [])]
     if len(sampled) != len(
             batch.old_logprobs) or not should_check_logprobs(step, rollout.logprob_check_every, 1):
@@ -56,11 +58,17 @@ def logprob_agreement(step: int, batch: TrainBatch, rollout: RolloutConfig, warn
     # (the rollout correction handles them); the check compares the tokens this step's weights sampled.
     current = [v == step if g.versions is not None else torch.ones(len(r), dtype=torch.bool)
                for g in batch.groups for v, r in zip(g.versions or [None] * g.size, g.responses)]
-    local = torch.cat([(s.float() - o.float()).abs()[m]
-                       for s, o, m in zip(sampled, batch.old_logprobs, current)] or [torch.zeros(0)])
-    stats = all_reduce(torch.tensor([local.sum().item(), float(local.numel())], dtype=torch.float64))
+    engine = torch.cat([s.float()[m] for s, m in zip(sampled, current)] or [torch.zeros(0)])
+    trainer = torch.cat([o.float()[m] for o, m in zip(batch.old_logprobs, current)] or [torch.zeros(0)])
+    local = (engine - trainer).abs()
+    # Token-weighted over ranks: every rank's sums and token count, then one division.
+    equal = (engine == trainer).sum().item()
+    stats = all_reduce(torch.tensor([local.sum().item(), equal, local.numel()], dtype=torch.float64))
     peak = all_reduce(torch.tensor([local.max().item() if local.numel() else 0.0]), "max").item()
-    mean = stats[0].item() / max(stats[1].item(), 1.0)
+    total = stats[2].item()
+    mean = stats[0].item() / max(total, 1.0)
+    exact = stats[1].item() / total if total else 1.0  # no token compared: none differs, as mean/max say
     if warn:
         warn_logprob_mismatch(mean, peak, rollout.logprob_check_threshold)
-    return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": peak}
+    return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": peak,
+            "rollout/logprob_exact_fraction": exact}
