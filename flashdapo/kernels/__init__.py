@@ -53,18 +53,20 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         raise ValueError(f"expected targets [N={hidden.shape[0]}], got {tuple(targets.shape)}")
 
 
-def _logprobs(hidden, weight, targets, temperature, with_entropy, impl, softcap):
+def _logprobs(hidden, weight, targets, temperature, with_entropy, impl, softcap, invariant=False):
     _check_inputs(hidden, weight, targets)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     softcap = normalize_softcap(softcap)
     impl = resolve_impl(impl, hidden.device)
     if impl == "naive":
+        if invariant:
+            raise ValueError("invariant log-probs run the chunked impls (torch, triton), not naive")
         return naive_token_logprobs(hidden, weight, targets, temperature, with_entropy, softcap)
     from .chunked import chunked_token_logprobs
 
     return chunked_token_logprobs(hidden, weight, targets, temperature, with_entropy, impl=impl,
-                                  softcap=softcap)
+                                  softcap=softcap, invariant=invariant)
 
 
 def token_logprobs(
@@ -76,6 +78,7 @@ def token_logprobs(
     with_entropy: bool = False,
     impl: str = "auto",
     softcap: float | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weight.T / temperature)[target] per token, fp32, never materializing logits.
 
@@ -83,8 +86,10 @@ def token_logprobs(
     entropy [N] fp32 when `with_entropy`. Differentiable w.r.t. `hidden` and `weight`. `softcap` c: the
     model's final-logit softcapping (HF `final_logit_softcapping`; None or 0: off), logits
     c tanh(hidden @ weight.T / c) / temperature: the cap first, then the sampler's temperature.
+    `invariant`: a row's results are the same bits whatever other rows the call holds, and equal to
+    `fused_token_loss(..., invariant=True)`'s (the chunked impls; kernels/invariant.py).
     """
-    logp, entropy = _logprobs(hidden, weight, targets, temperature, with_entropy, impl, softcap)
+    logp, entropy = _logprobs(hidden, weight, targets, temperature, with_entropy, impl, softcap, invariant)
     return (logp, entropy) if with_entropy else logp
 
 
@@ -127,7 +132,7 @@ def fused_loss_default(impl: str, device: torch.device) -> bool:
 
 
 def fused_token_loss(hidden, weight, targets, loss_fn, *, keep=None, temperature: float = 1.0,
-                     impl: str = "auto", softcap: float | None = None):
+                     impl: str = "auto", softcap: float | None = None, invariant: bool = False):
     """`flashdapo.kernels.fused.fused_token_loss` with `impl` resolved ("auto": triton on CUDA, torch
     elsewhere; naive is refused) and the inputs checked as token_logprobs checks them (`softcap` too)."""
     from .fused import fused_token_loss as fused
@@ -140,4 +145,4 @@ def fused_token_loss(hidden, weight, targets, loss_fn, *, keep=None, temperature
     if impl not in CHUNKED_IMPLS:
         raise ValueError(f"fused_token_loss runs the chunked impls {CHUNKED_IMPLS}, got {impl!r}")
     return fused(hidden, weight, targets, loss_fn, keep=keep, temperature=temperature, impl=impl,
-                 softcap=softcap)
+                 softcap=softcap, invariant=invariant)

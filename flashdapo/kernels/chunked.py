@@ -32,6 +32,7 @@ import torch
 
 from . import tile_ops
 from .gemm import HALF, mm_acc_, mm_f32, mm_into_
+from .invariant import TILE, row_tiled_matmul
 from .softcap import normalize_softcap
 
 # Logit tile elements (token rows x vocabulary columns). CPU: 1 Mi fp32 elements (4 MiB) keep the
@@ -47,12 +48,33 @@ CUDA_TILE_ELEMS, CUDA_CHUNK_VOCAB = 1 << 25, 4096
 CPU_DZ_BYTES, CUDA_DZ_BYTES, MIN_BACKWARD_VOCAB = 16 << 20, 256 << 20, 256
 
 
+# Batch-invariant sweeps (trainer.batch_invariant): every call tiles the vocabulary alike, whatever its
+# number of rows, as the fused sweep does (fused.TILE_VOCAB), and computes each logit row in a GEMM over
+# whole invariant.TILE-row tiles: a token's log-prob is then the same bits in a decode step of the rollout
+# engine, in the old-log-prob pass and in the update's fused sweep.
+INVARIANT_CHUNK_VOCAB = 4096
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Token rows and vocabulary columns of one logit tile."""
+    """Token rows and vocabulary columns of one logit tile; `row_tiled`: the batch-invariant GEMMs."""
 
     chunk_tokens: int
     chunk_vocab: int
+    row_tiled: bool = False
+
+
+def tile_logits(h: torch.Tensor, w_c: torch.Tensor, row_tiled: bool, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """z = h w_c^T for one tile (fp32 result for 16-bit operands), into `out` when given; `row_tiled`: over
+    whole invariant.TILE-row tiles (a row's bits independent of the tile's other rows)."""
+    if row_tiled:
+        z = row_tiled_matmul(h if h.dtype not in HALF else h.float(), w_c.T if w_c.dtype not in HALF
+                             else w_c.T.float())
+        return out.copy_(z) if out is not None else z
+    if out is not None:
+        return torch.mm(h, w_c.T, out=out)
+    return mm_f32(h, w_c.T)
 
 
 def plan_chunks(num_tokens: int, vocab: int, device_type: str, tile_elems: int | None = None,
@@ -105,7 +127,7 @@ def _forward(h, w, y, temperature, with_entropy, plan, impl, softcap=None):
         w_c, y_local = w[v0 : v0 + plan.chunk_vocab], y - v0
         for r0 in range(0, n, plan.chunk_tokens):
             rows = slice(r0, r0 + plan.chunk_tokens)
-            z = mm_f32(h[rows], w_c.T)
+            z = tile_logits(h[rows], w_c, plan.row_tiled)
             ops.tile_stats(z, y_local[rows], (m[rows], s[rows], u[rows], z_y[rows]), v0 == 0, temperature,
                            with_entropy, softcap=softcap)
     log_s = torch.log(s)
@@ -176,7 +198,7 @@ def _backward(h, w, y, stats, grad_logp, grad_ent, temperature, need, plan, impl
         dz = dz_buf[: n_act * w_c.shape[0]].view(n_act, w_c.shape[0])
         for r0 in range(0, n_act, bn):
             r = slice(r0, r0 + bn)
-            z = torch.mm(h_a[r], w_c.T, out=dz[r]) if in_place else mm_f32(h_a[r], w_c.T)
+            z = tile_logits(h_a[r], w_c, plan.row_tiled, out=dz[r] if in_place else None)
             ops.tile_grad(z, y_local[r], (m[r], log_s[r], None if ge is None else ent[r]), g[r],
                           None if ge is None else ge[r], temperature, dz[r], softcap=softcap)
             del z
@@ -233,6 +255,7 @@ def chunked_token_logprobs(
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     softcap: float | None = None,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(target) [N] and optionally entropy [N], fp32 (fp64 for fp64 inputs and impl="torch").
 
@@ -243,6 +266,7 @@ def chunked_token_logprobs(
     ("torch" or "triton": CUDA, or CPU under TRITON_INTERPRET=1); `tile_elems`, `chunk_tokens`,
     `chunk_vocab` override the chunk plan (tests use them to cover multi-chunk paths on tiny shapes).
     `softcap` c (None or 0: off): the logits are c tanh(h W^T / c) / T, the cap before the temperature.
+    `invariant`: a row's results do not depend on the other rows of the call (INVARIANT_CHUNK_VOCAB).
     """
     device_type = hidden.device.type
     if impl == "triton" and device_type != "cuda":
@@ -256,6 +280,9 @@ def chunked_token_logprobs(
     plan = plan_chunks(hidden.shape[0], weight.shape[0], device_type, tile_elems, dz_bytes)
     plan = Plan(max(1, chunk_tokens or plan.chunk_tokens),
                 max(1, min(weight.shape[0], chunk_vocab or plan.chunk_vocab)))
+    if invariant:  # the vocabulary tiled as in every other call; rows in chunks of whole GEMM tiles
+        plan = Plan(max(TILE, plan.chunk_tokens - plan.chunk_tokens % TILE),
+                    min(weight.shape[0], chunk_vocab or INVARIANT_CHUNK_VOCAB), row_tiled=True)
     return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), bool(with_entropy), plan, impl,
                                   normalize_softcap(softcap))
 

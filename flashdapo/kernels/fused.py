@@ -26,8 +26,17 @@ from collections.abc import Callable
 
 import torch
 
-from .chunked import Plan, check_targets, fp16_scale, operand_dtype, plan_chunks, tile_ops_for
-from .gemm import mm_acc_, mm_f32
+from .chunked import (
+    INVARIANT_CHUNK_VOCAB,
+    Plan,
+    check_targets,
+    fp16_scale,
+    operand_dtype,
+    plan_chunks,
+    tile_logits,
+    tile_ops_for,
+)
+from .gemm import mm_acc_
 from .softcap import normalize_softcap
 
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,7 +76,7 @@ class _TileSet:
         return self.buf[i * self.stride : i * self.stride + rows * width].view(rows, width)
 
 
-def _chunk_logprobs(ops, h_t, w, y_t, temperature, bv, tileset, softcap=None):
+def _chunk_logprobs(ops, h_t, w, y_t, temperature, bv, tileset, softcap=None, row_tiled=False):
     """The chunk's kept tiles [(tile, m_tile or None)] and its logp, entropy, m, s, log s, d_y.
 
     Triton tiles (no tileset): z itself is kept, and the gradient kernel reads it once more. Torch tiles:
@@ -81,12 +90,12 @@ def _chunk_logprobs(ops, h_t, w, y_t, temperature, bv, tileset, softcap=None):
     for i, v0 in enumerate(range(0, w.shape[0], bv)):
         w_c = w[v0 : v0 + bv]
         if tileset is None:
-            z = mm_f32(h_t, w_c.T)
+            z = tile_logits(h_t, w_c, row_tiled)
             ops.tile_stats(z, y_t - v0, (m, s, u, z_y), i == 0, temperature, True, keep_z=True,
                            softcap=softcap)
             kept.append((z, None))
         else:
-            z = torch.mm(h_t, w_c.T, out=tileset.tile(tileset.tiles, n, w_c.shape[0]))
+            z = tile_logits(h_t, w_c, row_tiled, out=tileset.tile(tileset.tiles, n, w_c.shape[0]))
             e = tileset.tile(i, n, w_c.shape[0])
             if softcap is None:
                 kept.append((e, ops.tile_stats_exp(z, y_t - v0, (m, s, u, z_y), i == 0, temperature, e)))
@@ -152,7 +161,8 @@ def _sweep(h, w, y, loss_fn, temperature, need, impl, plan, grad_dtypes, softcap
         rows = slice(r0, r0 + plan.chunk_tokens)
         h_t, y_t = h[rows], y[rows]
         kept, logp[rows], entropy[rows], stats = _chunk_logprobs(ops, h_t, w, y_t, temperature,
-                                                                 plan.chunk_vocab, tileset, softcap)
+                                                                 plan.chunk_vocab, tileset, softcap,
+                                                                 plan.row_tiled)
         idx = torch.arange(r0, r0 + h_t.shape[0], device=h.device)
         lp = logp[rows].detach().requires_grad_(any(need))
         with torch.enable_grad():
@@ -211,6 +221,7 @@ def fused_token_loss(
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     softcap: float | None = None,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A per-token loss of the LM head's log-probs, its gradient formed in the same sweep (module doc).
 
@@ -220,7 +231,9 @@ def fused_token_loss(
     the DAPO token loss with a fixed normalizer). `keep` [N] bool drops rows (loss mask 0) before any
     work: their log-prob and entropy come back 0. Returns (loss, logp [N], entropy [N]); loss is
     differentiable in hidden and weight, logp and entropy are detached. `softcap` c (None or 0: off): the
-    logits are c tanh(h W^T / c) / T, the cap before the temperature (softcap.py).
+    logits are c tanh(h W^T / c) / T, the cap before the temperature (softcap.py). `invariant`: each row's
+    logits over whole invariant.TILE-row GEMM tiles, the vocabulary tiled by TILE_VOCAB: a token's log-prob
+    is the bits chunked_token_logprobs(invariant=True) gives it, in any call.
     """
     n = hidden.shape[0]
     kept = torch.nonzero(keep).squeeze(1) if keep is not None else None  # one host sync
@@ -234,7 +247,9 @@ def fused_token_loss(
     rows = chunk_tokens or fused_chunk_tokens(h_k.shape[0], weight.shape[0], device_type)
     tile_vocab = plan_chunks(rows, weight.shape[0],
                              "interpret").chunk_vocab if device_type == "interpret" else TILE_VOCAB
-    plan = Plan(rows, min(weight.shape[0], chunk_vocab or tile_vocab))
+    if invariant:
+        tile_vocab = INVARIANT_CHUNK_VOCAB  # as chunked_token_logprobs(invariant=True) tiles it, anywhere
+    plan = Plan(rows, min(weight.shape[0], chunk_vocab or tile_vocab), row_tiled=invariant)
     loss, logp, entropy = _FusedTokenLoss.apply(h_k, weight, y_k, loss_fn, float(temperature), impl, plan,
                                                 normalize_softcap(softcap))
     if kept is None:

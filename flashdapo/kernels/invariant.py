@@ -33,25 +33,29 @@ import torch.nn.functional as F
 TILE = 16
 """Rows per GEMM tile and keys per attention block."""
 
-__all__ = ["TILE", "attention_extents", "gemm_is_row_invariant", "invariant_attention", "invariant_linear"]
+__all__ = ["TILE", "attention_extents", "gemm_is_row_invariant", "invariant_attention", "invariant_linear",
+           "row_tiled_matmul"]
+
+
+def row_tiled_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] with the rows of `a` zero-padded to whole tiles of `TILE` rows, so that the library
+    GEMM is never called with fewer rows than a tile (module docstring). Differentiable."""
+    n = a.shape[0]
+    pad = (-n) % TILE
+    if pad:
+        a = F.pad(a, (0, 0, 0, pad))
+    out = torch.matmul(a.view(-1, TILE, a.shape[1]), b).reshape(-1, b.shape[1])
+    return out[:n] if pad else out
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) with every row computed in a GEMM over whole tiles of `TILE` rows: x [..., in],
     weight [out, in] -> [..., out]; a row's result does not depend on the number of rows (module docstring).
     Differentiable."""
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    n = rows.shape[0]
-    pad = (-n) % TILE
-    if pad:
-        rows = F.pad(rows, (0, 0, 0, pad))
-    out = torch.matmul(rows.view(-1, TILE, shape[-1]), weight.t()).reshape(-1, weight.shape[0])
-    if pad:
-        out = out[:n]
+    out = row_tiled_matmul(x.reshape(-1, x.shape[-1]), weight.t())
     if bias is not None:
         out = out + bias
-    return out.reshape(*shape[:-1], weight.shape[0])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def gemm_is_row_invariant(dtype: torch.dtype, device: torch.device | str = "cpu", width: int = 64,

@@ -146,3 +146,31 @@ def test_a_mask_whose_keys_are_not_one_run_from_the_start_is_refused():
     with pytest.raises(ValueError, match="contiguous run"):
         attention_extents(window)
     assert TILE == 16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_lm_heads_invariant_log_probs_are_a_rows_own_in_every_call_and_in_the_fused_sweep(dtype):
+    """token_logprobs(invariant=True) (the old log-probs, the engine's sampled log-prob) gives a row the same
+    bits alone, among 300 rows, and in the update's fused sweep; it equals float64 to fp32 rounding. The
+    vocabulary (5,000) spans two of its chunks."""
+    from flashdapo.kernels import fused_token_loss, token_logprobs
+    from flashdapo.kernels.chunked import INVARIANT_CHUNK_VOCAB
+    from flashdapo.kernels.fused import TILE_VOCAB
+
+    assert INVARIANT_CHUNK_VOCAB == TILE_VOCAB < 5000
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(300, 40, generator=gen).to(dtype)
+    w = (torch.randn(5000, 40, generator=gen) * 0.2).to(dtype)
+    y = torch.randint(0, 5000, (300,), generator=gen)
+    full, entropy = token_logprobs(h, w, y, temperature=0.7, impl="torch", invariant=True, with_entropy=True)
+    logits = (h.double() @ w.double().t()) / 0.7
+    reference = logits.log_softmax(-1).gather(1, y[:, None])[:, 0]
+    torch.testing.assert_close(full.double(), reference, rtol=0, atol=2e-5)
+    for start, size in [(0, 1), (3, 5), (16, 16), (100, 47), (299, 1)]:
+        part = token_logprobs(h[start:start + size], w, y[start:start + size], temperature=0.7, impl="torch",
+                              invariant=True)
+        assert torch.equal(part, full[start:start + size]), (start, size)
+    for rows in (300, 37):
+        _, swept, _ = fused_token_loss(h[:rows], w, y[:rows], lambda lp, idx: lp.sum(), temperature=0.7,
+                                       impl="torch", invariant=True)
+        assert torch.equal(swept, full[:rows]), rows
