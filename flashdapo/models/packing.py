@@ -55,6 +55,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import ConfigError
+from ..kernels.invariant import invariant_attention
 from .attention_limits import check_flash_attention
 from .linear_attention import use_document_linear_attention
 from .ulysses import expand_kv_heads, heads_to_sequence, local_heads, sequence_to_heads
@@ -219,11 +220,32 @@ def _attend_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if sinks is not None:  # use_packed_attention refuses this at start-up
             raise ConfigError(_FLASH_SINKS.format(model="this model"))
         out = flash_document_attention(query, key, value, bounds, scaling, sliding_window, softcap)
+    elif inner == INVARIANT_INNER:  # trainer.batch_invariant: every document's keys anchored at its start
+        out = invariant_document_attention(query, key, value, bounds.offsets, scaling)
     else:
         out = document_attention(query, key, value, bounds.offsets, scaling, sliding_window, softcap, sinks)
     if sp_group is not None:  # head shards -> this rank's sequence shard, all heads
         out = heads_to_sequence(out, sp_group)
     return out
+
+
+INVARIANT_INNER = "flashdapo_invariant"
+"""models/invariant.py's attention (trainer.batch_invariant), as the packed path's inner implementation."""
+
+
+def invariant_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 offsets: Sequence[int], scaling: float | None) -> torch.Tensor:
+    """Causal attention of each document of a packed row [1, H, T, D] over its own keys, in key blocks
+    anchored at its start (kernels.invariant_attention): a query's bits are those of the same position in a
+    decode step over its document alone. [1, T, H, D]."""
+    first = torch.arange(query.shape[2])  # filler past the last document (sequence parallelism): itself
+    count = torch.ones_like(first)
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        first[start:end] = start
+        count[start:end] = torch.arange(1, end - start + 1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    device = query.device
+    return invariant_attention(query, key, value, first[None].to(device), count[None].to(device), scale)
 
 
 def _as_inner(module: nn.Module, inner: str, *args, **kwargs):

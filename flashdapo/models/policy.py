@@ -18,6 +18,7 @@ from torch import nn
 
 from ..distributed.mesh import DistEnv
 from ..kernels import fused_token_loss, token_logprobs, token_probe_stats
+from ..kernels.invariant import row_tiled_matmul
 from ..kernels.lm_head_choice import use_fused_loss
 from ..profiling.ranges import traced
 from .hf import cache_argument, decoder_layers, final_logit_softcap
@@ -144,6 +145,9 @@ class PolicyModel(nn.Module):
         """Tokens of a micro-batch on this rank (set by `parallelize`): the LM-head design is chosen for
         it."""
         self._fused: dict[str, bool] = {}
+        self.invariant = False
+        """trainer.batch_invariant (models/invariant.py): the LM-head kernels with invariant=True, and the
+        torch engine's sampled log-probs from them (`sampled_logprobs`)."""
         self.route_replay: RouteReplay | None = None
         """Routing replay (algorithm.routing_replay=r3): replays a TokenBatch's routes in its forward."""
 
@@ -165,7 +169,7 @@ class PolicyModel(nn.Module):
 
     def forward(self, batch: TokenBatch | None = None, with_entropy: bool = False, cache=None, loss_fn=None,
                 keep: torch.Tensor | None = None, probe: bool = False, routing: RouterLogits | None = None,
-                **hf_kwargs):
+                hidden_only: bool = False, **hf_kwargs):
         """Training: per-token (logp, entropy or None) of `batch`, fp32, differentiable in the weights. With
         `keep` (the loss mask), rows outside it get no LM-head work and 0 for logp and entropy; with
         `loss_fn` too (a per-token loss, see kernels.fused_token_loss), (loss, logp, entropy) from the
@@ -173,12 +177,16 @@ class PolicyModel(nn.Module):
         (kernels.token_probe_stats), for the probe (probe.py). With `routing` (MoE families), the router
         logits of the forward are put in it, one [tokens, E] tensor per sparse layer (models/moe/).
         Sampling: with HF keyword arguments and no batch, the HF model's own forward (`cache` is the KV
-        cache, passed under the name this transformers version uses)."""
+        cache, passed under the name this transformers version uses); `hidden_only`: its decoder's last
+        hidden states [B, T, H] instead (the batch-invariant engine projects them itself)."""
         if batch is None:
             if self.route_replay is not None:  # sampling routes for itself
                 self.route_replay.load(None)
             if cache is not None:
                 hf_kwargs[self._cache_arg] = cache
+            if hidden_only:
+                hf_kwargs.pop("logits_to_keep", None)
+                return self.hf.model(**hf_kwargs).last_hidden_state
             return self.hf(**hf_kwargs)
         hidden = self._hidden_states(batch, routing)
         if probe and batch.held is not None and not len(batch.targets):  # no backward: nothing to tie
@@ -199,17 +207,36 @@ class PolicyModel(nn.Module):
         """The LM-head kernels on the predicting hidden states: see `forward`."""
         if loss_fn is not None:
             return fused_token_loss(hidden, weight, batch.targets, loss_fn, keep=keep,
-                                    temperature=self.temperature, impl=self.kernel_impl, softcap=self.softcap)
+                                    temperature=self.temperature, impl=self.kernel_impl, softcap=self.softcap,
+                                    invariant=self.invariant)
         if keep is not None:  # rows outside the loss mask cost no LM-head work; their outputs are 0
             rows = torch.nonzero(keep).squeeze(1)
             logp, entropy = token_logprobs(hidden[rows], weight, batch.targets[rows],
                                            temperature=self.temperature, with_entropy=True,
-                                           impl=self.kernel_impl, softcap=self.softcap)
+                                           impl=self.kernel_impl, softcap=self.softcap,
+                                           invariant=self.invariant)
             zeros = logp.new_zeros(keep.shape)
             return zeros.index_put((rows,), logp), zeros.index_put((rows,), entropy)
         out = token_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
-                             with_entropy=with_entropy, impl=self.kernel_impl, softcap=self.softcap)
+                             with_entropy=with_entropy, impl=self.kernel_impl, softcap=self.softcap,
+                             invariant=self.invariant)
         return out if with_entropy else (out, None)
+
+    @torch.no_grad()
+    def sampling_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] fp32 of last hidden states [B, H] for the batch-invariant engine to draw from (each
+        row in whole GEMM tiles; the model's final-logit softcap applied)."""
+        weight = self.lm_head_weight()
+        logits = row_tiled_matmul(hidden.float(), weight.float().t())
+        return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
+
+    @torch.no_grad()
+    def sampled_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
+                         temperature: float) -> torch.Tensor:
+        """log p(token) [B] fp32 of the drawn tokens from the LM-head kernel with invariant=True: the bits the
+        old-log-prob pass and the update's sweep give the same token (trainer.batch_invariant)."""
+        return token_logprobs(hidden, self.lm_head_weight(), tokens, temperature=temperature,
+                              impl=self.kernel_impl, softcap=self.softcap, invariant=True)
 
     def fused_loss(self, device: torch.device) -> bool:
         """Whether the update should pass its loss to forward (the fused sweep) on `device`: the kernel cost

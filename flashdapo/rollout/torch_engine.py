@@ -241,6 +241,12 @@ class TorchEngine:
         if record_routes and not self._routers:
             raise ValueError(
                 "TorchEngine(record_routes=True) needs a mixture-of-experts model (no router found)")
+        self._invariant = bool(getattr(model, "invariant", False))
+        """trainer.batch_invariant (models/invariant.py): the model is a batch-invariant policy; its forward
+        gives the last hidden states, drawn from and scored by its LM-head kernel (`_invariant_sample`)."""
+        self._hidden: torch.Tensor | None = None
+        if self._invariant:
+            self.sample = self._invariant_sample
         self._captured: list[torch.Tensor] | None = None
         """The routers' top-k indices during an engine forward (None outside: the trainer's forwards run the
         same modules)."""
@@ -355,8 +361,25 @@ class TorchEngine:
         if self._captured is not None:
             self._captured.append(output[2].detach())
 
+    def _invariant_sample(self, logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                          top_k: int = -1, generator: torch.Generator | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample`'s draw, with each drawn token's log-prob from the policy's LM-head kernel on the step's
+        hidden states (invariant=True): the bits the trainer's old-log-prob pass and update give it. The
+        filters' renormalized log-probs are no such thing: trainer.batch_invariant refuses top-p/top-k."""
+        if top_p < 1.0 or 0 < top_k < logits.shape[-1]:
+            raise ValueError("batch-invariant sampling draws from the full distribution (top_p 1, top_k -1)")
+        tokens, _ = sample(logits, temperature, top_p, top_k, generator)
+        return tokens, self.model.sampled_logprobs(self._hidden, tokens, temperature)
+
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         self._captured = [] if self._routers else None
+        if self._invariant:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=True, hidden_only=True, **{self._cache_arg: cache})
+            self._hidden = hidden[:, -1]
+            self._last_forward, self._captured = self._captured or [], None
+            return self.model.sampling_logits(self._hidden)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

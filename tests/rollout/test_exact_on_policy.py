@@ -1,0 +1,121 @@
+"""Exact on-policy (trainer.batch_invariant, models/invariant.py): the torch engine's sampled-token log-probs
+are the trainer's, bit for bit. Generation with two batch sizes and a refilled stream, the old log-probs packed
+and padded with two micro-batch budgets, and the update's fused sweep: torch.equal everywhere, fp32 and bf16.
+The controls: the same policy without the flag parts engine and trainer on some token; a one-ulp change of one
+weight between sampling and scoring is seen."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from flashdapo.config import ConfigError
+from flashdapo.distributed.mesh import DistEnv
+from flashdapo.models.invariant import make_batch_invariant
+from flashdapo.models.policy import PolicyModel
+from flashdapo.rollout.base import SamplingParams
+from flashdapo.rollout.torch_engine import TorchEngine
+
+CPU = torch.device("cpu")
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=CPU, mesh=None)
+VOCAB, EOS, PAD = 97, 3, 0
+TEMPERATURE = 0.9
+
+
+def _policy(dtype: torch.dtype, invariant: bool, pack: bool = True, seed: int = 0) -> PolicyModel:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    policy = PolicyModel(hf, "sdpa", "torch", TEMPERATURE)
+    if invariant:
+        make_batch_invariant(policy)
+    policy.set_layout(pack, ENV)
+    return policy
+
+
+def _prompts(count: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 30, (count,), generator=gen).tolist()
+    return [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _sample(policy: PolicyModel, prompts, max_batch: int, new_tokens: int = 24):
+    engine = TorchEngine(policy, [EOS], PAD, CPU, max_batch=max_batch)
+    sampling = SamplingParams(n=2, temperature=TEMPERATURE, max_new_tokens=new_tokens, seed=7)
+    return engine.generate(prompts, sampling)
+
+
+def _scored(policy: PolicyModel, rollouts, budget: int, loss: bool = False) -> list[torch.Tensor]:
+    """The trainer's log-probs of every response, in micro-batches of about `budget` tokens (the old-log-prob
+    pass), or from the update's fused sweep (`loss`)."""
+    out, start = [], 0
+    prompts, responses = rollouts.prompt_ids, rollouts.response_ids
+    while start < len(responses):
+        end, tokens = start, 0
+        while end < len(responses) and (end == start or tokens + len(prompts[end]) + len(responses[end]) <= budget):
+            tokens += len(prompts[end]) + len(responses[end])
+            end += 1
+        batch = policy.token_batch(prompts[start:end], responses[start:end], CPU)
+        with torch.no_grad():
+            if loss:
+                _, logp, _ = policy(batch, loss_fn=lambda lp, rows: lp.sum())
+            else:
+                logp, _ = policy(batch)
+        out += list(torch.split(logp, batch.token_counts))
+        start = end
+    return out
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, int]:
+    """(bit-equal tokens, tokens)."""
+    return sum(int((x == y).sum()) for x, y in zip(a, b, strict=True)), sum(x.numel() for x in a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_engine_and_trainer_log_probs_are_bit_equal_with_batch_invariance(dtype):
+    policy = _policy(dtype, invariant=True)
+    prompts = _prompts(9)
+    # one batch of all 18 sequences, and a stream of 5 rows refilled as rows finish
+    wide, narrow = _sample(policy, prompts, max_batch=18), _sample(policy, prompts, max_batch=5)
+    assert min(sum(len(r) for r in rollouts.response_ids) for rollouts in (wide, narrow)) > 150
+    padded = _policy(dtype, invariant=True, pack=False)
+    padded.load_state_dict(policy.state_dict())
+    for rollouts in (wide, narrow):
+        for scorer, budget, loss in [(policy, 4096, False), (policy, 60, False), (padded, 200, False),
+                                     (policy, 4096, True)]:
+            equal, total = _equal(_scored(scorer, rollouts, budget, loss), rollouts.logprobs)
+            assert equal == total, (dtype, budget, scorer.packed_layout, loss, equal, total)
+
+
+def test_without_batch_invariance_some_token_differs():
+    policy = _policy(torch.float32, invariant=False)
+    rollouts = _sample(policy, _prompts(9), max_batch=18)
+    equal, total = _equal(_scored(policy, rollouts, 4096), rollouts.logprobs)
+    assert equal < total
+
+
+def test_a_one_ulp_change_of_one_weight_between_sampling_and_scoring_is_seen():
+    policy = _policy(torch.float32, invariant=True)
+    rollouts = _sample(policy, _prompts(9), max_batch=18)
+    changed = copy.deepcopy(policy)
+    with torch.no_grad():
+        weight = changed.hf.model.norm.weight  # one value every token's last hidden state is scaled by
+        weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
+    equal, total = _equal(_scored(changed, rollouts, 4096), rollouts.logprobs)
+    assert equal < total
+
+
+def test_a_family_it_does_not_cover_is_refused_in_one_line():
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=1)
+    hf = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError) as err:
+        make_batch_invariant(PolicyModel(hf, "sdpa", "torch", 1.0))
+    assert "qwen2's sliding-window attention layers are not covered" in str(err.value)
+    assert "\n" not in str(err.value)
