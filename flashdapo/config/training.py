@@ -84,6 +84,12 @@ class TrainerConfig(Section):
     model.attn_implementation=flash_attention_2, else torch SDPA per response); False: right-padded rows."""
     kernel_impl: KernelImpl = "auto"
     """Log-prob/loss implementation (auto: triton on CUDA, chunked torch elsewhere)."""
+    batch_invariant: bool = False
+    """A batch-invariant forward for the trainer and the torch engine alike (models/invariant.py): a token's
+    log-prob is the same bits in the engine's decode step, the old-log-prob pass and the update, so
+    algorithm.old_logprobs=rollout is exact and the old-log-prob pass runs only on the scheduled checks
+    (rollout.logprob_check_every), which stop the run at the first differing token. Costs generation and
+    update time (docs/algorithm.md, "Exact on-policy")."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available."""
     seed: Annotated[NonNegative, SEED_MAX] = 0

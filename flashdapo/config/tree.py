@@ -24,6 +24,26 @@ from .sampling import AlgorithmConfig, RolloutConfig
 from .training import CheckpointConfig, LoggingConfig, OptimConfig, TrainerConfig
 
 
+def batch_invariant_gap(c) -> str | None:
+    """What of `c` trainer.batch_invariant cannot cover (the setting, and why), None: nothing."""
+    if c.rollout.engine != "torch":
+        return (f"rollout.engine {c.rollout.engine} (vLLM's batch-invariant mode needs CUDA and is not wired "
+                "to the trainer's kernels: use the torch engine)")
+    if c.rollout.top_p < 1.0 or c.rollout.top_k > 0:
+        return ("rollout.top_p/top_k filters (the engine's log-probs are then renormalized over the kept "
+                "tokens, not the trainer's)")
+    if c.trainer.kernel_impl == "naive":
+        return "trainer.kernel_impl naive (the invariant LM head is the chunked kernels')"
+    if c.trainer.sequence_parallel > 1:
+        return "trainer.sequence_parallel > 1 (not covered yet)"
+    if c.algorithm.old_logprobs == "rollout" and c.rollout.streaming:
+        return ("rollout.streaming and algorithm.old_logprobs rollout (carried tokens were sampled by older "
+                "weights)")
+    if c.algorithm.old_logprobs == "rollout" and c.rollout.placement == "split" and c.rollout.max_lag > 0:
+        return "split placement at rollout.max_lag > 0 and algorithm.old_logprobs rollout (older weights)"
+    return None
+
+
 @dataclass
 class Config(Section):
     """flashdapo: DAPO reinforcement learning of reasoning LLMs."""
@@ -65,6 +85,10 @@ class Config(Section):
             f"trainer.train_batch ({c.trainer.train_batch}) when algorithm.dynamic_sampling is false"),
         Rule("profile.steps", lambda c: all(s <= c.trainer.total_steps for s in c.profile.steps),
              lambda c: f"steps of the run, 1..trainer.total_steps ({c.trainer.total_steps})"),
+        # trainer.batch_invariant: where the engine's log-probs cannot be the trainer's bits
+        Rule("trainer.batch_invariant",
+             lambda c: not c.trainer.batch_invariant or batch_invariant_gap(c) is None,
+             lambda c: f"false with {batch_invariant_gap(c)}"),
     )
 
     @property

@@ -105,17 +105,18 @@ def batch_invariant_refusal(hf: nn.Module) -> str | None:
     return None
 
 
-def make_batch_invariant(policy: nn.Module) -> None:
+def make_batch_invariant(policy: nn.Module, dtype: torch.dtype | None = None,
+                         device: torch.device | str | None = None) -> None:
     """Make `policy` (a PolicyModel, before FSDP2 and before its layout is set) batch-invariant in place
-    (module docstring). ConfigError, one line, for a family it cannot cover, or a machine whose GEMMs are not
-    row-invariant even over whole tiles."""
+    (module docstring). ConfigError, one line, for a family it cannot cover, or a machine whose GEMMs in the
+    compute `dtype` on `device` (default: the parameters') are not row-invariant even over whole tiles."""
     hf = policy.hf
     refusal = batch_invariant_refusal(hf)
     if refusal is not None:
         raise ConfigError(f"trainer.batch_invariant: {hf.config.model_type}'s {refusal} are not covered by "
                           "the batch-invariant forward; set trainer.batch_invariant false")
-    dtype = next(hf.parameters()).dtype
-    device = next(hf.parameters()).device
+    dtype = dtype or next(hf.parameters()).dtype
+    device = device or next(hf.parameters()).device
     if not gemm_is_row_invariant(dtype, device):
         raise ConfigError(f"trainer.batch_invariant: this machine's {dtype} GEMMs give a row other bits in a "
                           "one-tile call than among many (kernels/invariant.py); set trainer.batch_invariant "

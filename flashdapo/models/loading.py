@@ -20,6 +20,7 @@ from ..config import Config
 from ..distributed.mesh import DistEnv
 from .adapter_dir import merge_adapter
 from .hf import resolved_attention
+from .invariant import make_batch_invariant
 from .lora import add_adapters
 from .parallelize import parallelize
 from .policy import PolicyModel
@@ -47,6 +48,8 @@ def load_sharded_policy(cfg: Config, env: DistEnv, log=None, purpose: str = "tra
         add_adapters(hf, cfg.lora, cfg.trainer.seed)  # rank 0's draw reaches the others with the weights
     full = {k: v for k, v in hf.state_dict().items()} if env.rank == 0 else {}
     policy = PolicyModel(hf, attention, cfg.trainer.kernel_impl, cfg.rollout.temperature)
+    if cfg.trainer.batch_invariant:
+        make_batch_invariant(policy, torch.bfloat16 if mc.dtype == "bfloat16" else torch.float32, env.device)
     policy = parallelize(policy, env, mc, cfg.trainer)
     if env.world_size == 1:
         return policy

@@ -365,10 +365,11 @@ class TorchEngine:
                           top_k: int = -1, generator: torch.Generator | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """`sample`'s draw, with each drawn token's log-prob from the policy's LM-head kernel on the step's
-        hidden states (invariant=True): the bits the trainer's old-log-prob pass and update give it. The
-        filters' renormalized log-probs are no such thing: trainer.batch_invariant refuses top-p/top-k."""
+        hidden states (invariant=True): the bits the trainer's old-log-prob pass and update give it. With
+        top-p/top-k (validation's sampling; training's is refused by trainer.batch_invariant) the filters'
+        renormalized log-probs, which no trainer pass computes."""
         if top_p < 1.0 or 0 < top_k < logits.shape[-1]:
-            raise ValueError("batch-invariant sampling draws from the full distribution (top_p 1, top_k -1)")
+            return sample(logits, temperature, top_p, top_k, generator)
         tokens, _ = sample(logits, temperature, top_p, top_k, generator)
         return tokens, self.model.sampled_logprobs(self._hidden, tokens, temperature)
 

@@ -11,6 +11,7 @@ import torch
 from ..config import Config, engine_spec
 from ..distributed.mesh import DistEnv
 from ..models.attention_limits import check_flash_attention
+from ..models.invariant import make_batch_invariant
 from ..models.loading import load_sharded_policy
 from ..models.lora import add_adapters
 from ..models.model_dir import check_model_dir
@@ -59,6 +60,9 @@ def build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> P
         warm_up_built_in(policy, cfg, tokenizer, log=log if env.is_main else (lambda _m: None))
     if cfg.lora.enabled:
         add_adapters(policy.hf, cfg.lora, cfg.trainer.seed)
+    if cfg.trainer.batch_invariant:  # after the warm-up: its SFT needs no invariance
+        make_batch_invariant(policy, torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+                             env.device)
     return parallelize(policy, env, cfg.model, cfg.trainer)
 
 

@@ -34,7 +34,7 @@ from ..seeds import derive_seed
 from .batch import build_train_batch
 from .observe.correction import rollout_correction_metrics
 from .observe.dumps import dump_train_rollouts, dump_validation, dumping
-from .observe.logprob_check import logprob_agreement
+from .observe.logprob_check import exact_check, logprob_agreement, should_check_logprobs
 from .observe.probe import probe_due, probe_metrics
 from .observe.step_metrics import split_metrics, step_metrics  # noqa: F401  (split_metrics: read by tests)
 from .observe.truncation import TruncationWatch
@@ -43,7 +43,7 @@ from .split.rollout_side import run_rollout_side
 from .state.adapter_export import export_adapted
 from .state.checkpoint import latest_checkpoint, save_checkpoint
 from .state.export import export_hf
-from .update import NonFiniteError, UpdateResult, old_logprobs, update_actor
+from .update import NonFiniteError, UpdateResult, compute_old_logprobs, old_logprobs, update_actor
 
 
 def train(cfg) -> Run | None:
@@ -143,13 +143,14 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         collected = run.collector.collect(step, timer, keep_generated=dump)
         with timer("old_log_prob"):
             old = old_logprobs(run.policy, collected.groups, cfg, run.pad_id, env.device)
+            exact = exact_on_policy_check(run, step, collected.groups)
         with timer("adv"):
             batch = build_train_batch(collected.mini_batches, old, cfg.algorithm, rollout_correction(cfg))
         # Only recomputed old log-probs are the trainer's own: on-policy steps and old_logprobs=rollout skip
-        # it.
+        # it (trainer.batch_invariant recomputes them on the check's schedule: `exact`).
         recomputed = batch.old_logprobs is not None and cfg.algorithm.old_logprobs == "recompute"
         rollout_check = {**logprob_agreement(step, batch, cfg.rollout, warn=env.is_main),
-                         **rollout_correction_metrics(batch)} if recomputed else {}
+                         **rollout_correction_metrics(batch)} if recomputed else exact
         lr = run.scheduler.get_last_lr()[0]
         with timer("update_actor"):
             update = update_actor(run.policy, run.optimizer, batch, cfg, env, run.pad_id)
@@ -170,6 +171,19 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         **collector_metrics, "train/generated_samples_cum": float(run.totals.generated_samples),
         "train/generated_tokens_cum": float(run.totals.generated_tokens)
     }
+
+
+def exact_on_policy_check(run: Run, step: int, groups) -> dict[str, float]:
+    """trainer.batch_invariant with algorithm.old_logprobs=rollout: on the log-prob check's schedule the old
+    log-probs are recomputed and must be the engine's bits (observe/logprob_check.py exact_check: the run
+    stops at the first differing token); between checks nothing runs. {} otherwise."""
+    cfg = run.cfg
+    if not (cfg.trainer.batch_invariant and cfg.algorithm.old_logprobs == "rollout") or \
+            not should_check_logprobs(step, cfg.rollout.logprob_check_every, 1) or \
+            any(g.sampler_logprobs is None for g in groups):
+        return {}
+    recomputed = compute_old_logprobs(run.policy, groups, cfg, run.pad_id, run.env.device)
+    return exact_check(step, groups, recomputed, cfg.rollout)
 
 
 def _rollout_rank(cfg) -> bool:

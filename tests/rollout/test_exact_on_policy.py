@@ -119,3 +119,58 @@ def test_a_family_it_does_not_cover_is_refused_in_one_line():
         make_batch_invariant(PolicyModel(hf, "sdpa", "torch", 1.0))
     assert "qwen2's sliding-window attention layers are not covered" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_with_the_engines_log_probs_equals_one_with_recomputed_ones_bit_for_bit(tmp_path, monkeypatch,
+                                                                                        dtype):
+    """trainer.batch_invariant: a training step of the tiny toy (2 mini-batches) with old_logprobs=rollout
+    equals the step that recomputes pi_old, every weight to the bit, and its check finds every token equal;
+    the first mini-batch's importance ratio is exactly 1 (its mean over the mini-batch's tokens)."""
+    from flashdapo.trainer import update
+    from tests.helpers.runs import first_step_weights, tiny_config
+
+    ratios = []
+    real_loss = update.token_loss
+
+    def recording_loss(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        ratios.append(float(stats.ratio) / max(float(stats.num_tokens), 1.0))
+        return loss, stats
+
+    common = dict(trainer={"batch_invariant": True}, model={"dtype": dtype})
+    monkeypatch.setattr(update, "token_loss", recording_loss)
+    rollout, w_rollout = first_step_weights(tiny_config(tmp_path / "rollout", algorithm={"old_logprobs": "rollout"},
+                                                        **common), monkeypatch)
+    first_ratio = ratios[0]
+    recomputed, w_recomputed = first_step_weights(tiny_config(tmp_path / "recompute", **common), monkeypatch)
+    assert rollout["rollout/logprob_exact_fraction"] == 1.0 and rollout["rollout/logprob_abs_diff_max"] == 0.0
+    assert recomputed["rollout/logprob_exact_fraction"] == 1.0
+    assert first_ratio == 1.0
+    assert len(w_rollout) == len(w_recomputed)
+    local = [[w.to_local() if hasattr(w, "to_local") else w for w in ws] for ws in (w_rollout, w_recomputed)]
+    assert all(torch.equal(a, b) for a, b in zip(*local))
+    assert rollout["actor/grad_norm"] == recomputed["actor/grad_norm"] > 0
+
+
+def test_a_differing_token_stops_the_run_in_one_line_naming_it(tmp_path, monkeypatch):
+    """The scheduled check recomputes pi_old; a recomputation one ulp off on one token (here by hand) stops the
+    step naming the response, the position and both values."""
+    from flashdapo.trainer import loop
+    from flashdapo.trainer.observe.logprob_check import OffPolicyError
+    from tests.helpers.runs import first_step_weights, tiny_config
+
+    real = loop.compute_old_logprobs
+
+    def one_off(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out[1][2] = torch.nextafter(out[1][2], torch.tensor(0.0))
+        return out
+
+    monkeypatch.setattr(loop, "compute_old_logprobs", one_off)
+    cfg = tiny_config(tmp_path, algorithm={"old_logprobs": "rollout"}, trainer={"batch_invariant": True})
+    with pytest.raises(OffPolicyError) as err:
+        first_step_weights(cfg, monkeypatch)
+    line = str(err.value)
+    assert "\n" not in line and "step 1: trainer.batch_invariant" in line
+    assert "first: response 1 of this rank's batch" in line and "token 2: engine -" in line

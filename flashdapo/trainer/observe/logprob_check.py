@@ -5,6 +5,10 @@ logs what the uninterrupted one did: the global mean and max |delta logp| over e
 fraction of those tokens whose two float32 log-probs are bit-equal. Above `rollout.logprob_check_threshold`
 (on the mean) it warns (LogprobMismatchWarning).
 
+With trainer.batch_invariant and algorithm.old_logprobs=rollout the engine's log-probs are pi_old itself and
+must be the trainer's bits: `exact_check` recomputes them on the same schedule and stops the run at the first
+token that differs (`OffPolicyError`, one line naming the response, the position and both values).
+
 The check after every weight push, which stops a run whose engine does not hold the policy, is
 `flashdapo.sync.check` (PushCheck).
 """
@@ -17,9 +21,15 @@ import torch
 
 from ...config import RolloutConfig
 from ...distributed.collectives import all_reduce
+from ...errors import FlashdapoError
 from ..batch import TrainBatch
 
-__all__ = ["LogprobMismatchWarning", "logprob_agreement", "should_check_logprobs", "warn_logprob_mismatch"]
+__all__ = ["LogprobMismatchWarning", "OffPolicyError", "exact_check", "logprob_agreement",
+           "should_check_logprobs", "warn_logprob_mismatch"]
+
+
+class OffPolicyError(FlashdapoError):
+    """trainer.batch_invariant: an engine log-prob is not the trainer's bits."""
 
 
 class LogprobMismatchWarning(UserWarning):
@@ -72,3 +82,38 @@ def logprob_agreement(step: int, batch: TrainBatch, rollout: RolloutConfig, warn
         warn_logprob_mismatch(mean, peak, rollout.logprob_check_threshold)
     return {"rollout/logprob_abs_diff_mean": mean, "rollout/logprob_abs_diff_max": peak,
             "rollout/logprob_exact_fraction": exact}
+
+
+def exact_check(step: int, groups, recomputed: list[torch.Tensor],
+                rollout: RolloutConfig) -> dict[str, float]:
+    """trainer.batch_invariant with old_logprobs=rollout: the log-prob check's metrics of the engine's
+    log-probs against `recomputed` (the trainer's, in the order of the groups' responses), and OffPolicyError
+    on every rank when any rank holds a token whose two values differ by a bit (the first such token of this
+    rank named). All ranks call it together, on the check's schedule."""
+    view = _Checked(groups, tuple(recomputed))
+    metrics = logprob_agreement(step, view, rollout, warn=False)
+    if metrics.get("rollout/logprob_exact_fraction", 1.0) == 1.0:
+        return metrics
+    where = "on another rank"
+    responses = [(gi, r) for gi, g in enumerate(groups) for r in range(g.size)]
+    sampled = [lp for g in groups for lp in g.sampler_logprobs]
+    for i, (engine, trainer) in enumerate(zip(sampled, recomputed)):
+        differs = torch.nonzero(engine.float() != trainer.float())
+        if len(differs):
+            t = int(differs[0, 0])
+            where = (f"response {i} of this rank's batch (group {responses[i][0]}, its response "
+                     f"{responses[i][1]}), token {t}: engine {float(engine[t])!r}, "
+                     f"trainer {float(trainer[t])!r}")
+            break
+    raise OffPolicyError(
+        f"step {step}: trainer.batch_invariant: the engine's log-probs are not the trainer's "
+        f"({1 - metrics['rollout/logprob_exact_fraction']:.3%} of the tokens differ; first: {where}); "
+        "something outside the batch-invariant forward changed the numerics (weights changed between "
+        "sampling and scoring, another kernel, a machine whose GEMMs are not row-invariant)")
+
+
+class _Checked:
+    """A batch's groups with other old log-probs, as logprob_agreement reads a TrainBatch."""
+
+    def __init__(self, groups, old_logprobs: tuple[torch.Tensor, ...]) -> None:
+        self.groups, self.old_logprobs = groups, old_logprobs
