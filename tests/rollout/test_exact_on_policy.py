@@ -174,3 +174,23 @@ def test_a_differing_token_stops_the_run_in_one_line_naming_it(tmp_path, monkeyp
     line = str(err.value)
     assert "\n" not in line and "step 1: trainer.batch_invariant" in line
     assert "first: response 1 of this rank's batch" in line and "token 2: engine -" in line
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"rollout": {"engine": "vllm"}, "model": {"path": "m"}}, "rollout.engine vllm"),
+    ({"rollout": {"top_p": 0.9}}, "rollout.top_p/top_k filters"),
+    ({"rollout": {"top_k": 20}}, "rollout.top_p/top_k filters"),
+    ({"trainer": {"kernel_impl": "naive"}}, "trainer.kernel_impl naive"),
+    ({"trainer": {"sequence_parallel": 2}}, "trainer.sequence_parallel > 1"),
+    ({"algorithm": {"old_logprobs": "rollout"}, "rollout": {"streaming": True}}, "rollout.streaming"),
+    ({"algorithm": {"old_logprobs": "rollout"}, "rollout": {"placement": "split", "rollout_ranks": 1}},
+     "split placement at rollout.max_lag > 0"),
+])
+def test_what_batch_invariance_cannot_cover_is_refused_in_one_line(changes, named):
+    from flashdapo.config import merge, toy
+
+    with pytest.raises(ConfigError) as err:
+        merge(toy(), {**changes, "trainer": {**changes.get("trainer", {}), "batch_invariant": True}})
+    assert f"trainer.batch_invariant: expected false with {named}" in str(err.value)
+    assert "\n" not in str(err.value)
+    merge(toy(), changes)  # each is fine without the flag
