@@ -92,37 +92,38 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     and count [B, Tq] -> [B, Tq, H, D] (transformers' attention-output layout), in the query's dtype with
     fp32 sums. A query with no keys gets zeros."""
     batch, heads, tq, dim = query.shape
-    kv_heads, tk = key.shape[1], key.shape[2]
+    kv_heads, tk, vdim = key.shape[1], key.shape[2], value.shape[-1]
     group = heads // kv_heads
-    q = query.transpose(1, 2).float()[:, :, :, None, :]  # [B, Tq, H, 1, D]
+    # [B, Tq, 1, Hkv, group, D]: broadcast over a block's keys; a key head serves its group of query heads
+    q = query.transpose(1, 2).float().reshape(batch, tq, 1, kv_heads, group, dim)
     keys, values = key.transpose(1, 2).float(), value.transpose(1, 2).float()  # [B, Tk, Hkv, D]
     offsets = torch.arange(TILE, device=query.device)
-    rows = torch.arange(batch, device=query.device)[:, None, None]
     blocks = -(-int(count.max()) // TILE) if count.numel() else 0
+    # One document a row (left- or right-padded rows, a decode step): a block's keys are gathered once a row
+    # and broadcast over its queries, the same values a per-query gather gives.
+    shared = bool((first == first[:, :1]).all()) if tq > 1 else True
+    anchors = first[:, :1] if shared else first
+    rows = torch.arange(batch, device=query.device)[:, None, None]
 
     def block(source: torch.Tensor, b: int) -> torch.Tensor:
-        """Block b's keys (or values) for every query, [B, Tq, H, TILE, D] contiguous (every sum below runs
-        along the last dimension)."""
-        index = (first[..., None] + b * TILE + offsets).clamp(max=tk - 1)
-        gathered = source[rows, index]  # [B, Tq, TILE, Hkv, D]
-        if group > 1:
-            gathered = gathered.repeat_interleave(group, dim=3)
-        return gathered.permute(0, 1, 3, 2, 4).contiguous()
+        """Block b's keys (or values) for every query: [B, Tq or 1, TILE, Hkv, 1, D]."""
+        index = (anchors[..., None] + b * TILE + offsets).clamp(max=tk - 1)
+        return source[rows, index].unsqueeze(-2)
 
     scores = []
     for b in range(blocks):
         valid = (b * TILE + offsets) < count[..., None]  # [B, Tq, TILE]
-        s = (q * block(keys, b)).sum(-1) * scaling  # [B, Tq, H, TILE]
-        scores.append(s.masked_fill(~valid[:, :, None, :], float("-inf")))
-    out = torch.zeros(batch, tq, heads, dim, device=query.device)
+        s = (q * block(keys, b)).sum(-1) * scaling  # [B, Tq, TILE, Hkv, group]: sums along D
+        scores.append(s.masked_fill(~valid[:, :, :, None, None], float("-inf")))
+    out = torch.zeros(batch, tq, kv_heads, group, vdim, device=query.device)
     if not blocks:
-        return out.to(query.dtype)
-    peak = torch.stack([s.amax(-1) for s in scores], -1).amax(-1)  # [B, Tq, H]: exact in any order
+        return out.reshape(batch, tq, heads, vdim).to(query.dtype)
+    peak = torch.stack([s.amax(2) for s in scores], -1).amax(-1)  # [B, Tq, Hkv, group]: exact in any order
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    total = torch.zeros(batch, tq, heads, device=query.device)
+    total = torch.zeros(batch, tq, kv_heads, group, device=query.device)
     for b, s in enumerate(scores):
-        p = torch.exp(s - peak[..., None])  # masked keys: exp(-inf) = 0
-        total = total + p.sum(-1)
-        out = out + (p[..., None, :] * block(values, b).transpose(-1, -2).contiguous()).sum(-1)
+        p = torch.exp(s - peak[:, :, None])  # masked keys: exp(-inf) = 0
+        total = total + p.sum(2)  # along the block's keys, then block after block
+        out = out + (p[..., None] * block(values, b)).sum(2)
     out = out / torch.where(total == 0, torch.ones_like(total), total)[..., None]
-    return out.to(query.dtype)
+    return out.reshape(batch, tq, heads, vdim).to(query.dtype)

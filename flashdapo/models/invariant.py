@@ -55,16 +55,23 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         raise ConfigError("trainer.batch_invariant: sliding windows, attention softcaps and sinks are not "
                           "covered by the batch-invariant attention")
     tq, tk = query.shape[2], key.shape[2]
-    if attention_mask is None:
-        allowed = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
-        allowed = allowed.expand(query.shape[0], tq, tk)
+    if attention_mask is not None and _EXTENTS and _EXTENTS[0] is attention_mask:
+        first, count = _EXTENTS[1:]  # every layer of a forward gets the same mask object
     else:
-        mask = attention_mask[:, 0]
-        allowed = mask if mask.dtype == torch.bool else mask == 0
-        allowed = allowed.expand(query.shape[0], tq, tk)
-    first, count = attention_extents(allowed)
+        if attention_mask is None:
+            allowed = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
+        else:
+            mask = attention_mask[:, 0]
+            allowed = mask if mask.dtype == torch.bool else mask == 0
+        first, count = attention_extents(allowed.expand(query.shape[0], tq, tk))
+        _EXTENTS[:] = [attention_mask, first, count] if attention_mask is not None else []
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return invariant_attention(query, key, value, first, count, scale), None
+
+
+_EXTENTS: list = []
+"""The last mask's (mask, first, count): the layers of one forward share the mask, so the anchors are found
+once a forward (a mask is never written to once built)."""
 
 
 def _boolean_mask(*args, **kwargs):

@@ -237,15 +237,25 @@ def invariant_document_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  offsets: Sequence[int], scaling: float | None) -> torch.Tensor:
     """Causal attention of each document of a packed row [1, H, T, D] over its own keys, in key blocks
     anchored at its start (kernels.invariant_attention): a query's bits are those of the same position in a
-    decode step over its document alone. [1, T, H, D]."""
-    first = torch.arange(query.shape[2])  # filler past the last document (sequence parallelism): itself
-    count = torch.ones_like(first)
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        first[start:end] = start
-        count[start:end] = torch.arange(1, end - start + 1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    device = query.device
-    return invariant_attention(query, key, value, first[None].to(device), count[None].to(device), scale)
+    decode step over its document alone. The documents are laid side by side as rows of their longest
+    length (one anchor a row: each block's keys gathered once a document), and their outputs put back.
+    [1, T, H, D]; filler past the last document (sequence parallelism) gets zeros."""
+    starts, lengths = list(offsets[:-1]), [e - s for s, e in zip(offsets[:-1], offsets[1:])]
+    device, total = query.device, query.shape[2]
+    out = query.new_zeros(1, total, query.shape[1], value.shape[-1])
+    if not starts:
+        return out
+    width = max(lengths)
+    at = torch.arange(width)
+    index = (torch.tensor(starts)[:, None] + at).clamp(max=total - 1).to(device)  # [docs, width]
+    q, k, v = (t[0][:, index].transpose(0, 1) for t in (query, key, value))  # [docs, heads, width, D]
+    count = (at + 1).expand(len(starts), width).to(device)
+    first = torch.zeros_like(count)
+    per_doc = invariant_attention(q, k, v, first, count,
+                                  scaling if scaling is not None else query.shape[-1] ** -0.5)
+    valid = (at[None] < torch.tensor(lengths)[:, None]).to(device)  # [docs, width]
+    out[0, index[valid]] = per_doc[valid]
+    return out
 
 
 def _as_inner(module: nn.Module, inner: str, *args, **kwargs):
