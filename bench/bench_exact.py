@@ -42,7 +42,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_lora import REPO, _child, _median, _qwen_vocab_model, _ratio_cell, _toy_problems
+from bench.bench_lora import (
+    REPO,
+    _child,
+    _commit,
+    _median,
+    _publish,
+    _qwen_vocab_model,
+    _ratio_cell,
+    _toy_problems,
+)
 
 TIMINGS = ("timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "timing_s/step")
 EXACT = ("rollout/logprob_exact_fraction", "rollout/logprob_abs_diff_max")
@@ -224,8 +233,7 @@ def _cell(pairs: list[tuple[dict, dict]], key: str, fmt: str = "{:.3f}") -> list
 
 
 def _report(results: dict[str, list[tuple[dict, dict]]], profiles: dict[str, dict[str, dict]], opts) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
+    commit = _commit()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "flashdapo"], capture_output=True, text=True,
                            cwd=REPO).stdout.split("\n")
     dirty = [line[3:] for line in dirty if line.strip()]
@@ -296,11 +304,7 @@ def _report(results: dict[str, list[tuple[dict, dict]]], profiles: dict[str, dic
             lines += ["", f"Top own time (tottime), {arm}:", "", "| function | s | share | calls |",
                       "|---|---|---|---|"]
             lines += [f"| `{fn}` | {t:.2f} | {100 * t / p['total']:.0f}% | {calls} |" for fn, t, calls in p["own"]]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = REPO / "bench" / "results" / f"{datetime.date.today()}-cpu-2core-{commit}{'-dirty' if dirty else ''}-exact.md"
-    out.write_text(text)
-    print(f"wrote {out}")
+    _publish("\n".join(lines) + "\n", f"{commit}{'-dirty' if dirty else ''}", "exact")
 
 
 if __name__ == "__main__":

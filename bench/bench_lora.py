@@ -130,9 +130,22 @@ def main() -> None:
     _report(results, opts)
 
 
+def _commit() -> str:
+    """The checkout's short commit hash (what a results file is named and headed by)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=REPO).stdout.strip()
+
+
+def _publish(text: str, stem: str, topic: str) -> None:
+    """Print a results table and write it to bench/results/<date>-cpu-2core-<stem>-<topic>.md."""
+    print(text)
+    out = REPO / "bench" / "results" / f"{datetime.date.today()}-cpu-2core-{stem}-{topic}.md"
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
 def _report(results: dict[str, list[tuple[dict, dict]]], opts) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
+    commit = _commit()
     sys.path.insert(0, str(REPO))
     from flashdapo.tools.machine import machine_summary
 
@@ -158,11 +171,7 @@ def _report(results: dict[str, list[tuple[dict, dict]]], opts) -> None:
             _ratio_cell(pairs, "peak_gib"),
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = REPO / "bench" / "results" / f"{datetime.date.today()}-cpu-2core-{commit}-lora.md"
-    out.write_text(text)
-    print(f"wrote {out}")
+    _publish("\n".join(lines) + "\n", commit, "lora")
 
 
 if __name__ == "__main__":

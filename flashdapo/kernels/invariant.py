@@ -6,7 +6,8 @@ bit for bit only if every operation gives a row the same result whatever the oth
 operations and reductions along the last (contiguous) dimension already do on this CPU; two things do not:
 
 - **Matrix multiplies.** A GEMM's summation order depends on the shape it is called with: a 1-row call (a
-  GEMV) and a 512-row call give a row different roundings (measured: 0 of 512 rows equal on a 2-core Xeon).
+  GEMV) and a 512-row call give a row different roundings (measured on the project's 2-core CPU: 0 of 512
+  rows equal).
   `invariant_linear` computes every row inside a tile of `TILE` rows: the rows are zero-padded to a multiple
   of `TILE`, so the library is never called with fewer rows than a tile, and a row's result does not depend on
   its neighbours (`gemm_is_row_invariant` checks that on the machine a run starts on).

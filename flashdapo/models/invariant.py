@@ -14,7 +14,7 @@ process-wide patch):
   token's log-prob from the same kernel on the decode step's hidden state (rollout/torch_engine.py).
 
 Elementwise operations and the norms' reductions along the hidden dimension are already batch-invariant on
-the CPUs this runs on (tests/models/test_batch_invariant.py checks the whole forward). Families whose layers
+the CPUs this runs on (tests/rollout/test_exact_on_policy.py checks the whole forward). Families whose layers
 need more are refused in one line (`batch_invariant_refusal`).
 """
 
@@ -33,7 +33,8 @@ from ..kernels.invariant import (
     invariant_linear,
 )
 from .hf import decoder_layers
-from .packing import INVARIANT_INNER
+from .moe import routers
+from .packing import INVARIANT_INNER, attention_logit_softcap, has_attention_sinks
 
 INVARIANT_ATTENTION = INVARIANT_INNER
 """The attention implementation's name in transformers' registry (the packed path's inner one too)."""
@@ -102,12 +103,11 @@ def batch_invariant_refusal(hf: nn.Module) -> str | None:
         return "sliding-window attention layers"
     if layer_types - {"full_attention", "sliding_attention"}:
         return f"{', '.join(sorted(layer_types - {'full_attention', 'sliding_attention'}))} layers"
-    if getattr(config, "attn_logit_softcapping", None):
+    if attention_logit_softcap(hf.config):
         return "attention-logit softcapping"
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in hf.modules()):
+    if has_attention_sinks(hf):
         return "attention sinks"
-    if getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) \
-            or getattr(config, "num_local_experts", None):
+    if routers(hf):
         return "mixture-of-experts layers (the routed experts' grouped GEMMs)"
     return None
 
