@@ -89,7 +89,8 @@ class TrainerConfig(Section):
     log-prob is the same bits in the engine's decode step, the old-log-prob pass and the update, so
     algorithm.old_logprobs=rollout is exact and the old-log-prob pass runs only on the scheduled checks
     (rollout.logprob_check_every), which stop the run at the first differing token. Costs generation and
-    update time (docs/algorithm.md, "Exact on-policy")."""
+    update time. With rollout.engine vllm (CUDA; not yet run on a GPU): vLLM's batch-invariant mode, the
+    trainer on vLLM's kernels (docs/algorithm.md, "Exact on-policy")."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available."""
     seed: Annotated[NonNegative, SEED_MAX] = 0

@@ -26,9 +26,13 @@ from .training import CheckpointConfig, LoggingConfig, OptimConfig, TrainerConfi
 
 def batch_invariant_gap(c) -> str | None:
     """What of `c` trainer.batch_invariant cannot cover (the setting, and why), None: nothing."""
-    if c.rollout.engine != "torch":
-        return (f"rollout.engine {c.rollout.engine} (vLLM's batch-invariant mode needs CUDA and is not wired "
-                "to the trainer's kernels: use the torch engine)")
+    if c.rollout.engine not in ("torch", "vllm"):
+        return f"rollout.engine {c.rollout.engine} (batch invariance is built for the torch and vllm engines)"
+    if c.rollout.engine == "vllm" and c.rollout.tensor_parallel_size > 1:
+        return ("rollout.tensor_parallel_size > 1 with rollout.engine vllm (the sampled log-prob's kernel "
+                "reads the whole LM head)")
+    if c.rollout.engine == "vllm" and not c.trainer.pack_sequences:
+        return "trainer.pack_sequences false with rollout.engine vllm (its matching forward runs packed rows)"
     if c.rollout.top_p < 1.0 or c.rollout.top_k > 0:
         return ("rollout.top_p/top_k filters (the engine's log-probs are then renormalized over the kept "
                 "tokens, not the trainer's)")

@@ -35,6 +35,8 @@ from ..kernels.invariant import (
 from .hf import decoder_layers
 from .moe import routers
 from .packing import INVARIANT_INNER, attention_logit_softcap, has_attention_sinks
+from .vllm_matching import make_vllm_matching
+from .vllm_matching_ops import vllm_ops
 
 INVARIANT_ATTENTION = INVARIANT_INNER
 """The attention implementation's name in transformers' registry (the packed path's inner one too)."""
@@ -113,10 +115,12 @@ def batch_invariant_refusal(hf: nn.Module) -> str | None:
 
 
 def make_batch_invariant(policy: nn.Module, dtype: torch.dtype | None = None,
-                         device: torch.device | str | None = None) -> None:
+                         device: torch.device | str | None = None, engine: str = "torch") -> None:
     """Make `policy` (a PolicyModel, before FSDP2 and before its layout is set) batch-invariant in place
-    (module docstring). ConfigError, one line, for a family it cannot cover, or a machine whose GEMMs in the
-    compute `dtype` on `device` (default: the parameters') are not row-invariant even over whole tiles."""
+    (module docstring); with `engine` "vllm", its decoder computes as vLLM's batch-invariant forward does
+    (models/vllm_matching.py, CUDA). ConfigError, one line, for a family it cannot cover, or a machine whose
+    GEMMs in the compute `dtype` on `device` (default: the parameters') are not row-invariant even over whole
+    tiles (the LM head's)."""
     hf = policy.hf
     refusal = batch_invariant_refusal(hf)
     if refusal is not None:
@@ -128,6 +132,14 @@ def make_batch_invariant(policy: nn.Module, dtype: torch.dtype | None = None,
         raise ConfigError(f"trainer.batch_invariant: this machine's {dtype} GEMMs give a row other bits in a "
                           "one-tile call than among many (kernels/invariant.py); set trainer.batch_invariant "
                           "false")
+    if engine == "vllm":
+        config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+        ops = vllm_ops(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                       config.max_position_embeddings, getattr(config, "rope_parameters", None),
+                       torch.device(device))
+        make_vllm_matching(hf, ops)
+        policy.invariant = True
+        return
     for layer in decoder_layers(hf):
         for module in layer.modules():
             if type(module) is nn.Linear:

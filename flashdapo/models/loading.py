@@ -49,7 +49,8 @@ def load_sharded_policy(cfg: Config, env: DistEnv, log=None, purpose: str = "tra
     full = {k: v for k, v in hf.state_dict().items()} if env.rank == 0 else {}
     policy = PolicyModel(hf, attention, cfg.trainer.kernel_impl, cfg.rollout.temperature)
     if cfg.trainer.batch_invariant:
-        make_batch_invariant(policy, torch.bfloat16 if mc.dtype == "bfloat16" else torch.float32, env.device)
+        make_batch_invariant(policy, torch.bfloat16 if mc.dtype == "bfloat16" else torch.float32, env.device,
+                             cfg.rollout.engine)
     policy = parallelize(policy, env, mc, cfg.trainer)
     if env.world_size == 1:
         return policy

@@ -24,7 +24,7 @@ def build_engine(rollout: RolloutConfig, env: DistEnv, tokenizer, *, model: nn.M
                  max_model_len: int | None = None, shard_group: dist.ProcessGroup | None = None,
                  reshard_after_forward: bool = True, verify_push: Any = None, error_log: Path | None = None,
                  dummy_weights: bool = True, vllm_module: Any = None,
-                 record_routes: bool = False) -> RolloutEngine:
+                 record_routes: bool = False, batch_invariant: bool = False) -> RolloutEngine:
     """The engine `rollout.engine` names, on this rank.
 
     torch: samples from `model` itself (the FSDP2 policy, a full HF replica, or a sharded model whose forwards
@@ -35,7 +35,9 @@ def build_engine(rollout: RolloutConfig, env: DistEnv, tokenizer, *, model: nn.M
     from `model_path` and each push gives it only the adapters. Both stop on the same ids
     (tokenizer.eos_token_ids: the tokenizer's eos, `model_path`'s generation_config.json eos_token_id, the
     chat template's end-of-turn token), named in one line at start on rank 0. `record_routes`: the engine also
-    returns the experts it routed every position to (algorithm.routing_replay=r3).
+    returns the experts it routed every position to (algorithm.routing_replay=r3). `batch_invariant`
+    (trainer.batch_invariant): vLLM in its batch-invariant mode, its sampled log-probs from flashdapo's kernel
+    (vllm_invariant.py); the torch engine's model is made invariant where it is built (models/invariant.py).
     """
     stop_ids = eos_token_ids(tokenizer, model_path)
     if env.rank == 0:
@@ -50,6 +52,7 @@ def build_engine(rollout: RolloutConfig, env: DistEnv, tokenizer, *, model: nn.M
                             local_rank=env.local_rank, dtype=dtype, seed=seed, max_model_len=max_model_len,
                             dummy_weights=dummy_weights, verify_push=verify_push, vllm_module=vllm_module,
                             error_log=error_log, stop_token_ids=stop_ids, record_routes=record_routes,
+                            batch_invariant=batch_invariant,
                             **({"lora": lora} if lora is not None else {}))
         before_destroy(engine.shutdown)  # vLLM's shutdown needs the process group it shares
         return engine

@@ -128,6 +128,7 @@ from ..sync.vllm import (
 )
 from .base import Completion, Request, Rollouts, SamplingParams, WeightSource
 from .vllm_bounds import bound_engine, reported
+from .vllm_invariant import engine_setup, install_kernel_logprobs
 from .vllm_outputs import RouteCapture, sampled_logprobs, to_rollouts, vllm_sampling_params
 from .vllm_platform import (
     VLLM_VERSION_READ,
@@ -270,7 +271,8 @@ class VLLMEngine:
                  tp_gather: Callable[[Any], list[Any]] | None = None, vllm_module: Any = None,
                  verify_push: Callable[[VLLMEngine], None] | None = None, error_log: Path | None = None,
                  tokenizer_size: int | None = None, stop_token_ids: list[int] | None = None,
-                 record_routes: bool = False, lora: AdapterLayout | None = None, **llm_kwargs: Any) -> None:
+                 record_routes: bool = False, lora: AdapterLayout | None = None,
+                 batch_invariant: bool = False, **llm_kwargs: Any) -> None:
         """Build the engine. `local_rank` defaults to `rank` (one node); `max_model_len` = prompt + response
         budget; `tp_gather` (tests) replaces the TP-group all-gather; `vllm_module` (tests) stands in for
         the `vllm` package; `verify_push(engine)` runs after every weight push, on every rank together
@@ -281,7 +283,9 @@ class VLLMEngine:
         `llm_kwargs` go to `vllm.LLM` (an `hf_overrides` dict is merged into the fp32 head override);
         `record_routes`: every generate also returns the experts each position was routed to (routing replay,
         module docstring); `lora`: the adapters the policy trains (module docstring, "LoRA": the base loads
-        from `model_path` whatever `dummy_weights` says, and wakes push only the adapters)."""
+        from `model_path` whatever `dummy_weights` says, and wakes push only the adapters); `batch_invariant`
+        (trainer.batch_invariant): vLLM's batch-invariant mode on CUDA and the sampled log-probs from
+        flashdapo's kernel (vllm_invariant.py)."""
         self.config = config
         tp = config.tensor_parallel_size
         self.dp_group, self.tp_rank, self.tp_ranks = tp_layout(rank, world_size, tp)
@@ -298,8 +302,11 @@ class VLLMEngine:
                       max_num_batched_tokens=config.max_num_batched_tokens,
                       logprobs_mode="processed_logprobs", dtype=dtype, enable_prefix_caching=True,
                       seed=derive_seed(seed, self.dp_group) % 2**31,  # same in a TP group; < 2**31 for NumPy
-                      hf_overrides={"head_dtype": "float32", **_without_quantization(model_path),
+                      hf_overrides={**({} if batch_invariant else {"head_dtype": "float32"}),
+                                    **_without_quantization(model_path),
                                     **llm_kwargs.pop("hf_overrides", {})})
+        if batch_invariant:  # before vLLM starts: it reads the mode at start
+            kwargs.update(engine_setup(cuda=not platform.is_cpu()))
         kwargs.update(self._version_kwargs(engine_arg_names(self._vllm)))
         if record_routes and not platform.is_cpu():  # vLLM's own records (Model Runner V2; module docstring)
             kwargs["enable_return_routed_experts"] = True
@@ -324,6 +331,8 @@ class VLLMEngine:
         with reported("starting", rank, error_log), keep_trainer_state() as kept:
             self.llm = self._vllm.LLM(model=model_path, **kwargs)
         self.start_s = time.perf_counter() - start
+        if batch_invariant:
+            self.llm.collective_rpc(functools.partial(install_kernel_logprobs, dtype=self.weight_dtype))
         banned, banned_note = banned_token_ids(*_sizes(self.llm, tokenizer_size))
         self.banned_token_ids = tuple(banned)
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids or ())

@@ -62,7 +62,7 @@ def build_policy(cfg: Config, env: DistEnv, tokenizer, resuming: bool, log) -> P
         add_adapters(policy.hf, cfg.lora, cfg.trainer.seed)
     if cfg.trainer.batch_invariant:  # after the warm-up: its SFT needs no invariance
         make_batch_invariant(policy, torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
-                             env.device)
+                             env.device, cfg.rollout.engine)
     return parallelize(policy, env, cfg.model, cfg.trainer)
 
 
@@ -92,7 +92,8 @@ def training_engine(cfg: Config, env: DistEnv, policy: PolicyModel, tokenizer, e
                         max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                         shard_group=world_group(env), reshard_after_forward=cfg.trainer.reshard_after_forward,
                         verify_push=push_check, error_log=error_log,
-                        record_routes=cfg.algorithm.routing_replay == "r3")
+                        record_routes=cfg.algorithm.routing_replay == "r3",
+                        batch_invariant=cfg.trainer.batch_invariant)
 
 
 def parameter_counts(policy: PolicyModel) -> str:

@@ -187,7 +187,10 @@ def test_a_differing_token_stops_the_run_in_one_line_naming_it(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("changes,named", [
-    ({"rollout": {"engine": "vllm"}, "model": {"path": "m"}}, "rollout.engine vllm"),
+    ({"rollout": {"engine": "vllm", "tensor_parallel_size": 2}, "model": {"path": "m"}},
+     "rollout.tensor_parallel_size > 1 with rollout.engine vllm"),
+    ({"rollout": {"engine": "vllm"}, "model": {"path": "m"}, "trainer": {"pack_sequences": False}},
+     "trainer.pack_sequences false with rollout.engine vllm"),
     ({"rollout": {"top_p": 0.9}}, "rollout.top_p/top_k filters"),
     ({"rollout": {"top_k": 20}}, "rollout.top_p/top_k filters"),
     ({"trainer": {"kernel_impl": "naive"}}, "trainer.kernel_impl naive"),
@@ -204,3 +207,15 @@ def test_what_batch_invariance_cannot_cover_is_refused_in_one_line(changes, name
     assert f"trainer.batch_invariant: expected false with {named}" in str(err.value)
     assert "\n" not in str(err.value)
     merge(toy(), changes)  # each is fine without the flag
+
+
+def test_the_vllm_engine_is_accepted_and_refused_off_cuda_at_build_in_one_line():
+    """The configuration takes rollout.engine vllm with the flag; the matching forward's kernels are vLLM's
+    CUDA ones, so a CPU build stops in one line (the GPU path: test_exact_on_policy_vllm.py)."""
+    from flashdapo.config import merge, toy
+
+    merge(toy(), {"rollout": {"engine": "vllm"}, "model": {"path": "m"}, "trainer": {"batch_invariant": True}})
+    policy = _policy(torch.float32, invariant=False)
+    with pytest.raises(ConfigError, match="needs CUDA") as err:
+        make_batch_invariant(policy, torch.float32, "cpu", engine="vllm")
+    assert "\n" not in str(err.value)

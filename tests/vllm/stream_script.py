@@ -7,6 +7,7 @@ One rank, a TP group of one, `max_num_seqs=4` so that requests wait for room in 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -20,6 +21,7 @@ from flashdapo.config import RolloutConfig
 from flashdapo.models.weights import iter_full_state_dict
 from flashdapo.rollout.base import Request, SamplingParams
 from flashdapo.rollout.vllm_engine import VLLMEngine
+from flashdapo.rollout.vllm_invariant import install_kernel_logprobs
 from flashdapo.seeds import derive_seed
 from tests.vllm.toy import KV_GIB
 
@@ -62,6 +64,11 @@ def staggered(engine: VLLMEngine) -> list[dict]:
     out += drain(engine, 3)
     assert engine.abort() == []
     return out
+
+
+def marker(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A stand-in log-prob that names its row's token: -(token + temperature)."""
+    return -(tokens.float() + temperature)
 
 
 def main(model_dir: str, out_path: str) -> None:
@@ -113,6 +120,16 @@ def main(model_dir: str, out_path: str) -> None:
     engine.wake(lambda dtype: iter_full_state_dict(hf, dtype=dtype))
     again = engine.generate(PROMPTS, SAMPLING)
     out["generate_after_push"] = [r.tolist() for r in again.response_ids]
+    out["logprobs_after_push"] = [lp.tolist() for lp in again.logprobs]
+
+    # trainer.batch_invariant's hook (rollout/vllm_invariant.py): the sampled log-probs from flashdapo's kernel
+    # on the rows vLLM sampled from, then from a marker that shows which token each row holds.
+    engine.llm.collective_rpc(install_kernel_logprobs)
+    kernel = engine.generate(PROMPTS, SAMPLING)
+    out["kernel"] = [{"tokens": r.tolist(), "logprobs": lp.tolist()}
+                     for r, lp in zip(kernel.response_ids, kernel.logprobs, strict=True)]
+    engine.llm.collective_rpc(functools.partial(install_kernel_logprobs, logprob_fn=marker))
+    out["marked"] = [lp.tolist() for lp in engine.generate(PROMPTS, SAMPLING).logprobs]
     engine.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -8,7 +8,9 @@ tests/vllm/stream_script.py, run in a process of its own; the checks here.
   sampled (empty for requests still waiting for room), and leaves vLLM with nothing unfinished;
 - a partial resubmitted with its prefix finishes within its remaining budget, its log-probs those of its
   tokens after prompt + prefix (vLLM's own scoring);
-- after the abort the engine sleeps, takes a weight push (which resets the prefix cache) and generates.
+- after the abort the engine sleeps, takes a weight push (which resets the prefix cache) and generates;
+- with trainer.batch_invariant's hook (rollout/vllm_invariant.py) the sampled log-probs are flashdapo's kernel
+  on the rows vLLM sampled from, row for row, and sampling is untouched.
 """
 
 from __future__ import annotations
@@ -89,3 +91,17 @@ def test_streaming_on_real_vllm(streamed):
 
     # After the abort: sleep, a push (the prefix cache reset needs no request running), generate again.
     assert streamed["generate_after_push"] == [r["tokens"] for r in streamed["generate"]]
+
+
+def test_the_sampled_log_probs_come_from_flashdapos_kernel_with_the_hook(streamed):
+    """The hook replaces the sampled token's log-prob in every row it should (the marker names each row's
+    token) with the kernel's on vLLM's own hidden rows: the same tokens as without it, log-probs within fp32
+    noise of vLLM's own (the hidden rows are vLLM's; a row mapped to another request would miss by O(1))."""
+    vllm_tokens, vllm_logprobs = streamed["generate_after_push"], streamed["logprobs_after_push"]
+    kernel = streamed["kernel"]
+    assert [k["tokens"] for k in kernel] == vllm_tokens
+    worst = max(abs(a - b) for k, ref in zip(kernel, vllm_logprobs, strict=True)
+                for a, b in zip(k["logprobs"], ref, strict=True))
+    assert worst < 1e-4, worst
+    for logprobs, tokens in zip(streamed["marked"], vllm_tokens, strict=True):
+        assert logprobs == [-(t + 1.0) for t in tokens]  # temperature 1.0
