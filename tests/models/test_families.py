@@ -171,18 +171,42 @@ machine: Gemma 2's attention-logit cap (vLLM's CPU attention leaves it out; the 
 Qwen2's sliding window from layer 1 on (vLLM builds one attention kind for every Qwen2 layer)."""
 
 
+def _vllm_engine_row(model_type: str) -> bool:
+    """Whether the row starts an engine here (else it is refused before any engine starts)."""
+    needs = VLLM_NEEDS.get(model_type)
+    missing = needs is not None and importlib.util.find_spec(needs) is None
+    cpu_refused = model_type in VLLM_CPU_REFUSED and not torch.cuda.is_available()
+    return not (missing or cpu_refused or model_type in VLLM_UNSUPPORTED)
+
+
+@pytest.fixture(scope="module")
+def vllm_pushes(tmp_path_factory):
+    """Every engine row's pushes, from one process that starts the rows' engines one after the other
+    (tests/models/scripts/family_vllm.py): vLLM is imported once, not once a row."""
+    root = tmp_path_factory.mktemp("family_vllm")
+    rows = [[t, VLLM_CHANGES.get(t, {})] for t in MATRIX if _vllm_engine_row(t)]
+    out = root / "out.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "models" / "scripts" / "family_vllm.py"), str(root),
+                           str(out), json.dumps(rows)],
+                          capture_output=True, text=True, timeout=1200, env=subprocess_env(), cwd=ROOT)
+    assert out.is_file(), proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert list(results) == [t for t, _ in rows], (list(results), proc.stderr[-4000:])
+    return results
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make vllm-cpu)")
 @pytest.mark.parametrize("model_type", MATRIX)
-def test_vllm_takes_the_push_or_refuses_the_family_in_one_line(model_type, tmp_path):
+def test_vllm_takes_the_push_or_refuses_the_family_in_one_line(model_type, request):
     """What vLLM cannot serve is refused before any engine starts, in one line naming rollout.engine and the
     alternative (the whole family: VLLM_UNSUPPORTED, or VLLM_CPU_REFUSED on vLLM's CPU build; a feature of the
     row's config: VLLM_CHANGES; a package the family's vLLM model module imports, missing here: VLLM_NEEDS). Else one
     engine (fp32) on the family's tiny model: the push of the policy's weights passes the push check; a push
     whose layers.1 holds another init fails it, naming layers.1 (the family's push-check groups, on both sides)."""
     _registered(model_type)
-    where = f"model.path={tmp_path}"
+    where = "model.path=/tmp/m"
     needs = VLLM_NEEDS.get(model_type)
     missing = needs is not None and importlib.util.find_spec(needs) is None
     if missing:
@@ -212,12 +236,7 @@ def test_vllm_takes_the_push_or_refuses_the_family_in_one_line(model_type, tmp_p
             return
     changes = VLLM_CHANGES.get(model_type, {})
     check_engine_model("vllm", family_config(model_type, vllm=True, **changes).to_dict(), where)
-    out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "models" / "scripts" / "family_vllm.py"), model_type,
-                           str(tmp_path / "model"), str(out), json.dumps(changes)],
-                          capture_output=True, text=True, timeout=600, env=subprocess_env(), cwd=ROOT)
-    assert out.is_file(), proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = request.getfixturevalue("vllm_pushes")[model_type]
     assert result["error"] is None, result["error"]
     assert result["started"].startswith("vLLM ")
     (intact, wrong) = result["pushes"]

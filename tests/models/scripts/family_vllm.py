@@ -1,11 +1,13 @@
-"""One family on real vLLM (its CPU build here), in a process of its own (vLLM's CPU worker changes
-process-wide state; its shutdown destroys the process group): `python tests/models/scripts/family_vllm.py
-MODEL_TYPE ROOT OUT_JSON [CONFIG_OVERRIDES_JSON]`. A tiny model of the family (tests/helpers/family_configs.py, vLLM's size: head size
+"""Families on real vLLM (its CPU build here), one after the other in one process (vLLM is imported once;
+an engine's shutdown destroys the process group, which is made again for the next family):
+`python tests/models/scripts/family_vllm.py ROOT OUT_JSON ROWS_JSON`, ROWS_JSON [[MODEL_TYPE, CONFIG_OVERRIDES],
+...]. For each row, a tiny model of the family (tests/helpers/family_configs.py, vLLM's size: head size
 32) is saved under ROOT with the toy tokenizer; vLLM starts on it in fp32, then takes two pushes from the
 policy, each checked by the trainer's push check (sync/check.py): the policy's weights
 (perturbed from the saved ones, so that a push that loads nothing fails), and the same with decoder layer 1
 holding another initialization (must fail, naming layers.1: the family's push-check groups exist on both
-sides). Writes {"started", "pushes": [{"case", "result", "max", "message"}], "error"}."""
+sides). Writes {MODEL_TYPE: {"started", "pushes": [{"case", "result", "max", "message"}], "error"}}; a row's
+error is its own, the next row runs."""
 
 import copy
 import json
@@ -64,16 +66,27 @@ def main(model_type: str, root: Path, out: dict, overrides: dict) -> None:
     engine.shutdown()
 
 
-if __name__ == "__main__":
-    model_type, root, out_path = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+def _process_group() -> None:
+    """A one-rank gloo group for the next engine (the last engine's shutdown destroyed the previous one)."""
+    if dist.is_initialized():
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    result: dict = {"started": None, "pushes": [], "log": [], "error": None}
-    try:
-        main(model_type, root, result, json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})
-    except Exception as err:  # the row reports it
-        result["error"] = f"{type(err).__name__}: {' '.join(str(err).split())[:2000]}\n{traceback.format_exc()[-4000:]}"
-    out_path.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    root, out_path, rows = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+    results: dict = {}
+    for model_type, overrides in rows:
+        _process_group()
+        result: dict = {"started": None, "pushes": [], "log": [], "error": None}
+        try:
+            main(model_type, root / model_type, result, overrides)
+        except Exception as err:  # the row reports it
+            result["error"] = (f"{type(err).__name__}: {' '.join(str(err).split())[:2000]}\n"
+                               f"{traceback.format_exc()[-4000:]}")
+        results[model_type] = result
+        out_path.write_text(json.dumps(results))  # after every row: a crash keeps the rows before it
