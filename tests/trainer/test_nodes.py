@@ -44,7 +44,9 @@ def _two_nodes(tmp_path: Path, run_dir: str, *extra: str) -> tuple[list[int], st
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail("the two launchers were still running after 4 minutes (a hang)")
+        # Seen once in a full 2-worker suite run (alone it takes ~30 s): what each node had printed says where.
+        tails = [f"node{n}: ...{(p.communicate()[0] or '')[-2500:]}" for n, p in enumerate(procs)]
+        pytest.fail("the two launchers were still running after 4 minutes (a hang)\n" + "\n".join(tails))
     return [p.returncode for p in procs], "\n".join(outputs)
 
 
