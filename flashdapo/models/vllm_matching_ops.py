@@ -15,7 +15,7 @@ hidden state bit for bit only by calling those same kernels, in the same shapes,
   arithmetic than the Triton one), which every other norm of vLLM's decoder calls with (x, residual). It adds
   in the input dtype first, as the HF layer does before its norm; the trainer hands it that sum and a residual
   of -0.0 (x + -0.0 is x for every x, signed zeros included), so it normalizes the same bits.
-- **silu_and_mul**: `_custom_ops.silu_and_mul` on the merged gate/up output.
+- **silu_and_mul**: vLLM's `_C.silu_and_mul` on the merged gate/up output.
 - **rotary**: vLLM's rotary op with a cos/sin cache built by vLLM's own `get_rope` on the same device.
 - **attention**: vLLM's flash-attention varlen kernel with `num_splits=1` (no split over keys: vLLM's own
   choice in batch-invariant mode, `v1/attention/backends/flash_attn.py`), causal, per document of the packed
@@ -250,7 +250,7 @@ def vllm_ops(head_size: int, max_position: int, rope_parameters: dict | None,
     with torch.device(device):
         rope = get_rope(head_size, max_position, True, rope_parameters, torch.float32)
     cache = rope.cos_sin_cache.to(device)
-    fa_version = get_flash_attn_version()
+    fa_version = get_flash_attn_version(head_size=head_size)  # as vLLM's flash-attention backend asks
 
     def fused_norm(x, weight, eps):
         out = x.contiguous().clone()
@@ -259,7 +259,7 @@ def vllm_ops(head_size: int, max_position: int, rope_parameters: dict | None,
 
     def silu_mul(gate_up):
         out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-        vllm_ops_module.silu_and_mul(out, gate_up.contiguous())
+        torch.ops._C.silu_and_mul(out, gate_up.contiguous())  # what vLLM's SiluAndMul calls on CUDA
         return out
 
     def rotate(positions, q, k, head_size_):

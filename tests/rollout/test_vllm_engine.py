@@ -23,6 +23,7 @@ import socket
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -152,6 +153,51 @@ def test_lm_head_in_fp32_and_overrides_merged():
     engine = VLLMEngine(RolloutConfig(engine="vllm"), "/ckpt", rank=0, world_size=1, vllm_module=FAKE_VLLM,
                         hf_overrides={"rope_theta": 1e6})
     assert engine.llm.init_kwargs["hf_overrides"] == {"head_dtype": "float32", "rope_theta": 1e6}
+
+
+def test_batch_invariant_engine_starts_in_vllms_mode_and_takes_the_sampled_log_probs_from_the_kernel(monkeypatch):
+    """trainer.batch_invariant (rollout/vllm_invariant.py) on the double's CUDA platform: VLLM_BATCH_INVARIANT=1
+    before the start, eager with every custom op, flash attention, no fp32 head; the hook installed on the worker
+    overwrites the sampled token's log-prob with the kernel's on the rows of the last compute_logits."""
+    from flashdapo.kernels import token_logprobs
+    from flashdapo.rollout.vllm_invariant import install_kernel_logprobs
+
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    installed = []
+
+    class WorkerLLM(FakeLLM):
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            if callable(method):
+                installed.append(method)
+                return [None]
+            return super().collective_rpc(method, timeout, args, kwargs)
+
+    engine = VLLMEngine(RolloutConfig(engine="vllm"), "/ckpt", rank=0, world_size=1, batch_invariant=True,
+                        vllm_module=fake_vllm(llm=WorkerLLM))
+    kw = engine.llm.init_kwargs
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1" and "head_dtype" not in kw["hf_overrides"]
+    assert (kw["enforce_eager"], kw["compilation_config"], kw["attention_backend"]) == (
+        True, {"custom_ops": ["all"]}, "FLASH_ATTN")
+    assert len(installed) == 1
+
+    torch.manual_seed(0)
+    head = SimpleNamespace(weight=torch.randn(80, 16), org_vocab_size=70)  # vLLM pads the head's rows
+    model = SimpleNamespace(lm_head=head, compute_logits=lambda h: h @ head.weight[:70].t())
+    sampled = torch.tensor([[3], [69], [12]])
+
+    def sampler_forward(logits, metadata):
+        lp = SimpleNamespace(logprobs=torch.full((3, 2), 7.0))
+        return SimpleNamespace(sampled_token_ids=sampled, logprobs_tensors=lp)
+
+    runner = SimpleNamespace(model=model, sampler=SimpleNamespace(forward=sampler_forward))
+    install_kernel_logprobs(SimpleNamespace(model_runner=runner))
+    hidden = torch.randn(3, 16)
+    out = runner.sampler.forward(runner.model.compute_logits(hidden), SimpleNamespace(temperature=torch.full((3,), 0.8)))
+    expected = token_logprobs(hidden, head.weight[:70], sampled[:, 0], temperature=0.8, invariant=True)
+    assert torch.equal(out.logprobs_tensors.logprobs[:, 0], expected)
+    assert torch.equal(out.logprobs_tensors.logprobs[:, 1], torch.full((3,), 7.0))  # only the sampled column
+    with pytest.raises(RuntimeError, match="vLLM sampled 3 rows but the last compute_logits saw None"):
+        runner.sampler.forward(None, SimpleNamespace(temperature=torch.ones(3)))
 
 
 def test_launcher_env_set_without_torchrun(monkeypatch):
@@ -382,6 +428,9 @@ def test_double_matches_the_installed_vllm():
     accepted = set(inspect.signature(vllm.LLM.__init__).parameters)
     accepted |= {f.name for f in dataclasses.fields(EngineArgs)}
     assert set(make_engine().llm.init_kwargs) <= accepted
+    from flashdapo.rollout.vllm_invariant import ENGINE_KWARGS
+
+    assert set(ENGINE_KWARGS) <= accepted  # trainer.batch_invariant's engine
     fields = {f.name: f.default for f in dataclasses.fields(FakeSamplingParams)}
     vllm.SamplingParams(**{**fields, "logprobs": 0, "seed": derive_seed(1, 2, 3), "top_k": 0})
     from vllm.v1.executor.abstract import SLEEP_TAGS
