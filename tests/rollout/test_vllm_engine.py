@@ -162,7 +162,7 @@ def test_batch_invariant_engine_starts_in_vllms_mode_and_takes_the_sampled_log_p
     from flashdapo.kernels import token_logprobs
     from flashdapo.rollout.vllm_invariant import install_kernel_logprobs
 
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # recorded: the engine's "1" does not outlive this test
     installed = []
 
     class WorkerLLM(FakeLLM):
