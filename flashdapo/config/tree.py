@@ -31,6 +31,8 @@ def batch_invariant_gap(c) -> str | None:
     if c.rollout.engine == "vllm" and c.rollout.tensor_parallel_size > 1:
         return ("rollout.tensor_parallel_size > 1 with rollout.engine vllm (the sampled log-prob's kernel "
                 "reads the whole LM head)")
+    if c.rollout.engine == "vllm" and c.lora.enabled:
+        return "lora with rollout.engine vllm (vLLM's LoRA kernels are not matched by the trainer's forward)"
     if c.rollout.engine == "vllm" and not c.trainer.pack_sequences:
         return "trainer.pack_sequences false with rollout.engine vllm (its matching forward runs packed rows)"
     if c.rollout.top_p < 1.0 or c.rollout.top_k > 0:

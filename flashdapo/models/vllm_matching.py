@@ -103,6 +103,8 @@ def vllm_matching_refusal(hf: nn.Module) -> str | None:
         return "partial rotary embeddings"
     if getattr(config, "mlp_bias", False):
         return "MLP biases"
+    if any(hasattr(m, "base_layer") for layer in decoder_layers(hf) for m in layer.modules()):
+        return "LoRA adapters (vLLM's LoRA kernels are not matched)"
     return None
 
 

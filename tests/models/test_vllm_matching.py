@@ -91,6 +91,12 @@ def test_families_it_does_not_lay_out_are_named():
     assert "model type phi3" in vllm_matching_refusal(phi)
     with pytest.raises(ConfigError, match="use rollout.engine torch"):
         make_vllm_matching(phi, reference_ops(1e4))
+    from flashdapo.config import LoraConfig
+    from flashdapo.models.lora import add_adapters
+
+    adapted = _model("qwen3")
+    add_adapters(adapted, LoraConfig(rank=4), 0)
+    assert vllm_matching_refusal(adapted).startswith("LoRA adapters")
 
 
 def test_vllms_kernels_are_refused_off_cuda_in_one_line():

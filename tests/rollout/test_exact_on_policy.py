@@ -191,6 +191,7 @@ def test_a_differing_token_stops_the_run_in_one_line_naming_it(tmp_path, monkeyp
      "rollout.tensor_parallel_size > 1 with rollout.engine vllm"),
     ({"rollout": {"engine": "vllm"}, "model": {"path": "m"}, "trainer": {"pack_sequences": False}},
      "trainer.pack_sequences false with rollout.engine vllm"),
+    ({"rollout": {"engine": "vllm"}, "model": {"path": "m"}, "lora": {"rank": 8}}, "lora with rollout.engine vllm"),
     ({"rollout": {"top_p": 0.9}}, "rollout.top_p/top_k filters"),
     ({"rollout": {"top_k": 20}}, "rollout.top_p/top_k filters"),
     ({"trainer": {"kernel_impl": "naive"}}, "trainer.kernel_impl naive"),
