@@ -133,11 +133,7 @@ def make_batch_invariant(policy: nn.Module, dtype: torch.dtype | None = None,
                           "one-tile call than among many (kernels/invariant.py); set trainer.batch_invariant "
                           "false")
     if engine == "vllm":
-        config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-        ops = vllm_ops(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                       config.max_position_embeddings, getattr(config, "rope_parameters", None),
-                       torch.device(device))
-        make_vllm_matching(hf, ops)
+        make_vllm_matching(hf, vllm_ops(hf, torch.device(device)))
         policy.invariant = True
         return
     for layer in decoder_layers(hf):

@@ -84,7 +84,7 @@ class MatchingAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, d)).reshape(k.shape)
         q, k = ops_.rotary(ops, position_ids[0], q, k, d)
         out = ops_.attention(ops, q.reshape(len(rows), -1, d), k.reshape(len(rows), -1, d),
-                             v.reshape(len(rows), -1, d), bounds.cu_seqlens, bounds.longest, self.scaling)
+                             v.reshape(len(rows), -1, d), bounds, self.scaling)
         return ops_.linear(ops, out.reshape(len(rows), -1), self.o_proj.weight, self.o_proj.bias)[None], None
 
 

@@ -30,6 +30,7 @@ test_exact_on_policy_vllm.py, `cuda`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .hf import decoder_layers
+from .packing import DocumentBounds, document_attention
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,8 @@ class MatchingOps:
     """positions [N], q [N, H*D], k [N, Hkv*D], head size -> rotated (q, k), new tensors."""
     rotary_cos_sin: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
     """positions [N], head size -> (cos, sin) [N, D/2] fp32, for the backward."""
-    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
-    """q [T, H, D], k/v [T, Hkv, D], cu_seqlens int32 [D+1], longest, scale -> [T, H, D], causal per
-    document."""
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DocumentBounds, float], torch.Tensor]
+    """q [T, H, D], k/v [T, Hkv, D], the packed row's documents, scale -> [T, H, D], causal per document."""
 
 
 class _Linear(torch.autograd.Function):
@@ -140,42 +142,34 @@ class _Rotary(torch.autograd.Function):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> torch.Tensor:
     """x [N, heads*D] rotated neox-style by (cos, sin) [N, D/2] in fp32 (fp64 for fp64 x), back in x's
     dtype."""
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    heads = x.reshape(x.shape[0], -1, head_size).to(compute)
+    heads = _wide(x.reshape(x.shape[0], -1, head_size))
     x1, x2 = heads.chunk(2, dim=-1)
-    c, s = cos[:, None, :].to(compute), sin[:, None, :].to(compute)
+    c, s = cos[:, None, :].to(heads.dtype), sin[:, None, :].to(heads.dtype)
     out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     return out.reshape(x.shape).to(x.dtype)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, longest, scale, impl):
-        ctx.save_for_backward(q, k, v, cu_seqlens)
-        ctx.scale = scale
-        return impl(q, k, v, cu_seqlens, longest, scale)
+    def forward(ctx, q, k, v, bounds, scale, impl):
+        ctx.save_for_backward(q, k, v)
+        ctx.bounds, ctx.scale = bounds, scale
+        return impl(q, k, v, bounds, scale)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, cu_seqlens = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-            out = sdpa_documents(q_, k_, v_, cu_seqlens, 0, ctx.scale)
+            out = _sdpa_documents(q_, k_, v_, ctx.bounds, ctx.scale)
             grads = torch.autograd.grad(out, (q_, k_, v_), grad)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None)
 
 
-def sdpa_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
-                   scale: float) -> torch.Tensor:
-    """Causal attention per document by torch's SDPA: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
-    outs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        qd, kd, vd = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
-                                             enable_gqa=qd.shape[1] != kd.shape[1])
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs)
+def _sdpa_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: DocumentBounds,
+                    scale: float) -> torch.Tensor:
+    """packing.document_attention (SDPA per document) in the varlen layout: q [T, H, D], k/v [T, Hkv, D]."""
+    return document_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), bounds.offsets, scale)[0]
 
 
 def linear(ops: MatchingOps, x, weight, bias=None):
@@ -198,12 +192,12 @@ def rotary(ops: MatchingOps, positions, q, k, head_size: int):
     return _Rotary.apply(positions, q, k, head_size, ops)
 
 
-def attention(ops: MatchingOps, q, k, v, cu_seqlens, longest: int, scale: float):
+def attention(ops: MatchingOps, q, k, v, bounds: DocumentBounds, scale: float):
     """ops.attention with a backward (SDPA recomputed per document)."""
-    return _Attention.apply(q, k, v, cu_seqlens, longest, scale, ops.attention)
+    return _Attention.apply(q, k, v, bounds, scale, ops.attention)
 
 
-def reference_ops(rope_theta: float, rotary_dim: int | None = None) -> MatchingOps:
+def reference_ops(rope_theta: float) -> MatchingOps:
     """The same operations in plain torch (HF's arithmetic): the wiring and the backwards are tested with
     them."""
 
@@ -213,8 +207,7 @@ def reference_ops(rope_theta: float, rotary_dim: int | None = None) -> MatchingO
         return weight * y.to(x.dtype)
 
     def cos_sin(positions, head_size):  # in fp32, as vLLM's cache and HF's rotary compute them
-        dim = rotary_dim or head_size
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
         freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
         return freqs.cos(), freqs.sin()
 
@@ -224,15 +217,15 @@ def reference_ops(rope_theta: float, rotary_dim: int | None = None) -> MatchingO
         return _rotate(q, cos, sin, head_size), _rotate(k, cos, sin, head_size)
 
     return MatchingOps(
-        linear=lambda x, w, b: F.linear(x, w, b),
+        linear=F.linear,
         rms_norm=norm, add_rms_norm=norm,
         silu_and_mul=lambda gu: F.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1],
-        rotary=rotate, rotary_cos_sin=cos_sin, attention=sdpa_documents)
+        rotary=rotate, rotary_cos_sin=cos_sin, attention=_sdpa_documents)
 
 
-def vllm_ops(head_size: int, max_position: int, rope_parameters: dict | None,
-             device: torch.device) -> MatchingOps:
-    """vLLM's batch-invariant kernels (module docstring); ConfigError, one line, where they cannot run."""
+def vllm_ops(hf: torch.nn.Module, device: torch.device) -> MatchingOps:
+    """vLLM's batch-invariant kernels for `hf`'s decoder (module docstring); ConfigError, one line, where they
+    cannot run."""
     if device.type != "cuda":
         raise ConfigError(f"trainer.batch_invariant with rollout.engine vllm needs CUDA (vLLM's "
                           f"batch-invariant kernels); this run is on {device.type}: use rollout.engine torch")
@@ -247,9 +240,13 @@ def vllm_ops(head_size: int, max_position: int, rope_parameters: dict | None,
     except ImportError as e:
         raise ConfigError(f"trainer.batch_invariant with rollout.engine vllm: vLLM's kernels are not "
                           f"importable ({e}); install the gpu extra") from None
+    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    head_size = decoder_layers(hf)[0].self_attn.head_dim
     with torch.device(device):
-        rope = get_rope(head_size, max_position, True, rope_parameters, torch.float32)
+        rope = get_rope(head_size, config.max_position_embeddings, True,
+                        getattr(config, "rope_parameters", None), torch.float32)
     cache = rope.cos_sin_cache.to(device)
+    cache_in = functools.cache(cache.to)  # one cast per dtype, not one a layer and a forward
     fa_version = get_flash_attn_version(head_size=head_size)  # as vLLM's flash-attention backend asks
 
     def fused_norm(x, weight, eps):
@@ -264,23 +261,22 @@ def vllm_ops(head_size: int, max_position: int, rope_parameters: dict | None,
 
     def rotate(positions, q, k, head_size_):
         q, k = q.contiguous().clone(), k.contiguous().clone()
-        vllm_ops_module.rotary_embedding(positions, q, k, head_size_, cache.to(q.dtype), True)
+        vllm_ops_module.rotary_embedding(positions, q, k, head_size_, cache_in(q.dtype), True)
         return q, k
 
     def cos_sin(positions, head_size_):
         cos, sin = cache[positions].float().chunk(2, dim=-1)
         return cos, sin
 
-    def flash(q, k, v, cu_seqlens, longest, scale):
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                      max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=scale,
-                                      causal=True, num_splits=1, fa_version=fa_version)
+    def flash(q, k, v, bounds, scale):
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=bounds.cu_seqlens, cu_seqlens_k=bounds.cu_seqlens,
+                                      max_seqlen_q=bounds.longest, max_seqlen_k=bounds.longest,
+                                      softmax_scale=scale, causal=True, num_splits=1, fa_version=fa_version)
 
-    return MatchingOps(linear=linear_batch_invariant,
-                       rms_norm=lambda x, w, eps: rms_norm_batch_invariant(x, w, eps),
+    return MatchingOps(linear=linear_batch_invariant, rms_norm=rms_norm_batch_invariant,
                        add_rms_norm=fused_norm, silu_and_mul=silu_mul, rotary=rotate, rotary_cos_sin=cos_sin,
                        attention=flash)
 
 
-__all__ = ["MatchingOps", "attention", "linear", "reference_ops", "rms_norm", "rotary", "sdpa_documents",
-           "silu_and_mul", "vllm_ops"]
+__all__ = ["MatchingOps", "attention", "linear", "reference_ops", "rms_norm", "rotary", "silu_and_mul",
+           "vllm_ops"]

@@ -305,8 +305,9 @@ class VLLMEngine:
                       hf_overrides={**({} if batch_invariant else {"head_dtype": "float32"}),
                                     **_without_quantization(model_path),
                                     **llm_kwargs.pop("hf_overrides", {})})
-        if batch_invariant:  # before vLLM starts: it reads the mode at start
-            kwargs.update(engine_setup(cuda=not platform.is_cpu()))
+        # Before vLLM starts (it reads the mode at start); vLLM's CPU build has no such mode, only the hook.
+        if batch_invariant and not platform.is_cpu():
+            kwargs.update(engine_setup())
         kwargs.update(self._version_kwargs(engine_arg_names(self._vllm)))
         if record_routes and not platform.is_cpu():  # vLLM's own records (Model Runner V2; module docstring)
             kwargs["enable_return_routed_experts"] = True

@@ -52,18 +52,18 @@ def kernel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Te
     return token_logprobs(hidden.to(weight.dtype), weight, tokens, temperature=temperature, invariant=True)
 
 
-def engine_setup(cuda: bool) -> dict[str, Any]:
-    """Put vLLM's batch-invariant mode into this process's environment; the `vllm.LLM` arguments it needs
-    (none on the CPU build, which has no such mode: its engine only gets the log-prob hook)."""
+def engine_setup() -> dict[str, Any]:
+    """Put vLLM's batch-invariant mode (CUDA) into this process's environment; the `vllm.LLM` arguments it
+    needs."""
     os.environ.update(ENGINE_ENV)
-    return dict(ENGINE_KWARGS) if cuda else {}
+    return dict(ENGINE_KWARGS)
 
 
 def install_kernel_logprobs(worker: Any, dtype: torch.dtype | None = None,
-                            logprob_fn: LogprobFn = kernel_logprobs) -> bool:
+                            logprob_fn: LogprobFn = kernel_logprobs) -> None:
     """On vLLM's worker (`LLM.collective_rpc`): from now on the sampled token's log-prob is
     `logprob_fn(hidden, lm_head, sampled, temperature)` (module docstring). `dtype`: the weights' compute
-    dtype the trainer uses (None: the head's own). True once installed."""
+    dtype the trainer uses (None: the head's own)."""
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     head = model.lm_head
@@ -97,7 +97,6 @@ def install_kernel_logprobs(worker: Any, dtype: torch.dtype | None = None,
 
     model.compute_logits = compute_logits_keeping_rows
     sampler.forward = sample_with_kernel_logprobs
-    return True
 
 
 def _temperature(sampling_metadata: Any) -> float:
@@ -105,11 +104,10 @@ def _temperature(sampling_metadata: Any) -> float:
     temperature = getattr(sampling_metadata, "temperature", None)
     if temperature is None:  # all greedy
         raise RuntimeError("trainer.batch_invariant: greedy rows have no sampled log-prob to match")
-    values = temperature.unique()
-    if values.numel() != 1:
-        raise RuntimeError(f"trainer.batch_invariant: one vLLM step samples at temperatures "
-                           f"{values.tolist()}")
-    return float(values[0])
+    low, high = torch.stack([temperature.min(), temperature.max()]).tolist()  # one host sync a step
+    if low != high:
+        raise RuntimeError(f"trainer.batch_invariant: one vLLM step samples at temperatures {low} to {high}")
+    return low
 
 
 __all__ = ["ENGINE_ENV", "ENGINE_KWARGS", "engine_setup", "install_kernel_logprobs", "kernel_logprobs"]

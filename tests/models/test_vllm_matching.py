@@ -101,4 +101,4 @@ def test_families_it_does_not_lay_out_are_named():
 
 def test_vllms_kernels_are_refused_off_cuda_in_one_line():
     with pytest.raises(ConfigError, match="needs CUDA"):
-        vllm_ops(16, 64, None, torch.device("cpu"))
+        vllm_ops(_model("qwen3"), torch.device("cpu"))
