@@ -52,12 +52,14 @@ from bench.bench_lora import (
     _ratio_cell,
     _toy_problems,
 )
+from flashdapo.config import RolloutConfig
+from flashdapo.trainer.observe.logprob_check import should_check_logprobs
 
 TIMINGS = ("timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "timing_s/step")
 EXACT = ("rollout/logprob_exact_fraction", "rollout/logprob_abs_diff_max")
 INVARIANT = ["--trainer.batch-invariant", "true", "--algorithm.old-logprobs", "rollout"]
-CHECK_EVERY = 10
-"""rollout.logprob_check_every's default (the runs leave it)."""
+CHECK_EVERY = RolloutConfig().logprob_check_every
+"""The log-prob check's schedule in these runs (they leave rollout.logprob_check_every at its default)."""
 COMMON = ["--trainer.val-every", "0", "--trainer.val-before-train", "false", "--checkpoint.save-every", "0",
           "--checkpoint.export-hf", "false", "--logging.plot", "false", "--logging.progress", "false"]
 QWEN_SETTINGS = ["--algorithm.dynamic-sampling", "false", "--trainer.gen-batch", "32", "--model.dtype",
@@ -82,7 +84,7 @@ PROFILED = {
 
 
 def _is_check(step: int) -> bool:
-    return step == 1 or (step - 1) % CHECK_EVERY == 0
+    return should_check_logprobs(step, CHECK_EVERY, 1)  # the loop's own schedule
 
 
 def _run(run_dir: Path, args: list[str]) -> dict:
