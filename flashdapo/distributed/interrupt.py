@@ -59,6 +59,9 @@ def signal_name(signum: int) -> str:
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+_raised: Interrupted | None = None
+"""The stop a second signal raised in this process, if one did (see interruption_of)."""
+
 
 class StopOnInterrupt:
     """SIGINT and SIGTERM handling around a run (main thread only; elsewhere Python delivers no signals).
@@ -87,6 +90,8 @@ class StopOnInterrupt:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopOnInterrupt:
+        global _raised
+        _raised = None
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         return self
@@ -108,7 +113,9 @@ class StopOnInterrupt:
                 _notice(f"flashdapo: {signal_name(signum)}: stopping {then}; Ctrl-C again stops at once"
                         f"{', without it' if step else ''}\n")
             return
-        raise self.interrupted(finished=False)
+        global _raised
+        _raised = self.interrupted(finished=False)
+        raise _raised
 
     def interrupted(self, finished: bool) -> Interrupted:
         """The error of a stop outside a step's end, where no checkpoint is taken. `finished`: the phase
@@ -155,8 +162,13 @@ def interruption_of(err: BaseException | None) -> Interrupted | None:
     """The Interrupted that `err` is, or was raised from or while handling, or that a rank's failure inside a
     torch.distributed.checkpoint save or load holds (DCP wraps every exception of its stages, a stop included,
     into a CheckpointException whose `failures` map ranks to (exception, traceback)): a stop that a writer
-    wrapped into its own error ('cannot write checkpoint ...: Interrupted') is still the stop. None if there
-    is none."""
+    wrapped into its own error ('cannot write checkpoint ...: Interrupted') is still the stop.
+
+    Failing those, the stop a second signal raised in this process. A stop landing in the Python write that
+    torch's zip writer calls (torch.save, DCP's shards) leaves the writer behind the file: torch.save then
+    fails with "[enforce fail at inline_container.cc] unexpected pos", the stop only its __context__, and
+    under a process group DCP hands a rank's failure around pickled, which drops __context__: what is left
+    reads as a full disk. Whatever fails after a second signal fails because of it. None if there is none."""
     seen: set[int] = set()
     pending = [err]
     while pending:
@@ -170,4 +182,4 @@ def interruption_of(err: BaseException | None) -> Interrupted | None:
         if isinstance(failures, dict):
             pending += [failure[0] for failure in failures.values() if isinstance(failure, tuple)]
         pending += [err.__cause__, err.__context__]
-    return None
+    return _raised

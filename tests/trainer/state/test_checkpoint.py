@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -266,3 +267,62 @@ def test_a_checkpoint_is_published_only_when_rank0_sees_every_ranks_files(tmp_pa
                                               r"storage every rank sees"):
         save_checkpoint(tmp_path, ENV, model, optimizer, _state(2), keep_last=3)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]
+
+
+class _SecondCtrlCOnWrite:
+    """A shard's file, Ctrl-C'd twice right after the second write torch.save's zip writer calls (a record's
+    bytes after its header): what a second Ctrl-C (torchrun forwards it as SIGTERM) does when it lands while the
+    writer is calling Python to write. The stop raised there leaves the writer behind the file's position, so
+    torch.save ends in "unexpected pos", the stop only in its __context__."""
+
+    def __init__(self, stream):
+        self._stream, self._writes = stream, 0
+
+    def write(self, data):
+        written = self._stream.write(data)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "_save":
+            frame = frame.f_back
+        self._writes += frame is not None and frame.f_code.co_filename.endswith("serialization.py")
+        if self._writes == 2:
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGINT)
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def test_a_second_ctrl_c_inside_torchs_file_writer_is_the_stop_not_a_full_disk(tmp_path, monkeypatch):
+    """A stop the second Ctrl-C raised inside the Python write torch's zip writer calls leaves "unexpected pos"
+    in the writer; under a process group DCP hands a rank's failure around pickled, which drops the stop it
+    happened during (__context__). It is still the stop, not 'a write was cut short (... a full disk ...)'
+    (seen in a CI run of the split runner), and nothing is published."""
+    from contextlib import contextmanager
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from flashdapo.distributed.interrupt import Interrupted, StopOnInterrupt
+
+    model, optimizer = _model_and_optimizer()
+    first = _save(tmp_path, model, optimizer, 1, keep_last=1)
+    real = FileSystem.create_stream
+
+    @contextmanager
+    def ctrl_c_twice(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield _SecondCtrlCOnWrite(stream) if "w" in mode else stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", ctrl_c_twice)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with StopOnInterrupt(lambda: first) as stop:
+            stop.phase = "step 2"
+            with pytest.raises(Interrupted, match=r"^stopped by Ctrl-C during step 2, without a checkpoint of it; "
+                                                  r"the newest checkpoint is \S+step_00000001;") as info:
+                _save(tmp_path, model, optimizer, 2, keep_last=1)
+    finally:
+        dist.destroy_process_group()
+    assert info.value.exit_status == 130
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.endswith(".tmp")] == [first.name]
