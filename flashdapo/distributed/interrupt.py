@@ -97,6 +97,8 @@ class StopOnInterrupt:
         return self
 
     def __exit__(self, *exc) -> None:
+        global _raised
+        _raised = None  # the run is over: a later save (another run in this process) is not stopped by it
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
