@@ -18,6 +18,7 @@ from . import __version__  # noqa: E402
 from .config import DEFAULT_PRESET, PRESETS, ConfigError  # noqa: E402
 from .config.cli import resolve_config  # noqa: E402
 from .errors import DEBUG_ENV, debug_requested, user_error_line  # noqa: E402
+from .tools.stack_dumps import stacks_on_sigusr1  # noqa: E402
 from .tools.warning_lines import showing_warnings  # noqa: E402
 
 USAGE = """usage: flashdapo {train,config,plan,eval,generate,ablate} [options]   (flashdapo --version)
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashdapo {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
-    with showing_warnings():  # flashdapo's warnings as one line each (warning_lines.py)
+    # flashdapo's warnings as one line each (warning_lines.py); kill -USR1 prints the stacks (stack_dumps.py)
+    with showing_warnings(), stacks_on_sigusr1():
         return _run_command(command, rest)
 
 

@@ -41,11 +41,14 @@ def _two_nodes(tmp_path: Path, run_dir: str, *extra: str) -> tuple[list[int], st
     try:
         outputs = [p.communicate(timeout=240)[0] for p in procs]
     except subprocess.TimeoutExpired:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-        # Seen once in a full 2-worker suite run (alone it takes ~30 s): what each node had printed says where.
-        tails = [f"node{n}: ...{(p.communicate()[0] or '')[-2500:]}" for n, p in enumerate(procs)]
+        # Seen once in a full 2-worker suite run (alone it takes ~30 s): what each node had printed says where,
+        # with every worker's stacks (SIGUSR1, flashdapo/tools/stack_dumps.py; it also ends the launchers).
+        for sig in (signal.SIGUSR1, signal.SIGKILL):
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+            time.sleep(2)
+        tails = [f"node{n}: ...{(p.communicate()[0] or '')[-6000:]}" for n, p in enumerate(procs)]
         pytest.fail("the two launchers were still running after 4 minutes (a hang)\n" + "\n".join(tails))
     return [p.returncode for p in procs], "\n".join(outputs)
 
