@@ -57,13 +57,16 @@ def launch(cmd: list[str], tag: Path | None = None, new_session: bool = False, *
 
 
 def rank_pid(tag: Path, rank: int) -> int | None:
-    """The pid of the torchrun worker of RANK `rank` started by `launch(..., tag=tag)`, if it runs."""
+    """The pid of the torchrun worker of RANK `rank` started by `launch(..., tag=tag)`, if it runs. A worker is
+    the process torchrun's agent gave TORCHELASTIC_RUN_ID: the launcher shares the tag, and a RANK that an
+    earlier test left in this pytest worker's environment, which it passes on."""
     for entry in Path("/proc").iterdir():
         try:
             env = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if f"FLASHDAPO_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
+        worker = any(var.startswith(b"TORCHELASTIC_RUN_ID=") for var in env)
+        if worker and f"FLASHDAPO_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
             return int(entry.name)
     return None
 
